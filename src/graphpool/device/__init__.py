@@ -1,0 +1,1 @@
+"""Device layer: ``protocol`` (the contract), ``cuda`` (real GPUs, imported lazily)."""

@@ -1,0 +1,402 @@
+"""The real device: ``protocol.Device`` over NVIDIA's cuda-python runtime bindings.
+
+This is the only module that imports ``cuda.bindings``, and it does so lazily, on the
+first ``CudaBackend``/``CudaDevice`` construction or ``is_available()`` call, so
+importing graphpool on a machine without the package, a driver or a GPU costs nothing.
+
+Conventions:
+
+* Every CUDA result passes through ``_check``, which raises ``CUDAError`` with the
+  error's name and description. cuda.bindings calls return ``(err, *results)``.
+* Handles cross the protocol as plain ints. cuda.bindings accepts ints for every
+  stream, event, graph and pointer argument, so no handle objects are kept.
+* Stream handle ``0`` is mapped to ``cudaStreamLegacy`` so it means the legacy default
+  stream even if the bindings were switched to per-thread default streams.
+* Each device first makes itself the thread's current device (checked, not forced)
+  before calls that depend on it. The runtime API uses the primary context, which
+  CuPy, PyTorch and Numba share.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any
+
+from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.errors import CUDAError
+
+_rt: Any = None
+"""The ``cuda.bindings.runtime`` module once loaded."""
+
+# Enum members and constants cached at load time (see ``_load``).
+_SUCCESS: Any = None
+_OOM: Any = None
+_NOT_READY: Any = None
+_MODES: tuple[Any, ...] = ()
+_H2D: Any = None
+_D2H: Any = None
+_D2D: Any = None
+_NON_BLOCKING = 0
+_DISABLE_TIMING = 0
+_LEGACY = 0
+_load_lock = threading.Lock()
+
+
+def _load() -> Any:
+    """Import cuda.bindings' runtime module once and cache what the hot calls use.
+
+    Raises ImportError when cuda-python is not installed.
+    """
+    global _rt, _SUCCESS, _OOM, _NOT_READY, _MODES, _H2D, _D2H, _D2D
+    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY
+    if _rt is not None:
+        return _rt
+    with _load_lock:
+        if _rt is not None:
+            return _rt
+        from cuda.bindings import runtime as rt
+
+        err_t = rt.cudaError_t
+        _SUCCESS = err_t.cudaSuccess
+        _OOM = err_t.cudaErrorMemoryAllocation
+        _NOT_READY = err_t.cudaErrorNotReady
+        mode_t = rt.cudaStreamCaptureMode
+        # Indexed by protocol.CAPTURE_MODE_* (0 global, 1 thread-local, 2 relaxed).
+        _MODES = (
+            mode_t.cudaStreamCaptureModeGlobal,
+            mode_t.cudaStreamCaptureModeThreadLocal,
+            mode_t.cudaStreamCaptureModeRelaxed,
+        )
+        kind = rt.cudaMemcpyKind
+        _H2D = kind.cudaMemcpyHostToDevice
+        _D2H = kind.cudaMemcpyDeviceToHost
+        _D2D = kind.cudaMemcpyDeviceToDevice
+        _NON_BLOCKING = int(rt.cudaStreamNonBlocking)
+        _DISABLE_TIMING = int(rt.cudaEventDisableTiming)
+        _LEGACY = int(rt.cudaStreamLegacy)
+        _rt = rt
+    return rt
+
+
+def _check(call: str, err: Any) -> None:
+    """The one checker: raise ``CUDAError`` unless ``err`` is cudaSuccess.
+
+    The runtime's last-error slot is cleared so the next call starts clean.
+    """
+    if not err:  # cudaError_t is an int enum; cudaSuccess == 0
+        return
+    code = int(err)
+    try:
+        e1, name_b = _rt.cudaGetErrorName(err)
+        e2, text_b = _rt.cudaGetErrorString(err)
+        name = name_b.decode() if not e1 and name_b else getattr(err, "name", str(code))
+        meaning = text_b.decode() if not e2 and text_b else ""
+        _rt.cudaGetLastError()
+    except Exception:  # noqa: BLE001  (never mask the failure with a lookup failure)
+        name, meaning = getattr(err, "name", str(code)), ""
+    raise CUDAError(call, code, name, meaning)
+
+
+def _stream(handle: int) -> int:
+    """The bindings' value for protocol stream ``handle`` (0 is the legacy stream)."""
+    return handle if handle != LEGACY_STREAM else _LEGACY
+
+
+@functools.lru_cache(maxsize=1)
+def is_available() -> bool:
+    """True when cuda.bindings imports, the driver initialises and a device exists.
+
+    Never raises; cached after the first call (it cannot change within a process).
+    """
+    try:
+        rt = _load()
+        err, count = rt.cudaGetDeviceCount()
+        return not err and int(count) >= 1
+    except Exception:  # noqa: BLE001  (must never raise)
+        return False
+
+
+def versions() -> dict[str, str]:
+    """cuda-bindings, driver and runtime versions (driver/runtime as "major.minor")."""
+    rt = _load()
+    import cuda.bindings
+
+    def fmt(v: int) -> str:
+        return f"{v // 1000}.{(v % 1000) // 10}"
+
+    err, drv = rt.cudaDriverGetVersion()
+    _check("cudaDriverGetVersion", err)
+    err, run = rt.cudaRuntimeGetVersion()
+    _check("cudaRuntimeGetVersion", err)
+    return {
+        "cuda_bindings": str(getattr(cuda.bindings, "__version__", "?")),
+        "driver": fmt(int(drv)),
+        "runtime": fmt(int(run)),
+    }
+
+
+class CudaDevice:
+    """One CUDA device through the runtime API (primary context).
+
+    Every method acts on device ``index`` whatever device is current on the calling
+    thread: calls that depend on the current device switch to it first (one
+    cudaGetDevice, plus cudaSetDevice only when it differs).
+    """
+
+    index: int
+    name: str
+
+    def __init__(self, index: int) -> None:
+        rt = _load()
+        err, prop = rt.cudaGetDeviceProperties(index)
+        _check("cudaGetDeviceProperties", err)
+        raw = prop.name
+        if isinstance(raw, (bytes, bytearray)):
+            raw = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+        self.index = index
+        self.name = str(raw)
+
+    def __repr__(self) -> str:
+        return f"CudaDevice({self.index}, {self.name!r})"
+
+    def _use(self) -> None:
+        """Make this device current on the calling thread if it is not already."""
+        err, cur = _rt.cudaGetDevice()
+        if err:
+            _check("cudaGetDevice", err)
+        if cur != self.index:
+            _check("cudaSetDevice", _rt.cudaSetDevice(self.index)[0])
+
+    # -- memory ---------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int | None:
+        """cudaMalloc; ``None`` on cudaErrorMemoryAllocation (the allocator retries)."""
+        self._use()
+        err, ptr = _rt.cudaMalloc(nbytes)
+        if err:
+            if err == _OOM:
+                _rt.cudaGetLastError()  # leave no pending error behind
+                return None
+            _check("cudaMalloc", err)
+        return int(ptr)
+
+    def free(self, ptr: int) -> None:
+        """cudaFree (synchronizes the device; unsafe during capture)."""
+        self._use()
+        _check("cudaFree", _rt.cudaFree(ptr)[0])
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free, total) bytes from cudaMemGetInfo."""
+        self._use()
+        err, free, total = _rt.cudaMemGetInfo()
+        _check("cudaMemGetInfo", err)
+        return int(free), int(total)
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        """cudaMemsetAsync of the low byte of ``value``."""
+        self._use()
+        _check(
+            "cudaMemsetAsync",
+            _rt.cudaMemsetAsync(ptr, value & 0xFF, nbytes, _stream(stream))[0],
+        )
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """cudaMemcpyAsync device to device."""
+        self._use()
+        _check(
+            "cudaMemcpyAsync",
+            _rt.cudaMemcpyAsync(dst, src, nbytes, _D2D, _stream(stream))[0],
+        )
+
+    def write(self, ptr: int, data: bytes, stream: int) -> None:
+        """Host-to-device copy in ``stream`` order; returns once ``stream`` has done it."""
+        if not len(data):
+            return
+        self._use()
+        s = _stream(stream)
+        _check("cudaMemcpyAsync", _rt.cudaMemcpyAsync(ptr, data, len(data), _H2D, s)[0])
+        _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(s)[0])
+
+    def read(self, ptr: int, nbytes: int, stream: int) -> bytes:
+        """Device-to-host copy queued after ``stream``'s work, then wait for it."""
+        if nbytes <= 0:
+            return b""
+        self._use()
+        s = _stream(stream)
+        buf = bytearray(nbytes)
+        _check("cudaMemcpyAsync", _rt.cudaMemcpyAsync(buf, ptr, nbytes, _D2H, s)[0])
+        _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(s)[0])
+        return bytes(buf)
+
+    # -- streams --------------------------------------------------------------
+    def create_stream(self) -> int:
+        """cudaStreamCreateWithFlags(cudaStreamNonBlocking) on this device."""
+        self._use()
+        err, s = _rt.cudaStreamCreateWithFlags(_NON_BLOCKING)
+        _check("cudaStreamCreateWithFlags", err)
+        return int(s)
+
+    def destroy_stream(self, stream: int) -> None:
+        """cudaStreamDestroy (the legacy stream is never destroyed)."""
+        if stream == LEGACY_STREAM:
+            return
+        _check("cudaStreamDestroy", _rt.cudaStreamDestroy(stream)[0])
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """cudaStreamWaitEvent(stream, event, 0); joins ``stream`` to a capture."""
+        self._use()
+        _check(
+            "cudaStreamWaitEvent", _rt.cudaStreamWaitEvent(_stream(stream), event, 0)[0]
+        )
+
+    def stream_synchronize(self, stream: int) -> None:
+        """cudaStreamSynchronize."""
+        self._use()
+        _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(_stream(stream))[0])
+
+    def device_synchronize(self) -> None:
+        """cudaDeviceSynchronize on this device."""
+        self._use()
+        _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
+
+    # -- events ---------------------------------------------------------------
+    def create_event(self) -> int:
+        """cudaEventCreateWithFlags(cudaEventDisableTiming) on this device."""
+        self._use()
+        err, e = _rt.cudaEventCreateWithFlags(_DISABLE_TIMING)
+        _check("cudaEventCreateWithFlags", err)
+        return int(e)
+
+    def destroy_event(self, event: int) -> None:
+        """cudaEventDestroy."""
+        _check("cudaEventDestroy", _rt.cudaEventDestroy(event)[0])
+
+    def record_event(self, event: int, stream: int) -> None:
+        """cudaEventRecord (a capture node when ``stream`` is capturing)."""
+        self._use()
+        _check("cudaEventRecord", _rt.cudaEventRecord(event, _stream(stream))[0])
+
+    def query_event(self, event: int) -> bool:
+        """cudaEventQuery: True when done, False on cudaErrorNotReady."""
+        err = _rt.cudaEventQuery(event)[0]
+        if not err:
+            return True
+        if err == _NOT_READY:
+            return False
+        _check("cudaEventQuery", err)
+        return False  # unreachable: _check raised
+
+    def event_synchronize(self, event: int) -> None:
+        """cudaEventSynchronize."""
+        _check("cudaEventSynchronize", _rt.cudaEventSynchronize(event)[0])
+
+    # -- capture and graphs ---------------------------------------------------
+    def capture_info(self, stream: int) -> tuple[int, int]:
+        """(status, id) from cudaStreamGetCaptureInfo; id 0 when not capturing."""
+        if stream == LEGACY_STREAM:
+            self._use()  # the legacy stream is per device
+            stream = _LEGACY
+        # CUDA 13 bindings: (err, status, id, graph, deps, edgeData, numDeps)
+        res = _rt.cudaStreamGetCaptureInfo(stream)
+        _check("cudaStreamGetCaptureInfo", res[0])
+        status = int(res[1])
+        return status, (int(res[2]) if status else 0)
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        """cudaThreadExchangeStreamCaptureMode on the calling thread; old mode."""
+        err, prev = _rt.cudaThreadExchangeStreamCaptureMode(_mode(mode))
+        _check("cudaThreadExchangeStreamCaptureMode", err)
+        return int(prev)
+
+    def begin_capture(self, stream: int, mode: int) -> None:
+        """cudaStreamBeginCapture; fails on the legacy stream."""
+        self._use()
+        _check(
+            "cudaStreamBeginCapture",
+            _rt.cudaStreamBeginCapture(_stream(stream), _mode(mode))[0],
+        )
+
+    def end_capture(self, stream: int) -> int:
+        """cudaStreamEndCapture; raises if invalidated (the stream still leaves capture)."""
+        err, graph = _rt.cudaStreamEndCapture(_stream(stream))
+        _check("cudaStreamEndCapture", err)
+        return int(graph)
+
+    def graph_node_count(self, graph: int) -> int:
+        """Number of nodes via cudaGraphGetNodes with a NULL node array."""
+        err, _nodes, count = _rt.cudaGraphGetNodes(graph)
+        _check("cudaGraphGetNodes", err)
+        return int(count)
+
+    def instantiate(self, graph: int) -> int:
+        """cudaGraphInstantiate(graph, 0)."""
+        self._use()
+        err, graph_exec = _rt.cudaGraphInstantiate(graph, 0)
+        _check("cudaGraphInstantiate", err)
+        return int(graph_exec)
+
+    def launch(self, graph_exec: int, stream: int) -> None:
+        """cudaGraphLaunch."""
+        self._use()
+        _check("cudaGraphLaunch", _rt.cudaGraphLaunch(graph_exec, _stream(stream))[0])
+
+    def destroy_graph(self, graph: int) -> None:
+        """cudaGraphDestroy."""
+        _check("cudaGraphDestroy", _rt.cudaGraphDestroy(graph)[0])
+
+    def destroy_graph_exec(self, graph_exec: int) -> None:
+        """cudaGraphExecDestroy."""
+        _check("cudaGraphExecDestroy", _rt.cudaGraphExecDestroy(graph_exec)[0])
+
+
+def _mode(mode: int) -> Any:
+    """The cudaStreamCaptureMode member for protocol mode ``mode``."""
+    if 0 <= mode < len(_MODES):
+        return _MODES[mode]
+    raise ValueError(
+        f"unknown capture mode {mode!r}; expected 0 (global), 1 (thread_local) or 2 (relaxed)"
+    )
+
+
+class CudaBackend:
+    """All CUDA devices of the process; construction fails without cuda-python or driver."""
+
+    name = "cuda"
+
+    def __init__(self) -> None:
+        rt = _load()
+        err, count = rt.cudaGetDeviceCount()
+        _check("cudaGetDeviceCount", err)
+        self._count = int(count)
+        self._devices: dict[int, CudaDevice] = {}
+        self._lock = threading.Lock()
+
+    def device_count(self) -> int:
+        """Number of visible devices (fixed for the life of the process)."""
+        return self._count
+
+    def get_device(self, index: int) -> CudaDevice:
+        """The one ``CudaDevice`` for ``index``; cudaErrorInvalidDevice if out of range."""
+        dev = self._devices.get(index)
+        if dev is not None:
+            return dev
+        if not 0 <= index < self._count:
+            code = int(_rt.cudaError_t.cudaErrorInvalidDevice)
+            raise CUDAError(
+                "get_device",
+                code,
+                "cudaErrorInvalidDevice",
+                f"device {index} does not exist ({self._count} visible)",
+            )
+        with self._lock:
+            dev = self._devices.get(index)
+            if dev is None:
+                dev = self._devices[index] = CudaDevice(index)
+        return dev
+
+    def set_current_device(self, index: int) -> None:
+        """cudaSetDevice: make ``index`` current on the calling thread."""
+        _check("cudaSetDevice", _rt.cudaSetDevice(index)[0])
+
+
+__all__ = ["CudaBackend", "CudaDevice", "is_available", "versions"]

@@ -1,0 +1,167 @@
+"""What a device must do for graphpool: the one contract between policy and hardware.
+
+Two implementations exist: ``graphpool.device.cuda`` (real CUDA through cuda.bindings)
+and ``graphpool.sim`` (a CPU model). Nothing above this layer knows which one it has.
+
+Preconditions, stated once for every method below:
+
+* Handles (streams, events, graphs, graph execs) are plain ints made by the same
+  device object; stream ``LEGACY_STREAM`` (0) is the legacy default stream.
+* Every call acts on its own device, whatever device is current on the calling thread.
+* Failures raise ``graphpool.errors.CUDAError`` naming the CUDA error, with one
+  exception: ``malloc`` returns ``None`` when the device is out of memory, because the
+  allocator treats that as an expected outcome (release the cache and retry).
+* "Unsafe during capture" calls (``malloc``, ``free``, ``query_event``, every
+  synchronize) follow CUDA's capture-mode rules: in a prohibited mode they fail and
+  invalidate the capture. The allocator never makes them while a capture is underway,
+  except ``malloc`` under ``CAPTURE_MODE_RELAXED``.
+* ``capture_info`` is cheap and legal at any time, on any stream.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+LEGACY_STREAM = 0
+"""Handle of the legacy default stream (CUDA's NULL stream)."""
+
+CAPTURE_MODE_GLOBAL = 0
+CAPTURE_MODE_THREAD_LOCAL = 1
+CAPTURE_MODE_RELAXED = 2
+CAPTURE_MODES = {
+    "global": CAPTURE_MODE_GLOBAL,
+    "thread_local": CAPTURE_MODE_THREAD_LOCAL,
+    "relaxed": CAPTURE_MODE_RELAXED,
+}
+
+CAPTURE_STATUS_NONE = 0
+CAPTURE_STATUS_ACTIVE = 1
+CAPTURE_STATUS_INVALIDATED = 2
+
+
+@runtime_checkable
+class Device(Protocol):
+    """One device: memory, streams, events, stream capture and graphs."""
+
+    index: int
+    name: str
+
+    # -- memory ---------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int | None:
+        """Allocate ``nbytes`` (> 0) of device memory; ``None`` if the device is out of memory."""
+        ...
+
+    def free(self, ptr: int) -> None:
+        """Return memory from ``malloc``. Unsafe during capture."""
+        ...
+
+    def mem_info(self) -> tuple[int, int]:
+        """(free bytes, total bytes) of the device."""
+        ...
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        """Queue a byte fill on ``stream`` (capturable)."""
+        ...
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a device-to-device copy on ``stream`` (capturable)."""
+        ...
+
+    def write(self, ptr: int, data: bytes, stream: int) -> None:
+        """Copy host bytes to ``ptr`` in ``stream`` order; returns when ``data`` may be reused."""
+        ...
+
+    def read(self, ptr: int, nbytes: int, stream: int) -> bytes:
+        """Wait for ``stream``'s work so far, then copy ``nbytes`` at ``ptr`` to the host."""
+        ...
+
+    # -- streams --------------------------------------------------------------
+    def create_stream(self) -> int:
+        """A new non-blocking stream (it does not synchronize with the legacy stream)."""
+        ...
+
+    def destroy_stream(self, stream: int) -> None: ...
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """Later work on ``stream`` waits for ``event``'s recorded work (capturable: joins a capture)."""
+        ...
+
+    def stream_synchronize(self, stream: int) -> None:
+        """Block the host until ``stream``'s work is done. Unsafe during capture."""
+        ...
+
+    def device_synchronize(self) -> None:
+        """Block the host until all work on the device is done. Unsafe during capture."""
+        ...
+
+    # -- events (timing disabled) ---------------------------------------------
+    def create_event(self) -> int: ...
+
+    def destroy_event(self, event: int) -> None: ...
+
+    def record_event(self, event: int, stream: int) -> None:
+        """Mark ``stream``'s work queued so far; on a capturing stream it becomes a capture node."""
+        ...
+
+    def query_event(self, event: int) -> bool:
+        """True when the recorded work is done (or nothing was recorded). Unsafe during capture."""
+        ...
+
+    def event_synchronize(self, event: int) -> None:
+        """Block the host until the recorded work is done. Unsafe during capture."""
+        ...
+
+    # -- capture and graphs ---------------------------------------------------
+    def capture_info(self, stream: int) -> tuple[int, int]:
+        """(status, capture id) of ``stream``; id is 0 when status is ``CAPTURE_STATUS_NONE``.
+
+        A stream that joined a capture by waiting on an event recorded in it reports that
+        capture's id. Ids are unique for the life of the process.
+        """
+        ...
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        """Set the calling thread's capture mode; return the previous one."""
+        ...
+
+    def begin_capture(self, stream: int, mode: int) -> None:
+        """Start capturing ``stream`` (not the legacy stream) in ``mode``."""
+        ...
+
+    def end_capture(self, stream: int) -> int:
+        """End the capture begun on ``stream``; return the graph. Raises if it was invalidated.
+
+        The stream (and every stream that joined) leaves capture mode even when this raises.
+        """
+        ...
+
+    def graph_node_count(self, graph: int) -> int: ...
+
+    def instantiate(self, graph: int) -> int:
+        """An executable graph for ``graph``."""
+        ...
+
+    def launch(self, graph_exec: int, stream: int) -> None:
+        """Queue one replay of ``graph_exec`` on ``stream``."""
+        ...
+
+    def destroy_graph(self, graph: int) -> None: ...
+
+    def destroy_graph_exec(self, graph_exec: int) -> None: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A set of devices of one kind ("cuda" or "sim")."""
+
+    name: str
+
+    def device_count(self) -> int: ...
+
+    def get_device(self, index: int) -> Device:
+        """The device object for ``index`` (the same object on every call)."""
+        ...
+
+    def set_current_device(self, index: int) -> None:
+        """Make ``index`` the calling thread's current device (for frameworks that follow it)."""
+        ...

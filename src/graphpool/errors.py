@@ -1,0 +1,56 @@
+"""graphpool's exceptions: one base class and a kind for each way a call can fail.
+
+Every error is raised before any state changes (validate, then mutate), so catching
+one leaves the allocator consistent and its memory recoverable.
+"""
+
+from __future__ import annotations
+
+
+class GraphpoolError(Exception):
+    """Base class of every error graphpool raises on purpose."""
+
+
+class OutOfMemoryError(GraphpoolError, MemoryError):
+    """The device refused a segment even after the cache was released."""
+
+
+class CaptureError(GraphpoolError, RuntimeError):
+    """A graph capture was misused or failed (wrong stream, invalidated, not captured)."""
+
+
+class DoubleFreeError(GraphpoolError, ValueError):
+    """A pointer inside graphpool's memory was freed while not allocated."""
+
+
+class ForeignPointerError(GraphpoolError, ValueError):
+    """A pointer graphpool never handed out was given back to it."""
+
+
+class ReplayHazardError(GraphpoolError, RuntimeError):
+    """A replay would read or overwrite memory another graph of its pool still needs."""
+
+
+class CUDAError(GraphpoolError, RuntimeError):
+    """A CUDA call (real or simulated) failed; ``code`` and ``name`` identify the error."""
+
+    def __init__(self, call: str, code: int, name: str, meaning: str = "") -> None:
+        self.call = call
+        self.code = code
+        self.name = name
+        self.meaning = meaning
+        text = f"{call} failed: {name} ({code})"
+        if meaning:
+            text += f": {meaning}"
+        super().__init__(text)
+
+
+__all__ = [
+    "CUDAError",
+    "CaptureError",
+    "DoubleFreeError",
+    "ForeignPointerError",
+    "GraphpoolError",
+    "OutOfMemoryError",
+    "ReplayHazardError",
+]

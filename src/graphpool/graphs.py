@@ -1,0 +1,432 @@
+"""CUDA graphs: CUDAGraph, the ``graph`` context, pool handles and the replay checker.
+
+A graph captures into a private pool (its own, or a shared one given by ``pool=``).
+The allocator keeps a ``CaptureRecord`` for it until ``reset()`` or collection; the
+record says what the capture wrote, read and kept, which is what the replay checker
+(``set_replay_checks``) reasons about. With checks "off" (the default) a replay is one
+string comparison plus the launch.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import warnings
+import weakref
+from typing import Any
+
+from graphpool import runtime
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_MODES, LEGACY_STREAM
+from graphpool.errors import CaptureError, GraphpoolError, ReplayHazardError
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.private_pools import (
+    CaptureRecord,
+    PoolId,
+    new_graph_pool_id,
+    new_shared_pool_id,
+)
+from graphpool.memory import empty_cache
+from graphpool.streams import Event, Stream, current_stream, stream, synchronize
+
+_labels = itertools.count(1)
+
+
+def graph_pool_handle() -> PoolId:
+    """A new pool id ``(0, n)`` that several graphs can pass as ``pool=`` to share memory."""
+    return new_shared_pool_id()
+
+
+class CUDAGraph:
+    """A captured sequence of device work that replays on the same addresses."""
+
+    def __init__(self) -> None:
+        self.label = f"graph#{next(_labels)}"
+        self._rec: CaptureRecord | None = None
+        self._alloc: CachingAllocator | None = None
+        self._stream: Stream | None = None
+        self._graph: int | None = None
+        self._exec: int | None = None
+        self._capturing = False
+        # replay-checker state (only touched while checks are on)
+        self._last_tick = -1
+        self._last_stream: Stream | None = None
+        self._last_mark = 0
+        self._done_event: Event | None = None
+
+    # ------------------------------------------------------------ capture
+    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+        """Begin capturing the current stream into this graph's private pool (or ``pool``)."""
+        mode = CAPTURE_MODES.get(capture_error_mode) if isinstance(capture_error_mode, str) else None
+        if mode is None:
+            raise ValueError(
+                f"capture_error_mode must be one of {', '.join(CAPTURE_MODES)}, not {capture_error_mode!r}"
+            )
+        if self._capturing or self._exec is not None:
+            raise CaptureError(f"{self.label} already holds a capture; call reset() before capturing again")
+        pid = new_graph_pool_id() if pool is None else PoolId.coerce(pool)
+        s = current_stream()
+        if s.handle == LEGACY_STREAM:
+            raise CaptureError(
+                "CUDA graphs must be captured on a non-default stream: "
+                "run the capture inside `with gp.stream(gp.Stream()):` or use gp.graph(...)"
+            )
+        rt = runtime.get()
+        dev = rt.device(s.device)
+        alloc = rt.allocator(s.device)
+
+        def begin() -> int:
+            dev.begin_capture(s.handle, mode)
+            try:
+                return dev.capture_info(s.handle)[1]
+            except BaseException:
+                dev.end_capture(s.handle)
+                raise
+
+        self._rec = alloc.begin_capture(pid, begin, stream=s.handle, label=self.label)
+        self._alloc = alloc
+        self._stream = s
+        self._capturing = True
+
+    def capture_end(self) -> None:
+        """End the capture on the stream that began it and make the graph replayable."""
+        if not self._capturing:
+            raise CaptureError(f"{self.label}: capture_end() without a capture_begin()")
+        assert self._stream is not None and self._rec is not None and self._alloc is not None
+        s = current_stream(self._stream.device)
+        if s != self._stream:
+            raise CaptureError(
+                f"{self.label}: capture_end() must run on the stream that began the capture "
+                f"({self._stream!r}), but the current stream is {s!r}"
+            )
+        dev = runtime.get().device(s.device)
+        try:
+            graph = dev.end_capture(s.handle)
+        except GraphpoolError as exc:
+            self._abort()
+            raise CaptureError(
+                f"{self.label}: the capture failed and was discarded ({exc}). A call that is not "
+                "allowed during capture (synchronize, event query, device allocation) invalidates it; "
+                "capture_error_mode='thread_local' or 'relaxed' allows some of them."
+            ) from exc
+        try:
+            graph_exec = dev.instantiate(graph)
+        except BaseException:
+            dev.destroy_graph(graph)
+            self._abort()
+            raise
+        self._alloc.end_capture(self._rec)
+        self._graph, self._exec = graph, graph_exec
+        self._capturing = False
+        _register(self)
+        if dev.graph_node_count(graph) == 0:
+            warnings.warn(
+                f"{self.label} captured no work: was the work queued on another stream than the "
+                "capturing one?",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def _abort(self) -> None:
+        """Drop a capture that will never replay; the allocator gets everything back."""
+        rec, alloc = self._rec, self._alloc
+        self._rec = self._alloc = None
+        self._stream = None
+        self._capturing = False
+        if rec is not None and alloc is not None:
+            alloc.abort_capture(rec)
+
+    def _abandon(self) -> None:
+        """End an underway capture after an exception in its body and discard it."""
+        if not self._capturing:
+            return
+        assert self._stream is not None
+        dev = runtime.get().device(self._stream.device)
+        try:
+            dev.destroy_graph(dev.end_capture(self._stream.handle))
+        except GraphpoolError:
+            pass  # the capture was invalidated; the stream has left capture mode all the same
+        self._abort()
+
+    # ------------------------------------------------------------- replay
+    def replay(self) -> None:
+        """Launch the graph on the current stream (any stream of its device)."""
+        if self._exec is None:
+            raise CaptureError(
+                f"{self.label}: replay() needs a successful capture first "
+                "(capture_begin()/capture_end() or `with gp.graph(g):`)"
+            )
+        assert self._stream is not None
+        s = current_stream(self._stream.device)
+        if _checks != "off":
+            _check_replay(self, s)
+        runtime.get().device(s.device).launch(self._exec, s.handle)
+        if _checks != "off":
+            _note_replay(self, s)
+
+    def reset(self) -> None:
+        """Forget the capture; the pool's memory becomes reusable once nothing else uses it."""
+        if self._capturing:
+            self._abandon()
+            return
+        rec, alloc = self._rec, self._alloc
+        if rec is None or alloc is None:
+            return
+        assert self._stream is not None
+        dev = runtime.get().device(self._stream.device)
+        for handle, destroy in ((self._exec, dev.destroy_graph_exec), (self._graph, dev.destroy_graph)):
+            if handle is not None:
+                destroy(handle)
+        self._exec = self._graph = None
+        self._rec = self._alloc = None
+        self._stream = None
+        _unregister(self, rec)
+        alloc.release_capture(rec)
+
+    def pool(self) -> PoolId:
+        """The id of the pool this graph captured into (share it with ``pool=``)."""
+        if self._rec is None or self._capturing:
+            raise CaptureError(f"{self.label}: pool() needs a successful capture first")
+        return self._rec.pool.id
+
+    def __del__(self) -> None:
+        rec, alloc = self._rec, self._alloc
+        if rec is None or alloc is None:
+            return
+        try:
+            if self._exec is not None:
+                rec.handles.append(("exec", self._exec))
+            if self._graph is not None:
+                rec.handles.append(("graph", self._graph))
+            alloc.defer_release(rec)
+        except Exception:  # finalizers never raise
+            pass
+
+    def __repr__(self) -> str:
+        state = "capturing" if self._capturing else ("captured" if self._exec is not None else "empty")
+        return f"<graphpool.CUDAGraph {self.label} {state}>"
+
+
+_side_streams: dict[tuple[int, int], Stream] = {}
+
+
+class graph:
+    """Context manager that captures its body into ``cuda_graph``.
+
+    On entry: synchronize, ``gc.collect()``, ``empty_cache()``, switch to ``stream`` (or
+    one shared side stream) and begin capture. On exit the capture always ends; if the
+    body raised, the capture is discarded and the exception propagates.
+    """
+
+    def __init__(
+        self,
+        cuda_graph: CUDAGraph,
+        pool: Any = None,
+        stream: Stream | None = None,
+        capture_error_mode: str = "global",
+    ) -> None:
+        if not isinstance(cuda_graph, CUDAGraph):
+            raise TypeError(f"gp.graph needs a CUDAGraph, not {type(cuda_graph).__name__}")
+        if stream is not None and not isinstance(stream, Stream):
+            raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
+        self.cuda_graph = cuda_graph
+        self.pool = pool
+        self.stream = stream
+        self.mode = capture_error_mode
+        self._ctx: Any = None
+
+    def __enter__(self) -> CUDAGraph:
+        synchronize()
+        gc.collect()
+        empty_cache()
+        s = self.stream
+        if s is None:
+            rt = runtime.get()
+            index = runtime.thread_state().device
+            key = (rt.generation, index)
+            s = _side_streams.get(key)
+            if s is None:
+                s = _side_streams[key] = Stream(index)
+        self._ctx = stream(s)
+        self._ctx.__enter__()
+        try:
+            self.cuda_graph.capture_begin(self.pool, capture_error_mode=self.mode)
+        except BaseException:
+            self._ctx.__exit__(None, None, None)
+            raise
+        return self.cuda_graph
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        try:
+            if exc_type is None:
+                self.cuda_graph.capture_end()
+            else:
+                self.cuda_graph._abandon()
+        finally:
+            self._ctx.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------ replay checker
+_checks = "off"
+_checks_lock = threading.Lock()
+_tick = itertools.count(1)
+_by_pool: dict[tuple[int, PoolId], weakref.WeakSet[CUDAGraph]] = {}
+_last_in_pool: dict[tuple[int, PoolId], weakref.ref[CUDAGraph]] = {}
+_clocks: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+
+
+def set_replay_checks(mode: str) -> None:
+    """Turn the replay hazard checker "off", or make it "warn" or "raise" (SPEC section 5)."""
+    global _checks
+    if mode not in ("off", "warn", "raise"):
+        raise ValueError(f"replay checks are 'off', 'warn' or 'raise', not {mode!r}")
+    _checks = mode
+
+
+def replay_checks() -> str:
+    """The checker's mode."""
+    return _checks
+
+
+def _key(g: CUDAGraph) -> tuple[int, PoolId]:
+    assert g._rec is not None and g._stream is not None
+    return (g._stream.device, g._rec.pool.id)
+
+
+def _register(g: CUDAGraph) -> None:
+    with _checks_lock:
+        _by_pool.setdefault(_key(g), weakref.WeakSet()).add(g)
+
+
+def _unregister(g: CUDAGraph, rec: CaptureRecord) -> None:
+    with _checks_lock:
+        for mates in _by_pool.values():
+            mates.discard(g)
+
+
+def note_record(event: Event, s: Stream) -> None:
+    """Remember what ``s`` had done when ``event`` was recorded (for the checker's ordering)."""
+    if _checks != "off":
+        event.clock = dict(_clocks.get((s.device, s.handle), {}))
+
+
+def note_wait(s: Stream, event: Event) -> None:
+    """``s`` now runs after everything ``event`` marks."""
+    if _checks != "off" and event.clock:
+        mine = _clocks.setdefault((s.device, s.handle), {})
+        for k, v in event.clock.items():
+            if mine.get(k, 0) < v:
+                mine[k] = v
+
+
+def _overlaps(a: list[tuple[int, int, Any, int]], b_ptr: int, b_size: int) -> tuple[int, int] | None:
+    for ptr, size, _, _ in a:
+        if ptr < b_ptr + b_size and b_ptr < ptr + size:
+            return ptr, size
+    return None
+
+
+def _footprints_meet(g: CUDAGraph, h: CUDAGraph) -> tuple[int, int] | None:
+    assert g._rec is not None and h._rec is not None
+    for ptr, size, _, _ in h._rec.written:
+        hit = _overlaps(g._rec.written, ptr, size)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _finished(h: CUDAGraph, s: Stream) -> bool:
+    """Whether ``h``'s last replay is known to be done or ordered before work on ``s``."""
+    if h._last_stream is None or h._last_stream == s:
+        return True
+    seen = _clocks.get((s.device, s.handle), {})
+    if seen.get((h._last_stream.device, h._last_stream.handle), 0) >= h._last_mark:
+        return True
+    if h._done_event is None:
+        return True
+    dev = runtime.get().device(s.device)
+    prev = dev.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+    try:
+        return bool(dev.query_event(h._done_event.handle))
+    finally:
+        dev.exchange_capture_mode(prev)
+
+
+def _report(message: str) -> None:
+    if _checks == "raise":
+        raise ReplayHazardError(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _check_replay(g: CUDAGraph, s: Stream) -> None:
+    rec = g._rec
+    assert rec is not None
+    key = _key(g)
+    with _checks_lock:
+        mates = [h for h in _by_pool.get(key, ()) if h is not g and h._rec is not None]
+        last_ref = _last_in_pool.get(key)
+    last = last_ref() if last_ref is not None else None
+    pool = tuple(rec.pool.id)
+    # 1. an overlapping replay of a pool mate on another stream
+    for h in mates:
+        if not _finished(h, s):
+            hit = _footprints_meet(g, h)
+            if hit is not None:
+                _report(
+                    f"{g.label} replays on {s!r} while {h.label} (same pool {pool}) may still run on "
+                    f"{h._last_stream!r}; both use 0x{hit[0]:x} ({hit[1]} bytes) for temporaries. "
+                    f"Make {s!r} wait for {h._last_stream!r} first (stream.wait_stream), "
+                    "or capture them into separate pools."
+                )
+    # 2. an input this graph read at capture was overwritten since its producer's last replay
+    for ptr, size, producer in rec.consumed:
+        prod = next((h for h in mates if h._rec is producer), None)
+        if prod is None:
+            continue
+        for h in mates:
+            if h is prod or h._last_tick <= prod._last_tick:
+                continue
+            assert h._rec is not None
+            if _overlaps(h._rec.written, ptr, size) is not None:
+                _report(
+                    f"{g.label} reads 0x{ptr:x} ({size} bytes), made by {prod.label}, but {h.label} "
+                    f"(same pool {pool}) overwrote it when it replayed after {prod.label}. "
+                    f"Replay the graphs of pool {pool} in capture order, or give them separate pools."
+                )
+                break
+    # 3. out of capture order, this replay overwrites another graph's still-referenced output
+    ordered = sorted(mates + [g], key=lambda h: h._rec.sequence if h._rec is not None else 0)
+    if last is not None and last._rec is not None and last in ordered:
+        expected = ordered[(ordered.index(last) + 1) % len(ordered)]
+    else:
+        expected = ordered[0]
+    if expected is not g:
+        for h in mates:
+            assert h._rec is not None
+            if h._last_tick <= g._last_tick:
+                continue
+            for block, serial in h._rec.outputs:
+                if block.allocated and block.serial == serial:
+                    hit = _overlaps(rec.written, block.ptr, block.size)
+                    if hit is not None:
+                        _report(
+                            f"{g.label} replays out of capture order and overwrites 0x{block.ptr:x} "
+                            f"({block.size} bytes), an output of {h.label} that is still referenced. "
+                            f"Replay pool {pool}'s graphs in capture order, copy the output first, "
+                            "or capture into separate pools."
+                        )
+                        return
+
+
+def _note_replay(g: CUDAGraph, s: Stream) -> None:
+    g._last_tick = next(_tick)
+    k = (s.device, s.handle)
+    clock = _clocks.setdefault(k, {})
+    clock[k] = clock.get(k, 0) + 1
+    g._last_mark = clock[k]
+    g._last_stream = s
+    if g._done_event is None:
+        g._done_event = Event(s.device)
+    runtime.get().device(s.device).record_event(g._done_event.handle, s.handle)
+    with _checks_lock:
+        _last_in_pool[_key(g)] = weakref.ref(g)

@@ -1,0 +1,86 @@
+"""Memory calls of the public API: allocation, statistics, cache control, snapshots."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphpool import runtime
+from graphpool.buffer import DeviceBuffer
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.private_pools import PoolId
+from graphpool.streams import Stream, _index, current_stream
+
+
+def alloc(nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
+    """Allocate ``nbytes`` on ``stream``'s device for use on ``stream`` (default: current)."""
+    if stream is None:
+        stream = current_stream()
+    elif not isinstance(stream, Stream):
+        raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
+    a = runtime.get().allocator(stream.device)
+    return DeviceBuffer(a.malloc(nbytes, stream=stream.handle), nbytes, stream, a)
+
+
+def _alloc_of(device: Any) -> CachingAllocator:
+    return runtime.allocator(_index(device))
+
+
+def memory_stats(device: int | None = None, pool: Any = None) -> dict[str, int]:
+    """Flattened allocator statistics of ``device``, or of private pool ``pool`` alone."""
+    pid = None if pool is None else PoolId.coerce(pool)
+    return _alloc_of(device).memory_stats(pid)
+
+
+def memory_allocated(device: int | None = None) -> int:
+    """Bytes currently handed out (including private pools)."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: int | None = None) -> int:
+    """Peak of ``memory_allocated`` since start or the last peak reset."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: int | None = None) -> int:
+    """Bytes held from the driver (including private pools)."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: int | None = None) -> int:
+    """Peak of ``memory_reserved`` since start or the last peak reset."""
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: int | None = None) -> None:
+    """Set every peak to its current level."""
+    _alloc_of(device).reset_peak()
+
+
+def reset_accumulated_memory_stats(device: int | None = None) -> None:
+    """Zero the accumulated (allocated/freed) counters and the scalar counters."""
+    _alloc_of(device).reset_accumulated()
+
+
+def empty_cache(device: int | None = None) -> None:
+    """Return cached unsplit free segments (ordinary and freeable private pools) to the driver.
+
+    Refused with CaptureError while a capture is underway on the device.
+    """
+    _alloc_of(device).empty_cache()
+
+
+def memory_snapshot(device: int | None = None) -> list[dict[str, Any]]:
+    """Every segment with its blocks, stream, owning pool and owning graph."""
+    return _alloc_of(device).snapshot()
+
+
+def memory_summary(device: int | None = None) -> str:
+    """A readable table of the main statistics."""
+    from graphpool.snapshot import summary
+
+    return summary(_index(device), memory_stats(device))
+
+
+def check_invariants(device: int | None = None) -> None:
+    """Verify every allocator invariant of ``device``; raises AssertionError if one is broken."""
+    _alloc_of(device).check_invariants()

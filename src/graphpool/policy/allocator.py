@@ -1,0 +1,684 @@
+"""CachingAllocator: the caching policy of one device, with private pools for capture.
+
+Plain Python over a ``Device`` (device/protocol.py). Requests round to 512 B, go to
+the small (<= 1 MiB) or large pool, and take the best-fitting free block of their own
+stream; what no block fits comes from a new segment. Freed blocks merge with free
+neighbours and return to the pool they came from.
+
+Captures: while one is underway (``_capturing`` > 0, a single integer test on the hot
+path), requests on a stream that belongs to a registered capture are served from that
+capture's private pool. During a capture the allocator never queries or records
+events, never synchronizes and never frees device memory: those acts each go through
+one method that asserts it (``_query_event``, ``_record_event``, ``_synchronize_events``,
+``_release_segment``).
+
+Finalizers never take the lock: ``defer_free`` queues a pointer that the next call drains.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from bisect import bisect_right, insort
+from collections import deque
+from typing import Any, Callable
+
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_NONE, Device
+from graphpool.errors import (
+    CaptureError,
+    DoubleFreeError,
+    ForeignPointerError,
+    GraphpoolError,
+    OutOfMemoryError,
+)
+from graphpool.policy.block import Block, absorb_next, iter_segment, split_front
+from graphpool.policy.freelist import FreeList
+from graphpool.policy.pools import DEFAULT, SizeConfig
+from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
+from graphpool.policy.stats import ALL, LARGE, SMALL, Stat, StatArrays
+
+
+def _grow_stat(trio: tuple[Stat, Stat, Stat], kind: int, amount: int) -> None:
+    for st in (trio[ALL], trio[kind]):
+        cur = st.current + amount
+        st.current = cur
+        st.allocated += amount
+        if cur > st.peak:
+            st.peak = cur
+
+
+def _shrink_stat(trio: tuple[Stat, Stat, Stat], kind: int, amount: int) -> None:
+    for st in (trio[ALL], trio[kind]):
+        cur = st.current - amount
+        if cur < 0:
+            raise AssertionError("statistic would go negative")
+        st.current = cur
+        st.freed += amount
+
+
+def _shift_stat(trio: tuple[Stat, Stat, Stat], kind: int, amount: int) -> None:
+    if amount > 0:
+        _grow_stat(trio, kind, amount)
+    elif amount < 0:
+        _shrink_stat(trio, kind, -amount)
+
+
+def _fmt(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+class CachingAllocator:
+    """The allocator of one device. Every public method is thread-safe."""
+
+    def __init__(self, device: Device, *, sizes: SizeConfig = DEFAULT) -> None:
+        self.device = device
+        self.sizes = sizes
+        self._lock = threading.Lock()
+        self._small = FreeList(True)
+        self._large = FreeList(False)
+        self._small_limit = sizes.small_size
+        self._active: dict[int, Block] = {}
+        self.stats = StatArrays()
+        self._segments: dict[int, Block] = {}  # base address -> first block
+        self._seg_bases: list[int] = []  # sorted base addresses
+        self._pending: deque[Any] = deque()  # finalizer frees (int) and releases (CaptureRecord)
+        self._waiting: dict[int, deque[tuple[int, Block]]] = {}  # stream -> (event, block)
+        self._event_pool: list[int] = []
+        self._capturing = 0  # registered captures; the hot path's only capture test
+        self._captures: dict[int, CaptureRecord] = {}  # capture id -> record
+        self._deferred: list[Block] = []  # record_stream frees waiting for all captures to end
+        self._pools: dict[PoolId, PrivatePool] = {}
+        self._freeable: dict[PoolId, PrivatePool] = {}
+        self._capture_seq = 0
+        self._serial = 0
+        self._total = device.mem_info()[1]
+
+    # ------------------------------------------------------------------ malloc
+    def malloc(self, nbytes: int, *, stream: int) -> int:
+        """Hand out at least ``nbytes`` for work on ``stream``; return the address.
+
+        Cached path: one bisect, at most one split, no driver call. Raises ValueError or
+        TypeError for a bad size and OutOfMemoryError when the device is full.
+        """
+        if type(nbytes) is not int:
+            nbytes = self._check_size_type(nbytes)
+        if nbytes < 0 or nbytes > self._total:
+            self._reject_size(nbytes)
+        m = self.sizes.min_block
+        size = m if nbytes < m else (nbytes + m - 1) & -m
+        small = size <= self._small_limit
+        with self._lock:
+            if self._pending:
+                self._drain()
+            rec = None
+            if self._capturing:
+                rec = self._route(stream)
+            elif self._waiting:
+                self._process_events()
+            if rec is None:
+                fl = self._small if small else self._large
+            else:
+                fl = rec.pool.small if small else rec.pool.large
+            block = fl.take_best_fit(size, stream)
+            d_cnt = d_bytes = 0
+            if block is None:
+                block = self._new_segment(fl, size, stream, nbytes)
+            elif block.prev is not None or block.next is not None:
+                d_cnt = -1
+                d_bytes = -block.size
+            remaining = block.size - size
+            if (remaining >= m) if small else (remaining > self._small_limit):
+                rest = split_front(block, size)
+                fl.insert(rest)
+                d_cnt += 1
+                d_bytes += remaining
+            block.allocated = True
+            block.requested = nbytes
+            ptr = block.ptr
+            self._active[ptr] = block
+            kind = SMALL if small else LARGE
+            self._account_malloc(self.stats, kind, block.size, nbytes, d_cnt, d_bytes)
+            if fl.owner is not None:
+                self._account_malloc(fl.owner.stats, kind, block.size, nbytes, d_cnt, d_bytes)
+                if rec is not None:
+                    self._serial += 1
+                    block.serial = self._serial
+                    block.owner = rec
+                    rec.written.append((ptr, block.size, block, self._serial))
+            return ptr
+
+    @staticmethod
+    def _account_malloc(st: StatArrays, kind: int, size: int, req: int, d_cnt: int, d_bytes: int) -> None:
+        _grow_stat(st.allocation, kind, 1)
+        _grow_stat(st.allocated_bytes, kind, size)
+        _grow_stat(st.requested_bytes, kind, req)
+        _grow_stat(st.active, kind, 1)
+        _grow_stat(st.active_bytes, kind, size)
+        if d_cnt:
+            _shift_stat(st.inactive_split, kind, d_cnt)
+        if d_bytes:
+            _shift_stat(st.inactive_split_bytes, kind, d_bytes)
+
+    @staticmethod
+    def _check_size_type(nbytes: Any) -> int:
+        if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
+            raise TypeError(f"size must be an int number of bytes, not {type(nbytes).__name__}")
+        return int(nbytes.__index__())
+
+    def _reject_size(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
+        raise OutOfMemoryError(
+            f"cannot allocate {_fmt(nbytes)} ({nbytes} bytes) on device {self.device.index}: "
+            f"the device has only {_fmt(self._total)} in total. Check the requested size."
+        )
+
+    def _route(self, stream: int) -> CaptureRecord | None:
+        """The registered capture ``stream`` belongs to, if any (one driver query)."""
+        status, cid = self.device.capture_info(stream)
+        if status == CAPTURE_STATUS_NONE:
+            return None
+        return self._captures.get(cid)
+
+    def _new_segment(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
+        """Get a segment for a rounded ``size`` from the driver, releasing the cache once if refused."""
+        seg = self.sizes.segment_size(size)
+        ptr = self._device_malloc(seg)
+        if ptr is None and not self._capturing:
+            self._release_cached()
+            self.stats.num_alloc_retries += 1
+            ptr = self._device_malloc(seg)
+        if ptr is None:
+            self.stats.num_ooms += 1
+            if fl.owner is not None:
+                fl.owner.stats.num_ooms += 1
+            raise OutOfMemoryError(self._oom_message(nbytes, seg))
+        head = Block(ptr, seg, stream, fl)
+        self._segments[ptr] = head
+        insort(self._seg_bases, ptr)
+        kind = SMALL if fl.is_small else LARGE
+        scopes = [self.stats] if fl.owner is None else [self.stats, fl.owner.stats]
+        for st in scopes:
+            st.num_device_alloc += 1
+            _grow_stat(st.segment, kind, 1)
+            _grow_stat(st.reserved_bytes, kind, seg)
+        if fl.owner is not None:
+            fl.owner.segment_count += 1
+        return head
+
+    def _device_malloc(self, nbytes: int) -> int | None:
+        """Driver allocation; under a relaxed capture mode while any capture is underway."""
+        if not self._capturing:
+            return self.device.malloc(nbytes)
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            return self.device.malloc(nbytes)
+        finally:
+            self.device.exchange_capture_mode(prev)
+
+    def _oom_message(self, nbytes: int, seg: int) -> str:
+        st = self.stats
+        private = sum(p.stats.reserved_bytes[ALL].current for p in self._pools.values())
+        try:
+            free, total = self.device.mem_info()
+            dev = f"{_fmt(free)} free of {_fmt(total)} on the device"
+        except GraphpoolError:
+            dev = "device free memory unknown"
+        during = " during graph capture (the cache cannot be released then)" if self._capturing else ""
+        return (
+            f"out of memory on device {self.device.index}{during}: tried to allocate {_fmt(nbytes)} "
+            f"(a new segment of {_fmt(seg)}); {_fmt(st.allocated_bytes[ALL].current)} allocated, "
+            f"{_fmt(st.reserved_bytes[ALL].current)} reserved "
+            f"({_fmt(private)} of it held in private graph pools), {dev}. "
+            "Free buffers you no longer need, reset graphs you no longer replay, "
+            "then call empty_cache()."
+        )
+
+    # -------------------------------------------------------------------- free
+    def free(self, ptr: int) -> None:
+        """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            self._free(ptr)
+
+    def defer_free(self, ptr: int) -> None:
+        """Queue a free for the next allocator call. Lock-free: for finalizers."""
+        self._pending.append(ptr)
+
+    def defer_release(self, rec: CaptureRecord) -> None:
+        """Queue ``release_capture(rec)`` for the next allocator call. Lock-free: for finalizers."""
+        self._pending.append(rec)
+
+    def _free(self, ptr: int) -> None:
+        block = self._active.pop(ptr, None)
+        if block is None:
+            self._bad_pointer(ptr, "free")
+        block.allocated = False
+        kind = SMALL if block.pool.is_small else LARGE
+        size = block.size
+        owner = block.pool.owner
+        for st in (self.stats,) if owner is None else (self.stats, owner.stats):
+            _shrink_stat(st.allocation, kind, 1)
+            _shrink_stat(st.allocated_bytes, kind, size)
+        if self._capturing:
+            rec = self._capture_for_free(block)
+            if rec is not None:
+                if owner is not rec.pool:
+                    # The graph's kernels may touch this memory on every replay.
+                    block.holds += 1
+                    rec.kept.append(block)
+                    if block.stream_uses:
+                        block.holds += 1
+                        self._deferred.append(block)
+                    return
+                if block.owner is not None and block.owner is not rec:
+                    rec.consumed.append((block.ptr, size, block.owner))
+            if block.stream_uses:
+                block.holds += 1
+                self._deferred.append(block)
+                return
+        elif block.stream_uses:
+            self._insert_events(block)
+            return
+        self._free_block(block)
+
+    def _capture_for_free(self, block: Block) -> CaptureRecord | None:
+        """The capture a free made now belongs to: the block stream's, else this thread's, else the latest."""
+        status, cid = self.device.capture_info(block.stream)
+        if status != CAPTURE_STATUS_NONE:
+            rec = self._captures.get(cid)
+            if rec is not None:
+                return rec
+        records = list(self._captures.values())
+        if not records:
+            return None
+        me = threading.get_ident()
+        mine = [r for r in records if r.thread == me]
+        return (mine or records)[-1]
+
+    def _free_block(self, block: Block) -> None:
+        """Return a block with no holds to its free list, merging free neighbours."""
+        fl = block.pool
+        kind = SMALL if fl.is_small else LARGE
+        size = block.size
+        requested = block.requested
+        d_cnt = d_bytes = 0
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.holds == 0:
+            fl.remove(nxt)
+            d_cnt -= 1
+            d_bytes -= nxt.size
+            absorb_next(block)
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.holds == 0:
+            fl.remove(prev)
+            d_cnt -= 1
+            d_bytes -= prev.size
+            absorb_next(prev)
+            block = prev
+        block.requested = 0
+        block.owner = None
+        block.stream_uses = None
+        fl.insert(block)
+        if block.prev is not None or block.next is not None:
+            d_cnt += 1
+            d_bytes += block.size
+        owner = fl.owner
+        for st in (self.stats,) if owner is None else (self.stats, owner.stats):
+            _shrink_stat(st.active, kind, 1)
+            _shrink_stat(st.active_bytes, kind, size)
+            _shrink_stat(st.requested_bytes, kind, requested)
+            if d_cnt:
+                _shift_stat(st.inactive_split, kind, d_cnt)
+            if d_bytes:
+                _shift_stat(st.inactive_split_bytes, kind, d_bytes)
+
+    def _unhold(self, block: Block) -> None:
+        block.holds -= 1
+        if block.holds == 0:
+            self._free_block(block)
+
+    def _bad_pointer(self, ptr: Any, what: str) -> Any:
+        """Raise the right error for a pointer that is not a live allocation."""
+        if type(ptr) is not int:
+            raise TypeError(f"{what}: expected an int device address, got {type(ptr).__name__}")
+        i = bisect_right(self._seg_bases, ptr) - 1
+        if i >= 0:
+            b: Block | None = self._segments[self._seg_bases[i]]
+            while b is not None and b.ptr + b.size <= ptr:
+                b = b.next
+            if b is not None and b.ptr <= ptr:
+                if b.allocated:
+                    raise ForeignPointerError(
+                        f"{what}: 0x{ptr:x} points inside the allocation at 0x{b.ptr:x}, not to its start"
+                    )
+                raise DoubleFreeError(
+                    f"{what}: 0x{ptr:x} is not allocated on device {self.device.index} "
+                    "(was it freed already?)"
+                )
+        raise ForeignPointerError(
+            f"{what}: 0x{ptr:x} was not allocated by graphpool on device {self.device.index}"
+        )
+
+    # ------------------------------------------------------------ stream uses
+    def record_stream(self, ptr: int, stream: int) -> None:
+        """Mark ``stream`` as a user of the allocation at ``ptr`` (see SPEC 2, Streams)."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            block = self._active.get(ptr)
+            if block is None:
+                self._bad_pointer(ptr, "record_stream")
+                return
+            if stream == block.stream:
+                return
+            if block.stream_uses is None:
+                block.stream_uses = {stream}
+            else:
+                block.stream_uses.add(stream)
+
+    def _insert_events(self, block: Block) -> None:
+        """Record an event on each extra user stream; the block waits for all of them."""
+        uses = block.stream_uses or set()
+        block.stream_uses = None
+        for s in sorted(uses):
+            ev = self._event_pool.pop() if self._event_pool else self.device.create_event()
+            self._record_event(ev, s)
+            self._waiting.setdefault(s, deque()).append((ev, block))
+            block.holds += 1
+        if block.holds == 0:
+            self._free_block(block)
+
+    def _record_event(self, event: int, stream: int) -> None:
+        assert not self._capturing, "no event is recorded during capture"
+        self.device.record_event(event, stream)
+
+    def _query_event(self, event: int) -> bool:
+        assert not self._capturing, "no event is queried during capture"
+        return self.device.query_event(event)
+
+    def _process_events(self) -> None:
+        """Free blocks whose stream users are done; stop at each stream's first pending event."""
+        for stream in list(self._waiting):
+            q = self._waiting[stream]
+            while q:
+                ev, block = q[0]
+                if not self._query_event(ev):
+                    break
+                q.popleft()
+                self._event_pool.append(ev)
+                self._unhold(block)
+            if not q:
+                del self._waiting[stream]
+
+    def _synchronize_events(self) -> None:
+        """Wait for every pending event and free its block (empty_cache and OOM only)."""
+        assert not self._capturing, "no synchronization during capture"
+        for q in self._waiting.values():
+            for ev, block in q:
+                self.device.event_synchronize(ev)
+                self._event_pool.append(ev)
+                self._unhold(block)
+        self._waiting.clear()
+
+    def _flush_deferred(self) -> None:
+        """Once no capture is underway: record the events of frees deferred during capture."""
+        deferred, self._deferred = self._deferred, []
+        for block in deferred:
+            block.holds -= 1
+            self._insert_events(block)
+
+    # ------------------------------------------------------------- the cache
+    def empty_cache(self) -> None:
+        """Return every unsplit free segment of the ordinary and freeable pools to the driver."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            if self._capturing:
+                raise CaptureError(
+                    "empty_cache() cannot run while a graph capture is underway on device "
+                    f"{self.device.index}: it would free memory the capture may use. "
+                    "Call it before capture_begin() or after capture_end()."
+                )
+            self._release_cached()
+
+    def _release_cached(self) -> None:
+        self._synchronize_events()
+        for fl in (self._small, self._large):
+            self._release_free_segments(fl)
+        for pid, pool in list(self._freeable.items()):
+            self._release_free_segments(pool.small)
+            self._release_free_segments(pool.large)
+            if pool.segment_count == 0:
+                del self._freeable[pid]
+                del self._pools[pid]
+
+    def _release_free_segments(self, fl: FreeList) -> None:
+        for block in fl:
+            if block.prev is None and block.next is None:
+                fl.remove(block)
+                self._release_segment(block)
+
+    def _release_segment(self, block: Block) -> None:
+        """Give a whole free segment back to the driver: the one place device memory is freed."""
+        assert not self._capturing, "no device memory is freed during capture"
+        self.device.free(block.ptr)
+        del self._segments[block.ptr]
+        self._seg_bases.remove(block.ptr)
+        fl = block.pool
+        kind = SMALL if fl.is_small else LARGE
+        owner = fl.owner
+        for st in (self.stats,) if owner is None else (self.stats, owner.stats):
+            st.num_device_free += 1
+            _shrink_stat(st.segment, kind, 1)
+            _shrink_stat(st.reserved_bytes, kind, block.size)
+        if owner is not None:
+            owner.segment_count -= 1
+
+    def _drain(self) -> None:
+        """Carry out frees and releases queued by finalizers."""
+        pending = self._pending
+        while pending:
+            item = pending.popleft()
+            try:
+                if type(item) is int:
+                    self._free(item)
+                else:
+                    self._release(item)
+            except GraphpoolError as exc:  # a finalizer's work must not fail an unrelated call
+                warnings.warn(f"graphpool: a deferred free failed: {exc}", RuntimeWarning, stacklevel=3)
+
+    # --------------------------------------------------------------- capture
+    def begin_capture(
+        self, pool_id: PoolId, begin: Callable[[], int], *, stream: int = 0, label: str = ""
+    ) -> CaptureRecord:
+        """Route a new capture to ``pool_id``'s private pool (made or revived as needed).
+
+        ``begin`` starts the capture on the device and returns its capture id; it runs
+        after the allocator stops querying events and before anything is routed. If it
+        raises, nothing changes.
+        """
+        with self._lock:
+            if self._pending:
+                self._drain()
+            pool = self._pools.get(pool_id)
+            if pool is None:
+                pool = PrivatePool(pool_id)
+                self._pools[pool_id] = pool
+            self._freeable.pop(pool_id, None)
+            pool.use_count += 1
+            self._capture_seq += 1
+            rec = CaptureRecord(pool, label, threading.get_ident(), self._capture_seq)
+            rec.stream = stream
+            self._capturing += 1
+            try:
+                cid = begin()
+            except BaseException:
+                self._capturing -= 1
+                self._drop_use(pool)
+                raise
+            if cid in self._captures:  # pragma: no cover - the device promises unique ids
+                self._capturing -= 1
+                self._drop_use(pool)
+                raise CaptureError(f"capture id {cid} is already registered")
+            rec.capture_id = cid
+            self._captures[cid] = rec
+            return rec
+
+    def end_capture(self, rec: CaptureRecord) -> None:
+        """Stop routing to ``rec``'s pool after its device capture ended successfully."""
+        with self._lock:
+            self._unregister(rec)
+            rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
+
+    def abort_capture(self, rec: CaptureRecord) -> None:
+        """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
+        with self._lock:
+            self._unregister(rec)
+            self._release(rec)
+
+    def release_capture(self, rec: CaptureRecord) -> None:
+        """The graph of ``rec`` is gone: return its kept blocks and lower the pool's use count."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            self._release(rec)
+
+    def _unregister(self, rec: CaptureRecord) -> None:
+        if self._pending:
+            self._drain()  # frees queued during the capture still count as made during it
+        if not rec.active:
+            return
+        rec.active = False
+        del self._captures[rec.capture_id]
+        self._capturing -= 1
+        if not self._capturing:
+            self._flush_deferred()
+
+    def _release(self, rec: CaptureRecord) -> None:
+        if rec.released:
+            return
+        if rec.active:  # a graph collected mid-capture: end the device capture, discard it
+            rec.active = False
+            del self._captures[rec.capture_id]
+            self._capturing -= 1
+            try:
+                rec.handles.append(("graph", self.device.end_capture(rec.stream)))
+            except GraphpoolError:
+                pass
+        rec.released = True
+        handles, rec.handles = rec.handles, []
+        for kind, handle in handles:
+            try:
+                if kind == "exec":
+                    self.device.destroy_graph_exec(handle)
+                else:
+                    self.device.destroy_graph(handle)
+            except GraphpoolError:
+                pass
+        kept, rec.kept = rec.kept, []
+        for block in kept:
+            self._unhold(block)
+        self._drop_use(rec.pool)
+        if not self._capturing and self._deferred:
+            self._flush_deferred()
+
+    def _drop_use(self, pool: PrivatePool) -> None:
+        pool.use_count -= 1
+        if pool.use_count == 0:
+            if pool.segment_count == 0:
+                del self._pools[pool.id]
+            else:
+                self._freeable[pool.id] = pool
+
+    # -------------------------------------------------------------- queries
+    def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:
+        """The flattened statistics of the device, or of one private pool."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            if pool is None:
+                return self.stats.as_dict()
+            p = self._pools.get(pool)
+            if p is None:
+                raise ValueError(f"no private pool {tuple(pool)} on device {self.device.index}")
+            out = p.stats.as_dict()
+            out["use_count"] = p.use_count
+            return out
+
+    def reset_peak(self) -> None:
+        """Set every peak (device and private pools) to its current level."""
+        with self._lock:
+            for st in [self.stats] + [p.stats for p in self._pools.values()]:
+                st.reset_peak()
+
+    def reset_accumulated(self) -> None:
+        """Zero accumulated counters (device and private pools)."""
+        with self._lock:
+            for st in [self.stats] + [p.stats for p in self._pools.values()]:
+                st.reset_accumulated()
+
+    def lookup(self, ptr: int) -> Block | None:
+        """The live allocation that starts at ``ptr``, if any."""
+        return self._active.get(ptr)
+
+    def capture_record(self, capture_id: int) -> CaptureRecord | None:
+        """The registered capture with this id, if any."""
+        return self._captures.get(capture_id)
+
+    def private_pools(self) -> list[PrivatePool]:
+        """Every private pool that still exists."""
+        with self._lock:
+            return list(self._pools.values())
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Segments with their blocks, streams, owning pool and owning graph."""
+        with self._lock:
+            if self._pending:
+                self._drain()
+            out = []
+            for base in self._seg_bases:
+                head = self._segments[base]
+                blocks = iter_segment(head)
+                owner = head.pool.owner
+                seg: dict[str, Any] = {
+                    "device": self.device.index,
+                    "address": base,
+                    "total_size": sum(b.size for b in blocks),
+                    "allocated_size": sum(b.size for b in blocks if b.allocated),
+                    "active_size": sum(b.size for b in blocks if b.allocated or b.holds),
+                    "requested_size": sum(b.requested for b in blocks if b.allocated or b.holds),
+                    "stream": head.stream,
+                    "segment_type": "small" if head.pool.is_small else "large",
+                    "segment_pool_id": tuple(owner.id) if owner is not None else None,
+                    "blocks": [
+                        {
+                            "address": b.ptr,
+                            "size": b.size,
+                            "requested_size": b.requested,
+                            "state": (
+                                "active_allocated"
+                                if b.allocated
+                                else "active_pending_free" if b.holds else "inactive"
+                            ),
+                            "owner_graph": b.owner.label if b.owner is not None else None,
+                        }
+                        for b in blocks
+                    ],
+                }
+                out.append(seg)
+            return out
+
+    def check_invariants(self) -> None:
+        """Verify every invariant (policy/check.py); raises AssertionError on the first broken one."""
+        from graphpool.policy.check import check_invariants
+
+        with self._lock:
+            check_invariants(self)

@@ -1,0 +1,108 @@
+"""Blocks: address ranges of a segment, linked in address order.
+
+A segment (one driver allocation) is a doubly linked chain of blocks that tile it
+exactly: ``b.next.ptr == b.ptr + b.size`` and ``b.next.prev is b``. Blocks split when
+a request takes the front of a larger free block and merge when adjacent free blocks
+meet; blocks of different segments never merge.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from graphpool.policy.freelist import FreeList
+
+
+class Block:
+    """One range of device memory: allocated, free (in a free list), or waiting.
+
+    ``pool`` is the free list the block returns to (it fixes small/large and which
+    private pool owns the memory); ``stream`` is the stream it was allocated on and
+    the only stream whose requests may reuse it. ``holds`` counts what keeps a freed
+    block out of its free list: outstanding events of extra stream users, a graph that
+    must keep the memory, a deferred event recording. ``owner`` is the capture that
+    allocated it, if any; ``serial`` tells its allocations apart for the replay checker.
+    """
+
+    __slots__ = (
+        "ptr",
+        "size",
+        "requested",
+        "stream",
+        "pool",
+        "prev",
+        "next",
+        "allocated",
+        "stream_uses",
+        "holds",
+        "owner",
+        "serial",
+    )
+
+    def __init__(self, ptr: int, size: int, stream: int, pool: FreeList) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.requested = 0
+        self.stream = stream
+        self.pool = pool
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self.allocated = False
+        self.stream_uses: set[int] | None = None
+        self.holds = 0
+        self.owner: Any = None
+        self.serial = 0
+
+    @property
+    def is_split(self) -> bool:
+        """True when the block shares its segment with other blocks."""
+        return self.prev is not None or self.next is not None
+
+    def segment_head(self) -> Block:
+        """The first block of this block's segment. O(blocks before it)."""
+        b = self
+        while b.prev is not None:
+            b = b.prev
+        return b
+
+    def __repr__(self) -> str:
+        state = "allocated" if self.allocated else ("held" if self.holds else "free")
+        return f"Block(0x{self.ptr:x}, {self.size}, stream={self.stream}, {state})"
+
+
+def split_front(block: Block, size: int) -> Block:
+    """Cut ``block`` so it keeps its first ``size`` bytes; return the new block for the rest.
+
+    The rest inherits stream and pool and is linked right after ``block``.
+    """
+    rest = Block(block.ptr + size, block.size - size, block.stream, block.pool)
+    rest.prev = block
+    rest.next = block.next
+    if rest.next is not None:
+        rest.next.prev = rest
+    block.next = rest
+    block.size = size
+    return rest
+
+
+def absorb_next(block: Block) -> Block:
+    """Merge ``block.next`` into ``block`` (both must be free); return the absorbed block."""
+    nxt = block.next
+    assert nxt is not None
+    block.size += nxt.size
+    block.next = nxt.next
+    if nxt.next is not None:
+        nxt.next.prev = block
+    nxt.prev = nxt.next = None
+    return nxt
+
+
+def iter_segment(head: Block) -> list[Block]:
+    """All blocks of the segment that starts at ``head``, in address order."""
+    out = []
+    b: Block | None = head
+    while b is not None:
+        out.append(b)
+        b = b.next
+    return out

@@ -1,0 +1,142 @@
+"""check_invariants(allocator): every invariant of the policy, as equations.
+
+Run after every step of the property tests and under GRAPHPOOL_DEBUG=1. The caller
+holds the allocator's lock. Cost: O(blocks + free-list entries).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from graphpool.policy.block import Block, iter_segment
+from graphpool.policy.freelist import KEY_SHIFT, FreeList
+from graphpool.policy.stats import ALL, LARGE, SMALL, STAT_NAMES, StatArrays
+
+if TYPE_CHECKING:
+    from graphpool.policy.allocator import CachingAllocator
+
+
+def _expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(f"allocator invariant broken: {what}")
+
+
+def _tally(blocks: list[Block], segments: list[Block]) -> dict[str, list[int]]:
+    """Recompute the current level of every statistic from the blocks themselves."""
+    t = {name: [0, 0, 0] for name in STAT_NAMES}
+
+    def add(name: str, kind: int, n: int) -> None:
+        t[name][ALL] += n
+        t[name][kind] += n
+
+    for head in segments:
+        kind = SMALL if head.pool.is_small else LARGE
+        add("segment", kind, 1)
+        add("reserved_bytes", kind, sum(b.size for b in iter_segment(head)))
+    for b in blocks:
+        kind = SMALL if b.pool.is_small else LARGE
+        if b.allocated:
+            add("allocation", kind, 1)
+            add("allocated_bytes", kind, b.size)
+        if b.allocated or b.holds:
+            add("active", kind, 1)
+            add("active_bytes", kind, b.size)
+            add("requested_bytes", kind, b.requested)
+        elif b.prev is not None or b.next is not None:
+            add("inactive_split", kind, 1)
+            add("inactive_split_bytes", kind, b.size)
+    return t
+
+
+def _check_stats(st: StatArrays, blocks: list[Block], segments: list[Block], scope: str) -> None:
+    expected = _tally(blocks, segments)
+    for name in STAT_NAMES:
+        for i, stat in enumerate(getattr(st, name)):
+            _expect(
+                stat.current == expected[name][i],
+                f"{scope} {name}[{i}].current is {stat.current}, blocks say {expected[name][i]}",
+            )
+            _expect(stat.current <= stat.peak, f"{scope} {name}[{i}] peak below current")
+            _expect(stat.current >= 0, f"{scope} {name}[{i}] negative")
+        trio = getattr(st, name)
+        for attr in ("current", "allocated", "freed"):
+            total = getattr(trio[ALL], attr)
+            parts = getattr(trio[SMALL], attr) + getattr(trio[LARGE], attr)
+            _expect(total == parts, f"{scope} {name}.all.{attr} != small + large")
+
+
+def _check_freelist(fl: FreeList, blocks_in_fl: set[int]) -> None:
+    n = 0
+    for stream, keys in fl.keys.items():
+        _expect(keys == sorted(keys), "free-list keys out of order")
+        for key in keys:
+            b = fl.blocks.get(key)
+            _expect(b is not None, "free-list key without a block")
+            assert b is not None
+            _expect(b.stream == stream, "free block filed under another stream")
+            _expect(key == b.size << KEY_SHIFT | b.ptr, "free-list key does not match its block")
+            _expect(not b.allocated and b.holds == 0, "allocated or held block in a free list")
+            _expect(b.pool is fl, "block filed in a free list that is not its pool")
+            blocks_in_fl.add(id(b))
+            n += 1
+    _expect(n == len(fl.blocks), "free-list index and block map differ in size")
+
+
+def check_invariants(a: CachingAllocator) -> None:
+    """Raise AssertionError if any invariant of ``a`` does not hold."""
+    sizes = a.sizes
+    _expect(a._seg_bases == sorted(a._segments), "segment bases out of sync")
+    all_blocks: list[Block] = []
+    heads = [a._segments[base] for base in a._seg_bases]
+    for head in heads:
+        _expect(head.prev is None, "segment head has a predecessor")
+        chain = iter_segment(head)
+        for b in chain:
+            _expect(b.ptr % sizes.min_block == 0 and b.size % sizes.min_block == 0, "block not aligned")
+            _expect(b.size > 0, "empty block")
+            _expect(b.pool is head.pool, "blocks of one segment in different pools")
+            if b.next is not None:
+                _expect(b.next.ptr == b.ptr + b.size, "gap or overlap between neighbours")
+                _expect(b.next.prev is b, "broken back link")
+                both_free = not (b.allocated or b.holds or b.next.allocated or b.next.holds)
+                _expect(not both_free, "two adjacent free blocks were not merged")
+        all_blocks.extend(chain)
+
+    in_fl: set[int] = set()
+    fls: list[FreeList] = [a._small, a._large]
+    for pool in a._pools.values():
+        fls += [pool.small, pool.large]
+    for fl in fls:
+        _check_freelist(fl, in_fl)
+    for b in all_blocks:
+        is_free = not b.allocated and b.holds == 0
+        _expect(is_free == (id(b) in in_fl), f"{b} free but not filed, or filed but not free")
+        if b.allocated:
+            _expect(a._active.get(b.ptr) is b, f"{b} allocated but not tracked")
+        _expect(b.holds >= 0, "negative hold count")
+    _expect(len(a._active) == sum(1 for b in all_blocks if b.allocated), "tracked allocations != allocated blocks")
+
+    _check_stats(a.stats, all_blocks, heads, "device")
+    for pool in a._pools.values():
+        mine = [b for b in all_blocks if b.pool.owner is pool]
+        my_heads = [h for h in heads if h.pool.owner is pool]
+        _check_stats(pool.stats, mine, my_heads, f"pool {tuple(pool.id)}")
+        _expect(pool.segment_count == len(my_heads), f"pool {tuple(pool.id)} segment count wrong")
+        _expect(pool.use_count >= 0, "negative use count")
+        _expect((pool.use_count == 0) == (pool.id in a._freeable), "freeable set out of sync with use counts")
+        _expect(pool.use_count > 0 or pool.segment_count > 0, "an empty freeable pool was kept")
+    for pid in a._freeable:
+        _expect(pid in a._pools, "freeable pool not registered")
+    owners = {id(p) for p in a._pools.values()}
+    for head in heads:
+        owner = head.pool.owner
+        _expect(owner is None or id(owner) in owners, "segment of a pool that no longer exists")
+
+    _expect(a._capturing == len(a._captures), "captures-underway count != registered captures")
+    for rec in a._captures.values():
+        _expect(rec.active and not rec.released, "registered capture is not active")
+    waiting = sum(len(q) for q in a._waiting.values())
+    holds = sum(b.holds for b in all_blocks)
+    _expect(holds >= waiting + len(a._deferred), "fewer holds than pending events and deferrals")
+    if a._capturing == 0:
+        _expect(not a._deferred, "deferred frees left after every capture ended")

@@ -1,0 +1,125 @@
+"""Private pools for graph capture: ids, pools, and the record of one capture.
+
+A ``PoolId`` is an immutable pair: ``(k, 0)`` for a graph that captured without a pool
+(k counts graphs from 1), ``(0, n)`` from ``graph_pool_handle()`` (n counts handles
+from 1). A ``PrivatePool`` owns its own small and large free lists; its memory is
+only ever handed to captures routed to it, never to eager code.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import NamedTuple
+
+from graphpool.policy.block import Block
+from graphpool.policy.freelist import FreeList
+from graphpool.policy.stats import StatArrays
+
+
+class PoolId(NamedTuple):
+    """Identifies a private pool. Exactly one part is non-zero."""
+
+    graph: int
+    handle: int
+
+    @classmethod
+    def coerce(cls, value: object) -> PoolId:
+        """Accept a PoolId or a pair of ints; raise ValueError/TypeError otherwise."""
+        if isinstance(value, PoolId):
+            pid = value
+        elif isinstance(value, tuple) and len(value) == 2 and all(type(v) is int for v in value):
+            pid = cls(value[0], value[1])
+        else:
+            raise TypeError(f"a pool id is a pair of ints such as g.pool() returns, not {value!r}")
+        if pid.graph < 0 or pid.handle < 0 or (pid.graph == 0) == (pid.handle == 0):
+            raise ValueError(f"invalid pool id {tuple(pid)}: exactly one part must be a positive int")
+        return pid
+
+
+_graph_ids = itertools.count(1)
+_handle_ids = itertools.count(1)
+_id_lock = threading.Lock()
+
+
+def new_graph_pool_id() -> PoolId:
+    """The next ``(k, 0)`` id, for a graph that captures without a pool."""
+    with _id_lock:
+        return PoolId(next(_graph_ids), 0)
+
+
+def new_shared_pool_id() -> PoolId:
+    """The next ``(0, n)`` id, as ``graph_pool_handle()`` returns."""
+    with _id_lock:
+        return PoolId(0, next(_handle_ids))
+
+
+class PrivatePool:
+    """A graph pool: its free lists, how many graphs use it, how many segments it holds.
+
+    Invariant: ``use_count == 0`` exactly when the pool is freeable (listed in the
+    allocator's freeable pools), and the pool disappears when, freeable,
+    ``segment_count`` reaches 0.
+    """
+
+    __slots__ = ("id", "small", "large", "use_count", "segment_count", "stats")
+
+    def __init__(self, pool_id: PoolId) -> None:
+        self.id = pool_id
+        self.small = FreeList(True, self)
+        self.large = FreeList(False, self)
+        self.use_count = 0
+        self.segment_count = 0
+        self.stats = StatArrays()
+
+    def __repr__(self) -> str:
+        return f"PrivatePool({tuple(self.id)}, use_count={self.use_count}, segments={self.segment_count})"
+
+
+class CaptureRecord:
+    """What the allocator remembers of one capture, from begin until the graph is released.
+
+    ``kept``: blocks from outside the pool freed during the capture; the graph's kernels
+    may touch them on every replay, so they stay out of every pool until release.
+    ``deferred``: blocks with extra stream users freed during the capture; their events
+    are recorded once no capture is underway. ``written``: (ptr, size) of every block
+    handed out during the capture. ``consumed``: (ptr, size, producer) of pool blocks
+    made by an earlier capture and freed during this one (inputs it read).
+    ``outputs``: blocks handed out during the capture and still allocated at its end.
+    ``handles``: ("graph" | "exec", handle) pairs the allocator destroys when it releases
+    the record for a graph that was collected, so finalizers make no device calls.
+    """
+
+    __slots__ = (
+        "capture_id",
+        "pool",
+        "label",
+        "thread",
+        "kept",
+        "written",
+        "consumed",
+        "outputs",
+        "active",
+        "released",
+        "sequence",
+        "stream",
+        "handles",
+    )
+
+    def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
+        self.capture_id = 0
+        self.pool = pool
+        self.label = label
+        self.thread = thread
+        self.kept: list[Block] = []
+        self.written: list[tuple[int, int]] = []
+        self.consumed: list[tuple[int, int, CaptureRecord]] = []
+        self.outputs: list[tuple[Block, int]] = []
+        self.active = True
+        self.released = False
+        self.sequence = sequence
+        self.stream = 0  # the capturing stream, to end an abandoned capture
+        self.handles: list[tuple[str, int]] = []  # device graph objects to destroy at release
+
+    def __repr__(self) -> str:
+        return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"

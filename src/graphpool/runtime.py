@@ -1,0 +1,152 @@
+"""Process state: the backend, one allocator per device, and each thread's current device.
+
+Everything above the policy reaches devices and allocators through here, so switching
+backends (``set_backend``) is one assignment. Allocators are made on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable
+
+from graphpool.device.protocol import Backend, Device
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.pools import DEFAULT, SizeConfig
+
+BACKENDS = ("cuda", "sim")
+
+
+class Runtime:
+    """One backend with its devices' allocators. Replaced whole by ``set_backend``."""
+
+    def __init__(self, backend: Backend, generation: int, sizes: SizeConfig = DEFAULT) -> None:
+        self.backend = backend
+        self.name = backend.name
+        self.generation = generation
+        self.sizes = sizes
+        self.count = backend.device_count()
+        self.allocators: list[CachingAllocator | None] = [None] * self.count
+        self._lock = threading.Lock()
+
+    def device(self, index: int) -> Device:
+        self.check_index(index)
+        return self.backend.get_device(index)
+
+    def allocator(self, index: int) -> CachingAllocator:
+        a = self.allocators[index] if 0 <= index < self.count else None
+        if a is None:
+            self.check_index(index)
+            with self._lock:
+                a = self.allocators[index]
+                if a is None:
+                    a = CachingAllocator(self.backend.get_device(index), sizes=self.sizes)
+                    self.allocators[index] = a
+        return a
+
+    def check_index(self, index: int) -> None:
+        if type(index) is not int or not 0 <= index < self.count:
+            raise ValueError(
+                f"invalid device {index!r}: the {self.name} backend has {self.count} device(s)"
+            )
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.device = 0
+        self.streams: dict[int, object] = {}
+        self.generation = -1
+
+
+_tls = _ThreadState()
+_runtime: Runtime | None = None
+_generation = 0
+_lock = threading.RLock()
+stream_listeners: list[Callable[[object], None]] = []
+"""Called with the new current Stream whenever ``gp.stream`` or ``gp.graph`` switches it."""
+
+
+def _make_backend(name: str) -> Backend:
+    if name == "cuda":
+        from graphpool.device.cuda import CudaBackend
+
+        return CudaBackend()
+    if name == "sim":
+        from graphpool.sim import SimBackend
+
+        return SimBackend()
+    raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def default_backend_name() -> str:
+    """GRAPHPOOL_BACKEND if set, else "cuda" when a GPU is usable, else "sim"."""
+    env = os.environ.get("GRAPHPOOL_BACKEND", "").strip().lower()
+    if env:
+        if env not in BACKENDS:
+            raise ValueError(f"GRAPHPOOL_BACKEND={env!r}: choose one of {', '.join(BACKENDS)}")
+        return env
+    from graphpool.device.cuda import is_available
+
+    return "cuda" if is_available() else "sim"
+
+
+def get() -> Runtime:
+    """The current runtime, made on first use from the default backend."""
+    rt = _runtime
+    if rt is None:
+        with _lock:
+            if _runtime is None:
+                _install(_make_backend(default_backend_name()))
+            rt = _runtime
+        assert rt is not None
+    return rt
+
+
+def _install(backend: Backend, sizes: SizeConfig = DEFAULT) -> Runtime:
+    global _runtime, _generation
+    _generation += 1
+    _runtime = Runtime(backend, _generation, sizes)
+    return _runtime
+
+
+def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig | None = None) -> None:
+    """Switch every later call to backend ``name``. Live buffers keep their own allocator.
+
+    ``backend`` may supply a configured backend object (tests use a small simulator);
+    ``sizes`` overrides the allocator's size tunables (tests shrink them).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    with _lock:
+        b = backend if backend is not None else _make_backend(name)
+        if b.name != name:
+            raise ValueError(f"backend object is {b.name!r}, not {name!r}")
+        _install(b, sizes or DEFAULT)
+
+
+def thread_state() -> _ThreadState:
+    """This thread's current device and streams, reset if the backend changed since."""
+    tls = _tls
+    if tls.generation != _generation:
+        tls.generation = _generation
+        tls.streams = {}
+        if _runtime is None or tls.device >= _runtime.count:
+            tls.device = 0
+    return tls
+
+
+def current_device_index() -> int:
+    get()
+    return thread_state().device
+
+
+def current_device_object() -> Device:
+    """The Device object of this thread's current device."""
+    rt = get()
+    return rt.device(thread_state().device)
+
+
+def allocator(index: int | None = None) -> CachingAllocator:
+    """The allocator of device ``index`` (default: current)."""
+    rt = get()
+    return rt.allocator(thread_state().device if index is None else index)

@@ -1,0 +1,568 @@
+"""The simulated CUDA device: memory, streams, events, stream capture and graphs on the CPU.
+
+Work is queued, not run: it runs only at synchronization points (stream, event and
+device synchronize, ``read``, ``free``), and then every stream advances round-robin one
+op per round, so independent streams interleave kernel by kernel as on a GPU. Capture
+records ops into a graph instead; a replay queues each node as its own op and re-runs the
+same closures on the same addresses, so replays that share memory corrupt each other and
+a replay touching freed memory faults. CUDA's capture rules are enforced where the
+allocator depends on them (see ``graphpool.sim.capture``).
+
+This module imports only the device protocol and the errors, never the policy: it is an
+independent check of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from graphpool.device.protocol import (
+    CAPTURE_MODE_RELAXED,
+    CAPTURE_STATUS_ACTIVE,
+    CAPTURE_STATUS_INVALIDATED,
+    CAPTURE_STATUS_NONE,
+    LEGACY_STREAM,
+)
+from graphpool.sim import capture
+from graphpool.sim.capture import Capture, Node
+from graphpool.sim.cudaerr import cuda_error
+from graphpool.sim.memory import SimMemory
+
+GiB = 1024**3
+DEFAULT_DEVICE_COUNT = 2
+DEFAULT_MEMORY_BYTES = 16 * GiB
+ADDRESS_BASE = 0x7F00_0000_0000
+ADDRESS_SPAN = 1 << 44
+"""Device ``i`` hands out addresses from ``ADDRESS_BASE + i * ADDRESS_SPAN`` upward."""
+
+_handles = itertools.count(1)
+"""Stream, event, graph and exec handles: unique across kinds and devices, like CUDA's pointers."""
+
+
+class _Marker:
+    """The point an event record marks in an eager stream's queue; ``done`` once it has run."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: bool = False) -> None:
+        self.done = done
+
+
+@dataclass(frozen=True)
+class _CaptureMark:
+    """An event last recorded on a capturing stream: what a stream waiting on it depends on."""
+
+    cap: Capture
+    covers: dict[int, int]
+
+
+class _Op:
+    """One queued op: a kernel, a sleep, an event record or an event wait."""
+
+    __slots__ = ("fn", "marker", "name", "rounds")
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable[[], None] | None = None,
+        rounds: int = 0,
+        marker: _Marker | None = None,
+    ) -> None:
+        self.name = name
+        self.fn = fn
+        self.rounds = rounds
+        self.marker = marker
+
+
+@dataclass
+class _Stream:
+    handle: int
+    queue: deque[_Op] = field(default_factory=deque)
+    capture: Capture | None = None
+    destroyed: bool = False
+
+
+class SimDevice:
+    """One simulated device; implements ``graphpool.device.protocol.Device``.
+
+    Beyond the protocol: ``launch_kernel`` and ``launch_sleep`` (queue work),
+    ``view`` (bytes at an address, for kernels), ``pending_ops`` and ``allocations``
+    (inspection), ``memory_bytes``.
+    """
+
+    def __init__(self, index: int = 0, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
+        self.index = index
+        self.name = f"graphpool simulated device {index}"
+        self.memory_bytes = memory_bytes
+        self._lock = threading.RLock()
+        self._mem = SimMemory(ADDRESS_BASE + index * ADDRESS_SPAN, memory_bytes)
+        self._streams: dict[int, _Stream] = {LEGACY_STREAM: _Stream(LEGACY_STREAM)}
+        self._events: dict[int, _Marker | _CaptureMark | None] = {}
+        self._graphs: dict[int, tuple[Node, ...]] = {}
+        self._execs: dict[int, tuple[Node, ...]] = {}
+
+    def __repr__(self) -> str:
+        return f"SimDevice(index={self.index}, memory_bytes={self.memory_bytes})"
+
+    # -- memory ---------------------------------------------------------------
+    def malloc(self, nbytes: int) -> int | None:
+        """Allocate ``nbytes``; None when the finite memory is exhausted. Unsafe in capture."""
+        if nbytes <= 0:
+            raise cuda_error("cudaMalloc", "cudaErrorInvalidValue", f"size {nbytes}")
+        with self._lock:
+            capture.check_unsafe("cudaMalloc")
+            return self._mem.allocate(nbytes)
+
+    def free(self, ptr: int) -> None:
+        """Free memory from ``malloc``. Like cudaFree it first waits for all queued work."""
+        with self._lock:
+            capture.check_unsafe("cudaFree")
+            if not self._mem.is_live(ptr):
+                raise cuda_error(
+                    "cudaFree",
+                    "cudaErrorInvalidValue",
+                    f"{ptr:#x} is not an allocation",
+                )
+            self._run_until(self._idle)
+            self._mem.release(ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        with self._lock:
+            return self.memory_bytes - self._mem.used, self.memory_bytes
+
+    def view(self, ptr: int, nbytes: int) -> np.ndarray:
+        """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live."""
+        with self._lock:
+            return self._mem.view(ptr, nbytes)
+
+    def allocations(self) -> list[tuple[int, int]]:
+        """(address, size) of every live ``malloc`` allocation, by address."""
+        with self._lock:
+            return self._mem.allocations()
+
+    def memset(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
+        byte = value & 0xFF
+
+        def fill() -> None:
+            self.view(ptr, nbytes)[:] = byte
+
+        self._submit("cudaMemsetAsync", stream, Node("memset", fill))
+
+    def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        def copy() -> None:
+            self.view(dst, nbytes)[:] = self.view(src, nbytes)
+
+        self._submit("cudaMemcpyAsync", stream, Node("memcpy", copy))
+
+    def write(self, ptr: int, data: bytes | bytearray | memoryview, stream: int) -> None:
+        """Queue a host-to-device copy of ``data`` (copied now, so the caller may reuse it)."""
+        payload = np.frombuffer(bytes(data), dtype=np.uint8)
+        with self._lock:
+            self._refuse_if_capturing(
+                "cudaMemcpyAsync(HostToDevice)", self._stream("cudaMemcpyAsync", stream)
+            )
+
+            def put() -> None:
+                self.view(ptr, payload.size)[:] = payload
+
+            self._submit("cudaMemcpyAsync", stream, Node("write", put))
+
+    def read(self, ptr: int, nbytes: int, stream: int) -> bytes:
+        """Run ``stream``'s work so far, then return the bytes at ``ptr``. A synchronization."""
+        with self._lock:
+            st = self._stream("cudaMemcpy", stream)
+            self._refuse_if_capturing("cudaMemcpy(DeviceToHost)", st)
+            capture.check_unsafe("cudaMemcpy(DeviceToHost)")
+            self._run_until(lambda: not st.queue)
+            return self._mem.view(ptr, nbytes, "cudaMemcpy(DeviceToHost)").tobytes()
+
+    # -- work -----------------------------------------------------------------
+    def launch_kernel(self, stream: int, fn: Callable[[], None], name: str = "kernel") -> None:
+        """Queue (or capture) ``fn`` on ``stream``; it runs at a later synchronization.
+
+        ``fn`` should close over addresses and sizes only and call ``view`` when it runs,
+        as a GPU kernel dereferences its pointers only when it executes.
+        """
+        self._submit("cudaLaunchKernel", stream, Node(name, fn))
+
+    def launch_sleep(self, stream: int, rounds: int = 10) -> None:
+        """Queue a long-running kernel that occupies ``stream`` for ``rounds`` scheduling rounds."""
+        if rounds < 1:
+            raise cuda_error("cudaLaunchKernel", "cudaErrorInvalidValue", f"rounds {rounds}")
+        self._submit("cudaLaunchKernel", stream, Node("sleep", None, rounds))
+
+    def pending_ops(self, stream: int | None = None) -> int:
+        """Ops queued and not yet run, on ``stream`` or (None) on every stream."""
+        with self._lock:
+            if stream is not None:
+                return len(self._stream("pending_ops", stream).queue)
+            return sum(len(st.queue) for st in self._streams.values())
+
+    # -- streams --------------------------------------------------------------
+    def create_stream(self) -> int:
+        with self._lock:
+            handle = next(_handles)
+            self._streams[handle] = _Stream(handle)
+            return handle
+
+    def destroy_stream(self, stream: int) -> None:
+        """Destroy ``stream``; work already queued on it still runs, as in CUDA."""
+        with self._lock:
+            if stream == LEGACY_STREAM:
+                raise cuda_error(
+                    "cudaStreamDestroy",
+                    "cudaErrorInvalidResourceHandle",
+                    "legacy stream",
+                )
+            st = self._stream("cudaStreamDestroy", stream)
+            if st.capture is not None:
+                raise cuda_error("cudaStreamDestroy", "cudaErrorIllegalState", "stream is capturing")
+            st.destroyed = True
+            if not st.queue:
+                del self._streams[stream]
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        call = "cudaStreamWaitEvent"
+        with self._lock:
+            st = self._stream(call, stream)
+            state = self._event(call, event)
+            cap = st.capture
+            if cap is not None and cap.status == CAPTURE_STATUS_INVALIDATED:
+                return
+            if state is None:
+                return  # an event never recorded stands for no work
+            if isinstance(state, _CaptureMark):
+                self._wait_captured(call, st, state)
+            elif cap is not None:
+                capture.invalidate(cap)
+                raise cuda_error(
+                    call,
+                    "cudaErrorStreamCaptureIsolation",
+                    f"stream {stream} is capturing",
+                )
+            elif not state.done:
+                st.queue.append(_Op("wait", marker=state))
+
+    def _wait_captured(self, call: str, st: _Stream, mark: _CaptureMark) -> None:
+        """``st`` waits on an event recorded in a capture: a dependency in it, or a join."""
+        if mark.cap.ended:
+            raise cuda_error(call, "cudaErrorCapturedEvent", "its capture has ended")
+        if st.capture is mark.cap:
+            mark.cap.join(st.handle, mark.covers)
+        elif st.capture is not None:
+            capture.invalidate(st.capture)
+            raise cuda_error(
+                call,
+                "cudaErrorStreamCaptureMerge",
+                f"stream {st.handle} is in another capture",
+            )
+        elif st.handle == LEGACY_STREAM:
+            capture.invalidate(mark.cap)
+            raise cuda_error(
+                call,
+                "cudaErrorStreamCaptureUnsupported",
+                "the legacy stream cannot join a capture",
+            )
+        else:
+            mark.cap.join(st.handle, mark.covers)
+            st.capture = mark.cap
+
+    def stream_synchronize(self, stream: int) -> None:
+        with self._lock:
+            st = self._stream("cudaStreamSynchronize", stream)
+            self._refuse_if_capturing("cudaStreamSynchronize", st)
+            capture.check_unsafe("cudaStreamSynchronize")
+            self._run_until(lambda: not st.queue)
+
+    def device_synchronize(self) -> None:
+        with self._lock:
+            capture.check_unsafe("cudaDeviceSynchronize")
+            self._run_until(self._idle)
+
+    # -- events ---------------------------------------------------------------
+    def create_event(self) -> int:
+        with self._lock:
+            handle = next(_handles)
+            self._events[handle] = None
+            return handle
+
+    def destroy_event(self, event: int) -> None:
+        with self._lock:
+            self._event("cudaEventDestroy", event)
+            del self._events[event]
+
+    def record_event(self, event: int, stream: int) -> None:
+        call = "cudaEventRecord"
+        with self._lock:
+            st = self._stream(call, stream)
+            self._event(call, event)
+            cap = st.capture
+            if cap is not None:
+                if cap.status == CAPTURE_STATUS_ACTIVE:
+                    self._events[event] = _CaptureMark(cap, dict(cap.covers[stream]))
+                return
+            if not st.queue:  # nothing pending: the marked work is already done
+                self._events[event] = _Marker(done=True)
+                return
+            marker = _Marker()
+            st.queue.append(_Op("record", marker=marker))
+            self._events[event] = marker
+
+    def query_event(self, event: int) -> bool:
+        """Whether the recorded work has run. Runs nothing itself. Unsafe in capture."""
+        with self._lock:
+            capture.check_unsafe("cudaEventQuery")
+            state = self._event("cudaEventQuery", event)
+            if isinstance(state, _CaptureMark):
+                raise cuda_error("cudaEventQuery", "cudaErrorCapturedEvent")
+            return state is None or state.done
+
+    def event_synchronize(self, event: int) -> None:
+        with self._lock:
+            capture.check_unsafe("cudaEventSynchronize")
+            state = self._event("cudaEventSynchronize", event)
+            if isinstance(state, _CaptureMark):
+                raise cuda_error("cudaEventSynchronize", "cudaErrorCapturedEvent")
+            if state is not None:
+                marker = state
+                self._run_until(lambda: marker.done)
+
+    # -- capture and graphs ---------------------------------------------------
+    def capture_info(self, stream: int) -> tuple[int, int]:
+        with self._lock:
+            cap = self._stream("cudaStreamGetCaptureInfo", stream).capture
+            if cap is None:
+                return CAPTURE_STATUS_NONE, 0
+            return cap.status, cap.id
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        return capture.exchange_mode(mode)
+
+    def begin_capture(self, stream: int, mode: int) -> None:
+        call = "cudaStreamBeginCapture"
+        capture.check_mode(call, mode)
+        with self._lock:
+            if stream == LEGACY_STREAM:
+                raise cuda_error(
+                    call,
+                    "cudaErrorStreamCaptureUnsupported",
+                    "the legacy stream cannot be captured",
+                )
+            st = self._stream(call, stream)
+            if st.capture is not None:
+                raise cuda_error(
+                    call,
+                    "cudaErrorIllegalState",
+                    f"stream {stream} is already capturing",
+                )
+            st.capture = capture.start(stream, mode)
+
+    def end_capture(self, stream: int) -> int:
+        call = "cudaStreamEndCapture"
+        with self._lock:
+            st = self._stream(call, stream)
+            cap = st.capture
+            if cap is None or cap.origin != stream:
+                raise cuda_error(
+                    call,
+                    "cudaErrorIllegalState",
+                    f"stream {stream} did not begin a capture",
+                )
+            if cap.mode != CAPTURE_MODE_RELAXED and cap.thread != threading.get_ident():
+                raise cuda_error(call, "cudaErrorStreamCaptureWrongThread")
+            capture.finish(cap)
+            for handle in cap.seq:
+                member = self._streams.get(handle)
+                if member is not None and member.capture is cap:
+                    member.capture = None
+            if cap.status == CAPTURE_STATUS_INVALIDATED:
+                raise cuda_error(call, "cudaErrorStreamCaptureInvalidated")
+            unjoined = cap.unjoined()
+            if unjoined:
+                capture.invalidate(cap)
+                raise cuda_error(call, "cudaErrorStreamCaptureUnjoined", f"streams {unjoined}")
+            graph = next(_handles)
+            self._graphs[graph] = tuple(cap.nodes)
+            return graph
+
+    def graph_node_count(self, graph: int) -> int:
+        with self._lock:
+            return len(self._graph("cudaGraphGetNodes", graph))
+
+    def instantiate(self, graph: int) -> int:
+        with self._lock:
+            nodes = self._graph("cudaGraphInstantiate", graph)
+            handle = next(_handles)
+            self._execs[handle] = nodes
+            return handle
+
+    def launch(self, graph_exec: int, stream: int) -> None:
+        """Queue one replay: each node becomes its own op, so replays on two streams interleave."""
+        call = "cudaGraphLaunch"
+        with self._lock:
+            nodes = self._execs.get(graph_exec)
+            if nodes is None:
+                raise cuda_error(call, "cudaErrorInvalidResourceHandle", f"graph exec {graph_exec}")
+            self._stream(call, stream)
+            for node in nodes:
+                self._submit(call, stream, node)
+
+    def destroy_graph(self, graph: int) -> None:
+        with self._lock:
+            self._graph("cudaGraphDestroy", graph)
+            del self._graphs[graph]
+
+    def destroy_graph_exec(self, graph_exec: int) -> None:
+        with self._lock:
+            if self._execs.pop(graph_exec, None) is None:
+                raise cuda_error(
+                    "cudaGraphExecDestroy",
+                    "cudaErrorInvalidResourceHandle",
+                    f"graph exec {graph_exec}",
+                )
+
+    # -- internals ------------------------------------------------------------
+    def _stream(self, call: str, stream: int) -> _Stream:
+        st = self._streams.get(stream)
+        if st is None or st.destroyed:
+            raise cuda_error(call, "cudaErrorInvalidResourceHandle", f"stream {stream}")
+        return st
+
+    def _event(self, call: str, event: int) -> _Marker | _CaptureMark | None:
+        if event not in self._events:
+            raise cuda_error(call, "cudaErrorInvalidResourceHandle", f"event {event}")
+        return self._events[event]
+
+    def _graph(self, call: str, graph: int) -> tuple[Node, ...]:
+        nodes = self._graphs.get(graph)
+        if nodes is None:
+            raise cuda_error(call, "cudaErrorInvalidResourceHandle", f"graph {graph}")
+        return nodes
+
+    def _refuse_if_capturing(self, call: str, st: _Stream) -> None:
+        """A synchronous call on a capturing stream is always illegal: invalidate and raise."""
+        if st.capture is not None:
+            capture.invalidate(st.capture)
+            raise cuda_error(
+                call,
+                "cudaErrorStreamCaptureUnsupported",
+                f"stream {st.handle} is capturing",
+            )
+
+    def _submit(self, call: str, stream: int, node: Node) -> None:
+        """Queue ``node`` on ``stream``, or record it into its capture (dropped if invalidated)."""
+        with self._lock:
+            st = self._stream(call, stream)
+            cap = st.capture
+            if cap is None:
+                st.queue.append(_Op(node.name, node.fn, node.rounds))
+            elif cap.status == CAPTURE_STATUS_ACTIVE:
+                cap.add(stream, node)
+
+    def _idle(self) -> bool:
+        return not any(st.queue for st in self._streams.values())
+
+    def _run_until(self, target: Callable[[], bool]) -> None:
+        """Advance every stream one op per round, round-robin, until ``target()`` holds.
+
+        Runs in the calling thread with the lock held. A kernel's exception propagates
+        (its op is consumed; later work stays queued).
+        """
+        while not target():
+            progressed = False
+            for st in list(self._streams.values()):
+                if st.queue and self._step(st):
+                    progressed = True
+                if st.destroyed and not st.queue:
+                    self._streams.pop(st.handle, None)
+            if not progressed:
+                raise RuntimeError(
+                    "simulated device deadlock: every stream waits on an event that never completes"
+                )
+
+    def _step(self, st: _Stream) -> bool:
+        """Run the head op of ``st``'s queue; False when it waits on an unfinished event."""
+        op = st.queue[0]
+        if op.marker is not None:
+            if op.name == "wait":
+                if not op.marker.done:
+                    return False
+            else:
+                op.marker.done = True
+            st.queue.popleft()
+            return True
+        if op.fn is None:  # sleep
+            op.rounds -= 1
+            if op.rounds <= 0:
+                st.queue.popleft()
+            return True
+        st.queue.popleft()
+        op.fn()
+        return True
+
+
+class SimBackend:
+    """A set of simulated devices; implements ``graphpool.device.protocol.Backend``."""
+
+    name = "sim"
+
+    def __init__(self, device_count: int | None = None, memory_bytes: int | None = None) -> None:
+        count = _defaults["device_count"] if device_count is None else device_count
+        size = _defaults["memory_bytes"] if memory_bytes is None else memory_bytes
+        if count < 1 or size < 1:
+            raise ValueError(f"need device_count >= 1 and memory_bytes >= 1, got {count}, {size}")
+        self._devices = [SimDevice(i, size) for i in range(count)]
+        self._current = threading.local()
+
+    def __repr__(self) -> str:
+        size = self._devices[0].memory_bytes
+        return f"SimBackend(device_count={len(self._devices)}, memory_bytes={size})"
+
+    def device_count(self) -> int:
+        return len(self._devices)
+
+    def get_device(self, index: int) -> SimDevice:
+        self._check_index("cudaGetDevice", index)
+        return self._devices[index]
+
+    def set_current_device(self, index: int) -> None:
+        self._check_index("cudaSetDevice", index)
+        self._current.index = index
+
+    def current_device(self) -> int:
+        """The calling thread's current device index (0 until ``set_current_device``)."""
+        index: int = getattr(self._current, "index", 0)
+        return index
+
+    def _check_index(self, call: str, index: int) -> None:
+        if not 0 <= index < len(self._devices):
+            raise cuda_error(
+                call,
+                "cudaErrorInvalidDevice",
+                f"device {index} of {len(self._devices)}",
+            )
+
+
+_defaults = {"device_count": DEFAULT_DEVICE_COUNT, "memory_bytes": DEFAULT_MEMORY_BYTES}
+
+
+def configure(device_count: int | None = None, memory_bytes: int | None = None) -> dict[str, int]:
+    """Set the defaults of ``SimBackend``s made from now on (e.g. by ``set_backend("sim")``).
+
+    Returns the defaults now in force. Backends already made are unchanged.
+    """
+    if device_count is not None:
+        if device_count < 1:
+            raise ValueError(f"device_count must be >= 1, got {device_count}")
+        _defaults["device_count"] = device_count
+    if memory_bytes is not None:
+        if memory_bytes < 1:
+            raise ValueError(f"memory_bytes must be >= 1, got {memory_bytes}")
+        _defaults["memory_bytes"] = memory_bytes
+    return dict(_defaults)

@@ -1,0 +1,110 @@
+"""The `backend` fixture: every backend test runs on the simulator, and on the GPU when one
+is present (marked `gpu`), with the same assertions.
+
+On the GPU the array namespace is CuPy with graphpool installed as its allocator; on the
+simulator it is graphpool.sim.xp. `env.spin(stream)` queues a long-running kernel.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+
+
+def gpu_available() -> bool:
+    if os.environ.get("GRAPHPOOL_NO_GPU"):
+        return False
+    from graphpool.device.cuda import is_available
+
+    return is_available()
+
+
+@dataclass
+class Env:
+    """What a backend test needs beyond the public API."""
+
+    name: str
+    xp: Any
+    spin: Callable[[gp.Stream], None]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+_SPIN_SRC = r"""
+extern "C" __global__ void gp_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+_spin_kernel: Any = None
+
+
+def _cuda_spin(stream: gp.Stream) -> None:
+    import cupy
+
+    global _spin_kernel
+    if _spin_kernel is None:
+        _spin_kernel = cupy.RawKernel(_SPIN_SRC, "gp_spin")
+    with cupy.cuda.ExternalStream(stream.handle):
+        _spin_kernel((1,), (1,), (cupy.int64(200_000_000),))  # about 0.1 s at 2 GHz
+
+
+def _sim_spin(stream: gp.Stream) -> None:
+    dev = runtime.get().device(stream.device)
+    dev.launch_sleep(stream.handle, rounds=50)  # type: ignore[attr-defined]
+
+
+def _teardown() -> None:
+    gc.collect()
+    try:
+        gp.synchronize()
+        gp.empty_cache()
+        gp.check_invariants()
+    finally:
+        gp.set_replay_checks("off")
+
+
+@pytest.fixture(params=["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def backend(request: pytest.FixtureRequest) -> Any:
+    name = request.param
+    if name == "cuda":
+        if not gpu_available():
+            pytest.skip("no usable CUDA GPU")
+        pytest.importorskip("cupy")
+        import cupy
+
+        import graphpool.cupy as gcupy
+
+        if runtime.get().name != "cuda":
+            gp.set_backend("cuda")
+        gc.collect()
+        gp.synchronize()
+        gp.empty_cache()
+        gcupy.install()
+        try:
+            yield Env("cuda", cupy, _cuda_spin)
+        finally:
+            _teardown()
+            gcupy.uninstall()
+    else:
+        gp.set_backend("sim")
+        from graphpool.sim import xp
+
+        try:
+            yield Env("sim", xp, _sim_spin)
+        finally:
+            _teardown()
+
+
+@pytest.fixture
+def sim() -> Any:
+    """A fresh simulator backend for tests that only make sense there."""
+    gp.set_backend("sim")
+    yield runtime.get()
+    _teardown()

@@ -1,0 +1,83 @@
+"""A tiny scripted device for policy unit tests: a bump allocator with a byte budget,
+events the test completes by hand, and capture status the test sets by hand."""
+
+from __future__ import annotations
+
+import itertools
+
+from graphpool.device.protocol import CAPTURE_MODE_GLOBAL, CAPTURE_STATUS_ACTIVE, CAPTURE_STATUS_NONE
+
+
+class FakeDevice:
+    index = 0
+    name = "fake"
+
+    def __init__(self, total: int = 1 << 34) -> None:
+        self.total = total
+        self.used = 0
+        self.live: dict[int, int] = {}
+        self._next = 1 << 40
+        self.calls: list[str] = []
+        self.events: dict[int, bool] = {}
+        self._ids = itertools.count(1)
+        self.capturing: dict[int, int] = {}  # stream -> capture id
+        self.mode = CAPTURE_MODE_GLOBAL
+        self.mode_log: list[int] = []
+
+    # memory
+    def malloc(self, nbytes: int) -> int | None:
+        self.calls.append("malloc")
+        if self.used + nbytes > self.total:
+            return None
+        ptr = self._next
+        self._next += (nbytes + (1 << 21) - 1) // (1 << 21) * (1 << 21) + (1 << 21)
+        self.live[ptr] = nbytes
+        self.used += nbytes
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.calls.append("free")
+        self.used -= self.live.pop(ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.total - self.used, self.total
+
+    # events
+    def create_event(self) -> int:
+        ev = next(self._ids)
+        self.events[ev] = True
+        return ev
+
+    def record_event(self, event: int, stream: int) -> None:
+        self.calls.append("record")
+        self.events[event] = False
+
+    def query_event(self, event: int) -> bool:
+        self.calls.append("query")
+        return self.events[event]
+
+    def event_synchronize(self, event: int) -> None:
+        self.calls.append("sync")
+        self.events[event] = True
+
+    def complete_all(self) -> None:
+        for ev in self.events:
+            self.events[ev] = True
+
+    # capture
+    def capture_info(self, stream: int) -> tuple[int, int]:
+        cid = self.capturing.get(stream, 0)
+        return (CAPTURE_STATUS_ACTIVE if cid else CAPTURE_STATUS_NONE), cid
+
+    def exchange_capture_mode(self, mode: int) -> int:
+        prev, self.mode = self.mode, mode
+        self.mode_log.append(mode)
+        return prev
+
+    def begin(self, stream: int) -> int:
+        cid = next(self._ids) + 1000
+        self.capturing[stream] = cid
+        return cid
+
+    def end(self, stream: int) -> None:
+        self.capturing.pop(stream, None)
