@@ -14,10 +14,16 @@ from graphpool.streams import Stream, _index, current_stream
 def alloc(nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
     """Allocate ``nbytes`` on ``stream``'s device for use on ``stream`` (default: current)."""
     if stream is None:
-        stream = current_stream()
+        tls = runtime._tls
+        s = tls.streams.get(tls.device) if tls.generation == runtime._generation else None
+        stream = s if s is not None else current_stream()  # type: ignore[assignment]
     elif not isinstance(stream, Stream):
         raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
-    a = runtime.get().allocator(stream.device)
+    assert stream is not None
+    rt = runtime._runtime
+    a = rt.allocators[stream.device] if rt is not None and stream.device < rt.count else None
+    if a is None:
+        a = runtime.get().allocator(stream.device)
     return DeviceBuffer(a.malloc(nbytes, stream=stream.handle), nbytes, stream, a)
 
 

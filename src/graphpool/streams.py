@@ -99,7 +99,7 @@ class Event:
         index = _index(device)
         self.device = index
         self.handle = runtime.get().device(index).create_event()
-        self.clock: dict[int, int] | None = None
+        self.clock: dict[tuple[int, int], int] | None = None
 
     def record(self, stream: Stream | None = None) -> None:
         """Mark the work queued so far on ``stream`` (default: the current stream)."""

@@ -21,7 +21,7 @@ import threading
 import warnings
 from bisect import bisect_right, insort
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_NONE, Device
 from graphpool.errors import (
@@ -31,36 +31,11 @@ from graphpool.errors import (
     GraphpoolError,
     OutOfMemoryError,
 )
-from graphpool.policy.block import Block, absorb_next, iter_segment, split_front
+from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
-from graphpool.policy.stats import ALL, LARGE, SMALL, Stat, StatArrays
-
-
-def _grow_stat(trio: tuple[Stat, Stat, Stat], kind: int, amount: int) -> None:
-    for st in (trio[ALL], trio[kind]):
-        cur = st.current + amount
-        st.current = cur
-        st.allocated += amount
-        if cur > st.peak:
-            st.peak = cur
-
-
-def _shrink_stat(trio: tuple[Stat, Stat, Stat], kind: int, amount: int) -> None:
-    for st in (trio[ALL], trio[kind]):
-        cur = st.current - amount
-        if cur < 0:
-            raise AssertionError("statistic would go negative")
-        st.current = cur
-        st.freed += amount
-
-
-def _shift_stat(trio: tuple[Stat, Stat, Stat], kind: int, amount: int) -> None:
-    if amount > 0:
-        _grow_stat(trio, kind, amount)
-    elif amount < 0:
-        _shrink_stat(trio, kind, -amount)
+from graphpool.policy.stats import PoolStats
 
 
 def _fmt(n: int) -> str:
@@ -84,7 +59,8 @@ class CachingAllocator:
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
         self._active: dict[int, Block] = {}
-        self.stats = StatArrays()
+        self.stats = PoolStats()
+        self._spare: list[Block] = []  # absorbed blocks, reused by splits
         self._segments: dict[int, Block] = {}  # base address -> first block
         self._seg_bases: list[int] = []  # sorted base addresses
         self._pending: deque[Any] = deque()  # finalizer frees (int) and releases (CaptureRecord)
@@ -134,7 +110,18 @@ class CachingAllocator:
                 d_bytes = -block.size
             remaining = block.size - size
             if (remaining >= m) if small else (remaining > self._small_limit):
-                rest = split_front(block, size)
+                # split: the front is handed out, the rest stays free (a recycled Block)
+                rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
+                rest.ptr = block.ptr + size
+                rest.size = remaining
+                rest.stream = stream
+                rest.pool = fl
+                nxt = rest.next = block.next
+                if nxt is not None:
+                    nxt.prev = rest
+                rest.prev = block
+                block.next = rest
+                block.size = size
                 fl.insert(rest)
                 d_cnt += 1
                 d_bytes += remaining
@@ -142,28 +129,16 @@ class CachingAllocator:
             block.requested = nbytes
             ptr = block.ptr
             self._active[ptr] = block
-            kind = SMALL if small else LARGE
-            self._account_malloc(self.stats, kind, block.size, nbytes, d_cnt, d_bytes)
-            if fl.owner is not None:
-                self._account_malloc(fl.owner.stats, kind, block.size, nbytes, d_cnt, d_bytes)
+            self.stats.on_malloc(small, block.size, nbytes, d_cnt, d_bytes)
+            owner = fl.owner
+            if owner is not None:
+                owner.stats.on_malloc(small, block.size, nbytes, d_cnt, d_bytes)
                 if rec is not None:
                     self._serial += 1
                     block.serial = self._serial
                     block.owner = rec
                     rec.written.append((ptr, block.size, block, self._serial))
             return ptr
-
-    @staticmethod
-    def _account_malloc(st: StatArrays, kind: int, size: int, req: int, d_cnt: int, d_bytes: int) -> None:
-        _grow_stat(st.allocation, kind, 1)
-        _grow_stat(st.allocated_bytes, kind, size)
-        _grow_stat(st.requested_bytes, kind, req)
-        _grow_stat(st.active, kind, 1)
-        _grow_stat(st.active_bytes, kind, size)
-        if d_cnt:
-            _shift_stat(st.inactive_split, kind, d_cnt)
-        if d_bytes:
-            _shift_stat(st.inactive_split_bytes, kind, d_bytes)
 
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
@@ -202,12 +177,11 @@ class CachingAllocator:
         head = Block(ptr, seg, stream, fl)
         self._segments[ptr] = head
         insort(self._seg_bases, ptr)
-        kind = SMALL if fl.is_small else LARGE
-        scopes = [self.stats] if fl.owner is None else [self.stats, fl.owner.stats]
-        for st in scopes:
+        for st in self._scopes(fl):
             st.num_device_alloc += 1
-            _grow_stat(st.segment, kind, 1)
-            _grow_stat(st.reserved_bytes, kind, seg)
+            k = st.kind(fl.is_small)
+            k.add("segment", 1)
+            k.add("reserved_bytes", seg)
         if fl.owner is not None:
             fl.owner.segment_count += 1
         return head
@@ -224,7 +198,7 @@ class CachingAllocator:
 
     def _oom_message(self, nbytes: int, seg: int) -> str:
         st = self.stats
-        private = sum(p.stats.reserved_bytes[ALL].current for p in self._pools.values())
+        private = sum(p.stats.current("reserved_bytes") for p in self._pools.values())
         try:
             free, total = self.device.mem_info()
             dev = f"{_fmt(free)} free of {_fmt(total)} on the device"
@@ -233,8 +207,8 @@ class CachingAllocator:
         during = " during graph capture (the cache cannot be released then)" if self._capturing else ""
         return (
             f"out of memory on device {self.device.index}{during}: tried to allocate {_fmt(nbytes)} "
-            f"(a new segment of {_fmt(seg)}); {_fmt(st.allocated_bytes[ALL].current)} allocated, "
-            f"{_fmt(st.reserved_bytes[ALL].current)} reserved "
+            f"(a new segment of {_fmt(seg)}); {_fmt(st.current('allocated_bytes'))} allocated, "
+            f"{_fmt(st.current('reserved_bytes'))} reserved "
             f"({_fmt(private)} of it held in private graph pools), {dev}. "
             "Free buffers you no longer need, reset graphs you no longer replay, "
             "then call empty_cache()."
@@ -261,33 +235,46 @@ class CachingAllocator:
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
-        kind = SMALL if block.pool.is_small else LARGE
+        if self._capturing or block.stream_uses:
+            self._free_held(block)
+        else:
+            self._free_block(block, True)
+
+    def _free_held(self, block: Block) -> None:
+        """A free that may keep the block back: during a capture, or with extra stream users."""
+        fl = block.pool
         size = block.size
-        owner = block.pool.owner
-        for st in (self.stats,) if owner is None else (self.stats, owner.stats):
-            _shrink_stat(st.allocation, kind, 1)
-            _shrink_stat(st.allocated_bytes, kind, size)
+        owner = fl.owner
+        self.stats.on_free(fl.is_small, size)
+        if owner is not None:
+            owner.stats.on_free(fl.is_small, size)
         if self._capturing:
             rec = self._capture_for_free(block)
             if rec is not None:
                 if owner is not rec.pool:
                     # The graph's kernels may touch this memory on every replay.
-                    block.holds += 1
+                    self._hold(block)
                     rec.kept.append(block)
                     if block.stream_uses:
-                        block.holds += 1
+                        self._hold(block)
                         self._deferred.append(block)
                     return
                 if block.owner is not None and block.owner is not rec:
                     rec.consumed.append((block.ptr, size, block.owner))
             if block.stream_uses:
-                block.holds += 1
+                self._hold(block)
                 self._deferred.append(block)
                 return
         elif block.stream_uses:
+            self._hold(block)
             self._insert_events(block)
+            self._unhold(block)
             return
-        self._free_block(block)
+        self._free_block(block, False)
+
+    def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
+        """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
+        return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
     def _capture_for_free(self, block: Block) -> CaptureRecord | None:
         """The capture a free made now belongs to: the block stream's, else this thread's, else the latest."""
@@ -303,49 +290,67 @@ class CachingAllocator:
         mine = [r for r in records if r.thread == me]
         return (mine or records)[-1]
 
-    def _free_block(self, block: Block) -> None:
-        """Return a block with no holds to its free list, merging free neighbours."""
+    def _free_block(self, block: Block, freed: bool) -> None:
+        """Return a block with no holds to its free list, merging free neighbours.
+
+        ``freed``: the user is freeing it now (not a hold ending), for the statistics.
+        """
         fl = block.pool
-        kind = SMALL if fl.is_small else LARGE
         size = block.size
         requested = block.requested
-        d_cnt = d_bytes = 0
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0:
-            fl.remove(nxt)
-            d_cnt -= 1
-            d_bytes -= nxt.size
-            absorb_next(block)
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.holds == 0:
-            fl.remove(prev)
-            d_cnt -= 1
-            d_bytes -= prev.size
-            absorb_next(prev)
-            block = prev
         block.requested = 0
         block.owner = None
         block.stream_uses = None
+        d_cnt = d_bytes = 0
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.holds == 0:
+            # absorb the free block after this one; keep its object for a later split
+            fl.remove(nxt)
+            d_cnt = -1
+            d_bytes = -nxt.size
+            block.size = size + nxt.size
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            nxt.prev = nxt.next = None
+            self._spare.append(nxt)
+        prev = block.prev
+        if prev is not None and not prev.allocated and prev.holds == 0:
+            # the free block before absorbs this one
+            fl.remove(prev)
+            d_cnt -= 1
+            d_bytes -= prev.size
+            prev.size += block.size
+            after = prev.next = block.next
+            if after is not None:
+                after.prev = prev
+            block.prev = block.next = None
+            self._spare.append(block)
+            block = prev
         fl.insert(block)
         if block.prev is not None or block.next is not None:
             d_cnt += 1
             d_bytes += block.size
-        owner = fl.owner
-        for st in (self.stats,) if owner is None else (self.stats, owner.stats):
-            _shrink_stat(st.active, kind, 1)
-            _shrink_stat(st.active_bytes, kind, size)
-            _shrink_stat(st.requested_bytes, kind, requested)
-            if d_cnt:
-                _shift_stat(st.inactive_split, kind, d_cnt)
-            if d_bytes:
-                _shift_stat(st.inactive_split_bytes, kind, d_bytes)
+        self.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
+        if fl.owner is not None:
+            fl.owner.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
+
+    def _hold(self, block: Block) -> None:
+        """Keep a freed block out of its free list (an event, a graph, a deferral)."""
+        if block.holds == 0:
+            for st in self._scopes(block.pool):
+                st.hold(block.pool.is_small, block.size, 1)
+        block.holds += 1
 
     def _unhold(self, block: Block) -> None:
+        """Drop one hold; the last one returns the block to its free list."""
         block.holds -= 1
         if block.holds == 0:
-            self._free_block(block)
+            for st in self._scopes(block.pool):
+                st.hold(block.pool.is_small, block.size, -1)
+            self._free_block(block, False)
 
-    def _bad_pointer(self, ptr: Any, what: str) -> Any:
+    def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
         if type(ptr) is not int:
             raise TypeError(f"{what}: expected an int device address, got {type(ptr).__name__}")
@@ -376,7 +381,6 @@ class CachingAllocator:
             block = self._active.get(ptr)
             if block is None:
                 self._bad_pointer(ptr, "record_stream")
-                return
             if stream == block.stream:
                 return
             if block.stream_uses is None:
@@ -385,16 +389,17 @@ class CachingAllocator:
                 block.stream_uses.add(stream)
 
     def _insert_events(self, block: Block) -> None:
-        """Record an event on each extra user stream; the block waits for all of them."""
+        """Record an event on each extra user stream; each holds the block until it completes.
+
+        The caller holds the block across this call and drops its own hold after.
+        """
         uses = block.stream_uses or set()
         block.stream_uses = None
         for s in sorted(uses):
             ev = self._event_pool.pop() if self._event_pool else self.device.create_event()
             self._record_event(ev, s)
             self._waiting.setdefault(s, deque()).append((ev, block))
-            block.holds += 1
-        if block.holds == 0:
-            self._free_block(block)
+            self._hold(block)
 
     def _record_event(self, event: int, stream: int) -> None:
         assert not self._capturing, "no event is recorded during capture"
@@ -432,8 +437,8 @@ class CachingAllocator:
         """Once no capture is underway: record the events of frees deferred during capture."""
         deferred, self._deferred = self._deferred, []
         for block in deferred:
-            block.holds -= 1
             self._insert_events(block)
+            self._unhold(block)  # the deferral's own hold
 
     # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
@@ -473,14 +478,13 @@ class CachingAllocator:
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
         fl = block.pool
-        kind = SMALL if fl.is_small else LARGE
-        owner = fl.owner
-        for st in (self.stats,) if owner is None else (self.stats, owner.stats):
+        for st in self._scopes(fl):
             st.num_device_free += 1
-            _shrink_stat(st.segment, kind, 1)
-            _shrink_stat(st.reserved_bytes, kind, block.size)
-        if owner is not None:
-            owner.segment_count -= 1
+            k = st.kind(fl.is_small)
+            k.add("segment", -1)
+            k.add("reserved_bytes", -block.size)
+        if fl.owner is not None:
+            fl.owner.segment_count -= 1
 
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import KEY_SHIFT, FreeList
-from graphpool.policy.stats import ALL, LARGE, SMALL, STAT_NAMES, StatArrays
+from graphpool.policy.stats import POOL_NAMES, STAT_NAMES, PoolStats
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 def _expect(cond: bool, what: str) -> None:
     if not cond:
         raise AssertionError(f"allocator invariant broken: {what}")
+
+
+ALL, SMALL, LARGE = 0, 1, 2
 
 
 def _tally(blocks: list[Block], segments: list[Block]) -> dict[str, list[int]]:
@@ -48,21 +51,23 @@ def _tally(blocks: list[Block], segments: list[Block]) -> dict[str, list[int]]:
     return t
 
 
-def _check_stats(st: StatArrays, blocks: list[Block], segments: list[Block], scope: str) -> None:
+def _check_stats(st: PoolStats, blocks: list[Block], segments: list[Block], scope: str) -> None:
     expected = _tally(blocks, segments)
+    flat = st.as_dict()
     for name in STAT_NAMES:
-        for i, stat in enumerate(getattr(st, name)):
-            _expect(
-                stat.current == expected[name][i],
-                f"{scope} {name}[{i}].current is {stat.current}, blocks say {expected[name][i]}",
-            )
-            _expect(stat.current <= stat.peak, f"{scope} {name}[{i}] peak below current")
-            _expect(stat.current >= 0, f"{scope} {name}[{i}] negative")
-        trio = getattr(st, name)
-        for attr in ("current", "allocated", "freed"):
-            total = getattr(trio[ALL], attr)
-            parts = getattr(trio[SMALL], attr) + getattr(trio[LARGE], attr)
-            _expect(total == parts, f"{scope} {name}.all.{attr} != small + large")
+        for i, pool in enumerate(POOL_NAMES):
+            key = f"{name}.{pool}."
+            cur = flat[key + "current"]
+            _expect(cur == expected[name][i], f"{scope} {key}current is {cur}, blocks say {expected[name][i]}")
+            _expect(cur <= flat[key + "peak"], f"{scope} {key}peak below current")
+            _expect(cur >= 0, f"{scope} {key}current negative")
+        for counter in ("current", "allocated", "freed"):
+            parts = flat[f"{name}.small_pool.{counter}"] + flat[f"{name}.large_pool.{counter}"]
+            _expect(flat[f"{name}.all.{counter}"] == parts, f"{scope} {name}.all.{counter} != small + large")
+        _expect(
+            flat[f"{name}.all.peak"] <= flat[f"{name}.small_pool.peak"] + flat[f"{name}.large_pool.peak"],
+            f"{scope} {name}.all.peak above the sum of the kinds' peaks",
+        )
 
 
 def _check_freelist(fl: FreeList, blocks_in_fl: set[int]) -> None:

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 from graphpool.policy.block import Block
 from graphpool.policy.freelist import FreeList
-from graphpool.policy.stats import StatArrays
+from graphpool.policy.stats import PoolStats
 
 
 class PoolId(NamedTuple):
@@ -70,7 +70,7 @@ class PrivatePool:
         self.large = FreeList(False, self)
         self.use_count = 0
         self.segment_count = 0
-        self.stats = StatArrays()
+        self.stats = PoolStats()
 
     def __repr__(self) -> str:
         return f"PrivatePool({tuple(self.id)}, use_count={self.use_count}, segments={self.segment_count})"
@@ -83,7 +83,7 @@ class CaptureRecord:
     may touch them on every replay, so they stay out of every pool until release.
     ``deferred``: blocks with extra stream users freed during the capture; their events
     are recorded once no capture is underway. ``written``: (ptr, size) of every block
-    handed out during the capture. ``consumed``: (ptr, size, producer) of pool blocks
+    handed out during the capture (with the block and its serial). ``consumed``: (ptr, size, producer) of pool blocks
     made by an earlier capture and freed during this one (inputs it read).
     ``outputs``: blocks handed out during the capture and still allocated at its end.
     ``handles``: ("graph" | "exec", handle) pairs the allocator destroys when it releases
@@ -112,7 +112,7 @@ class CaptureRecord:
         self.label = label
         self.thread = thread
         self.kept: list[Block] = []
-        self.written: list[tuple[int, int]] = []
+        self.written: list[tuple[int, int, Block, int]] = []  # ptr, size, block, serial
         self.consumed: list[tuple[int, int, CaptureRecord]] = []
         self.outputs: list[tuple[Block, int]] = []
         self.active = True

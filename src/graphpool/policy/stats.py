@@ -1,9 +1,16 @@
-"""Allocator statistics: ``Stat`` counters and the arrays behind ``memory_stats()``.
+"""Allocator statistics, cheap enough for the hot path, exact when read.
 
-Each statistic keeps ``current`` (a level), ``peak`` (its highest level), and the
-accumulated ``allocated`` and ``freed`` amounts, for ``all``, ``small_pool`` and
-``large_pool``. Counts and byte sums use the same type; the name says which.
-Levels only move through ``increase``/``decrease``, which refuse to go negative.
+``memory_stats()`` reports, for ``all``, ``small_pool`` and ``large_pool``, each
+statistic's ``current`` level, ``peak`` level and accumulated ``allocated``/``freed``
+amounts (PyTorch's key names). Counts and byte sums are kept alike; names say which.
+
+How it stays cheap: only the pool kind that changes is written (``all`` is the sum of
+the two kinds), and peaks are kept per *epoch*. An epoch is a run of changes to one
+kind while nothing else moves; in it the other kind's levels are constant, so the peak
+of ``all`` is the changing kind's highest level in the epoch (``run``) plus the other
+kind's level. ``fold()`` turns runs into peaks; it runs when the changing kind
+switches, when a hold starts or ends, and before every read. ``active`` is derived:
+blocks allocated plus blocks held back (waiting on events or kept for a graph).
 """
 
 from __future__ import annotations
@@ -11,115 +18,313 @@ from __future__ import annotations
 STAT_NAMES = (
     "allocation",  # count of handed-out blocks
     "allocated_bytes",  # sum of their sizes
-    "requested_bytes",  # sum of the sizes asked for
+    "requested_bytes",  # sum of the sizes asked for (allocated and held blocks)
     "segment",  # count of driver allocations
     "reserved_bytes",  # sum of segment sizes
-    "active",  # count of blocks allocated or waiting (events, graphs)
+    "active",  # count of blocks allocated or held
     "active_bytes",  # sum of their sizes
     "inactive_split",  # count of free blocks in split segments
     "inactive_split_bytes",  # sum of their sizes
 )
 POOL_NAMES = ("all", "small_pool", "large_pool")
 SCALAR_NAMES = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
-ALL, SMALL, LARGE = 0, 1, 2
+
+# Levels kept directly; "active" and "active_bytes" derive from allocation + held.
+LEVELS = (
+    "allocation",
+    "allocated_bytes",
+    "requested_bytes",
+    "segment",
+    "reserved_bytes",
+    "inactive_split",
+    "inactive_split_bytes",
+    "held",
+    "held_bytes",
+)
+_FIELDS = tuple(f"{name}_{part}" for name in LEVELS for part in ("cur", "alloc", "free", "run", "peak")) + (
+    "active_peak",
+    "active_bytes_peak",
+)
 
 
-class Stat:
-    """One statistic of one pool type: level, peak level, and accumulated changes."""
+class KindCounters:
+    """Every level of one pool kind: ``<level>_cur``, ``_alloc``, ``_free``, ``_run``, ``_peak``.
 
-    __slots__ = ("current", "peak", "allocated", "freed")
-
-    def __init__(self) -> None:
-        self.current = 0
-        self.peak = 0
-        self.allocated = 0
-        self.freed = 0
-
-    def increase(self, amount: int) -> None:
-        """Raise the level by ``amount`` (>= 0)."""
-        cur = self.current + amount
-        self.current = cur
-        self.allocated += amount
-        if cur > self.peak:
-            self.peak = cur
-
-    def decrease(self, amount: int) -> None:
-        """Lower the level by ``amount``; it may not go below zero."""
-        cur = self.current - amount
-        if cur < 0:
-            raise AssertionError(f"statistic would go negative ({self.current} - {amount})")
-        self.current = cur
-        self.freed += amount
-
-
-def _triple() -> tuple[Stat, Stat, Stat]:
-    return (Stat(), Stat(), Stat())
-
-
-class StatArrays:
-    """Every statistic for one accounting scope (a device, or one private pool).
-
-    Attributes are named as in ``STAT_NAMES``; each is indexed by ALL/SMALL/LARGE.
+    ``_run`` is the highest level since the epoch began, ``_peak`` the highest before it.
+    Increases must raise ``_run`` when they pass it; decreases never touch it.
     """
 
-    __slots__ = STAT_NAMES + SCALAR_NAMES
+    __slots__ = _FIELDS
 
-    allocation: tuple[Stat, Stat, Stat]
-    allocated_bytes: tuple[Stat, Stat, Stat]
-    requested_bytes: tuple[Stat, Stat, Stat]
-    segment: tuple[Stat, Stat, Stat]
-    reserved_bytes: tuple[Stat, Stat, Stat]
-    active: tuple[Stat, Stat, Stat]
-    active_bytes: tuple[Stat, Stat, Stat]
-    inactive_split: tuple[Stat, Stat, Stat]
-    inactive_split_bytes: tuple[Stat, Stat, Stat]
-    num_alloc_retries: int
-    num_ooms: int
-    num_device_alloc: int
-    num_device_free: int
+    allocation_cur: int
+    allocation_alloc: int
+    allocation_free: int
+    allocation_run: int
+    allocation_peak: int
+    allocated_bytes_cur: int
+    allocated_bytes_alloc: int
+    allocated_bytes_free: int
+    allocated_bytes_run: int
+    allocated_bytes_peak: int
+    requested_bytes_cur: int
+    requested_bytes_alloc: int
+    requested_bytes_free: int
+    requested_bytes_run: int
+    requested_bytes_peak: int
+    segment_cur: int
+    segment_alloc: int
+    segment_free: int
+    segment_run: int
+    segment_peak: int
+    reserved_bytes_cur: int
+    reserved_bytes_alloc: int
+    reserved_bytes_free: int
+    reserved_bytes_run: int
+    reserved_bytes_peak: int
+    inactive_split_cur: int
+    inactive_split_alloc: int
+    inactive_split_free: int
+    inactive_split_run: int
+    inactive_split_peak: int
+    inactive_split_bytes_cur: int
+    inactive_split_bytes_alloc: int
+    inactive_split_bytes_free: int
+    inactive_split_bytes_run: int
+    inactive_split_bytes_peak: int
+    held_cur: int
+    held_alloc: int
+    held_free: int
+    held_run: int
+    held_peak: int
+    held_bytes_cur: int
+    held_bytes_alloc: int
+    held_bytes_free: int
+    held_bytes_run: int
+    held_bytes_peak: int
+    active_peak: int
+    active_bytes_peak: int
 
     def __init__(self) -> None:
-        for name in STAT_NAMES:
-            setattr(self, name, _triple())
-        for name in SCALAR_NAMES:
+        for name in _FIELDS:
             setattr(self, name, 0)
 
-    def change(self, name: str, kind: int, amount: int) -> None:
-        """Add ``amount`` (may be negative) to statistic ``name`` of pool type ``kind`` and ``all``."""
-        trio = getattr(self, name)
+    def add(self, level: str, amount: int) -> None:
+        """Move ``level`` by ``amount`` (either sign); a level may not go below zero."""
+        cur = getattr(self, level + "_cur") + amount
+        if cur < 0:
+            raise AssertionError(f"statistic {level} would go negative")
+        setattr(self, level + "_cur", cur)
         if amount >= 0:
-            trio[ALL].increase(amount)
-            trio[kind].increase(amount)
+            setattr(self, level + "_alloc", getattr(self, level + "_alloc") + amount)
+            if cur > getattr(self, level + "_run"):
+                setattr(self, level + "_run", cur)
         else:
-            trio[ALL].decrease(-amount)
-            trio[kind].decrease(-amount)
+            setattr(self, level + "_free", getattr(self, level + "_free") - amount)
+
+
+class PoolStats:
+    """All statistics of one accounting scope (a device, or one private pool)."""
+
+    __slots__ = ("small", "large", "epoch", "all_peak", *SCALAR_NAMES)
+
+    def __init__(self) -> None:
+        self.small = KindCounters()
+        self.large = KindCounters()
+        self.epoch = self.small
+        self.all_peak: dict[str, int] = dict.fromkeys(STAT_NAMES, 0)
+        self.num_alloc_retries = 0
+        self.num_ooms = 0
+        self.num_device_alloc = 0
+        self.num_device_free = 0
+
+    def kind(self, is_small: bool) -> KindCounters:
+        """The counters of one kind, making it the epoch's kind first."""
+        kc = self.small if is_small else self.large
+        if self.epoch is not kc:
+            self.fold()
+            self.epoch = kc
+        return kc
+
+    def fold(self) -> None:
+        """Close the epoch: turn the changing kind's runs into peaks of it and of ``all``."""
+        k = self.epoch
+        o = self.large if k is self.small else self.small
+        peaks = self.all_peak
+        for level in LEVELS[:7]:
+            run = getattr(k, level + "_run")
+            if run > getattr(k, level + "_peak"):
+                setattr(k, level + "_peak", run)
+            total = run + getattr(o, level + "_cur")
+            if total > peaks[level]:
+                peaks[level] = total
+        for name, n, h in (("active", "allocation", "held"), ("active_bytes", "allocated_bytes", "held_bytes")):
+            mine = getattr(k, n + "_run") + getattr(k, h + "_cur")
+            if mine > getattr(k, name + "_peak"):
+                setattr(k, name + "_peak", mine)
+            total = mine + getattr(o, n + "_cur") + getattr(o, h + "_cur")
+            if total > peaks[name]:
+                peaks[name] = total
+        for kc in (self.small, self.large):
+            for level in LEVELS:
+                setattr(kc, level + "_run", getattr(kc, level + "_cur"))
+
+    # -- the two hot-path events, one call each -------------------------------
+    def on_malloc(self, is_small: bool, size: int, requested: int, d_split: int, d_split_bytes: int) -> None:
+        """A block of ``size`` bytes was handed out; split bookkeeping moved by the deltas."""
+        k = self.small if is_small else self.large
+        if self.epoch is not k:
+            self.fold()
+            self.epoch = k
+        c = k.allocation_cur + 1
+        k.allocation_cur = c
+        k.allocation_alloc += 1
+        if c > k.allocation_run:
+            k.allocation_run = c
+        c = k.allocated_bytes_cur + size
+        k.allocated_bytes_cur = c
+        k.allocated_bytes_alloc += size
+        if c > k.allocated_bytes_run:
+            k.allocated_bytes_run = c
+        c = k.requested_bytes_cur + requested
+        k.requested_bytes_cur = c
+        k.requested_bytes_alloc += requested
+        if c > k.requested_bytes_run:
+            k.requested_bytes_run = c
+        if d_split or d_split_bytes:
+            self._split(k, d_split, d_split_bytes)
+
+    def on_release(
+        self, is_small: bool, size: int, requested: int, d_split: int, d_split_bytes: int, freed: bool
+    ) -> None:
+        """A block stopped being active; split bookkeeping moved by the deltas.
+
+        ``freed``: the user gave it back just now (else its hold ended), so the
+        allocation counters move too, as ``on_free`` would.
+        """
+        k = self.small if is_small else self.large
+        if self.epoch is not k:
+            self.fold()
+            self.epoch = k
+        if freed:
+            c = k.allocation_cur - 1
+            if c < 0:
+                raise AssertionError("allocation would go negative")
+            k.allocation_cur = c
+            k.allocation_free += 1
+            k.allocated_bytes_cur -= size
+            k.allocated_bytes_free += size
+        c = k.requested_bytes_cur - requested
+        if c < 0:
+            raise AssertionError("requested_bytes would go negative")
+        k.requested_bytes_cur = c
+        k.requested_bytes_free += requested
+        if d_split or d_split_bytes:
+            self._split(k, d_split, d_split_bytes)
+
+    @staticmethod
+    def _split(k: KindCounters, d_split: int, d_bytes: int) -> None:
+        """Move the inactive-split count and bytes of ``k`` (written out: it is hot)."""
+        c = k.inactive_split_cur + d_split
+        k.inactive_split_cur = c
+        if d_split > 0:
+            k.inactive_split_alloc += d_split
+            if c > k.inactive_split_run:
+                k.inactive_split_run = c
+        elif d_split < 0:
+            if c < 0:
+                raise AssertionError("inactive_split would go negative")
+            k.inactive_split_free -= d_split
+        c = k.inactive_split_bytes_cur + d_bytes
+        k.inactive_split_bytes_cur = c
+        if d_bytes > 0:
+            k.inactive_split_bytes_alloc += d_bytes
+            if c > k.inactive_split_bytes_run:
+                k.inactive_split_bytes_run = c
+        elif d_bytes < 0:
+            if c < 0:
+                raise AssertionError("inactive_split_bytes would go negative")
+            k.inactive_split_bytes_free -= d_bytes
+
+    def on_free(self, is_small: bool, size: int) -> None:
+        """A block of ``size`` bytes was given back by its user (it may still be held)."""
+        k = self.small if is_small else self.large
+        if self.epoch is not k:
+            self.fold()
+            self.epoch = k
+        c = k.allocation_cur - 1
+        if c < 0:
+            raise AssertionError("allocation would go negative")
+        k.allocation_cur = c
+        k.allocation_free += 1
+        k.allocated_bytes_cur -= size
+        k.allocated_bytes_free += size
+
+    def hold(self, is_small: bool, size: int, amount: int) -> None:
+        """``amount`` (+1 or -1) blocks of ``size`` start or stop being held back."""
+        self.fold()
+        k = self.kind(is_small)
+        k.add("held", amount)
+        k.add("held_bytes", amount * size)
+        self.fold()
+
+    # -- reading ----------------------------------------------------------------
+    def current(self, name: str, kind: str = "all") -> int:
+        """The current level of one statistic (``kind`` in POOL_NAMES)."""
+        kcs = {"all": (self.small, self.large), "small_pool": (self.small,), "large_pool": (self.large,)}[kind]
+        return sum(self._level(kc, name)[0] for kc in kcs)
+
+    @staticmethod
+    def _level(kc: KindCounters, name: str) -> tuple[int, int, int, int]:
+        """(current, peak, allocated, freed) of one statistic of one kind; epoch folded."""
+        if name == "active" or name == "active_bytes":
+            n, h = ("allocation", "held") if name == "active" else ("allocated_bytes", "held_bytes")
+            return (
+                getattr(kc, n + "_cur") + getattr(kc, h + "_cur"),
+                getattr(kc, name + "_peak"),
+                getattr(kc, n + "_alloc"),
+                getattr(kc, n + "_free") - getattr(kc, h + "_alloc") + getattr(kc, h + "_free"),
+            )
+        return (
+            getattr(kc, name + "_cur"),
+            getattr(kc, name + "_peak"),
+            getattr(kc, name + "_alloc"),
+            getattr(kc, name + "_free"),
+        )
 
     def as_dict(self) -> dict[str, int]:
         """Flatten to ``"<stat>.<pool>.<counter>"`` keys plus the scalar counters."""
+        self.fold()
         out: dict[str, int] = {}
         for name in STAT_NAMES:
-            trio = getattr(self, name)
-            for pool_name, st in zip(POOL_NAMES, trio):
+            s = self._level(self.small, name)
+            g = self._level(self.large, name)
+            a = (s[0] + g[0], self.all_peak[name], s[2] + g[2], s[3] + g[3])
+            for pool_name, vals in zip(POOL_NAMES, (a, s, g)):
                 prefix = f"{name}.{pool_name}."
-                out[prefix + "current"] = st.current
-                out[prefix + "peak"] = st.peak
-                out[prefix + "allocated"] = st.allocated
-                out[prefix + "freed"] = st.freed
+                out[prefix + "current"] = vals[0]
+                out[prefix + "peak"] = max(vals[1], vals[0])
+                out[prefix + "allocated"] = vals[2]
+                out[prefix + "freed"] = vals[3]
         for name in SCALAR_NAMES:
             out[name] = getattr(self, name)
         return out
 
     def reset_peak(self) -> None:
         """Set every peak to its current level."""
+        self.fold()
+        for kc in (self.small, self.large):
+            for level in LEVELS:
+                setattr(kc, level + "_peak", getattr(kc, level + "_cur"))
+            kc.active_peak = kc.allocation_cur + kc.held_cur
+            kc.active_bytes_peak = kc.allocated_bytes_cur + kc.held_bytes_cur
         for name in STAT_NAMES:
-            for st in getattr(self, name):
-                st.peak = st.current
+            self.all_peak[name] = self.current(name)
 
     def reset_accumulated(self) -> None:
         """Zero every accumulated counter and the scalar counters."""
-        for name in STAT_NAMES:
-            for st in getattr(self, name):
-                st.allocated = 0
-                st.freed = 0
+        for kc in (self.small, self.large):
+            for level in LEVELS:
+                setattr(kc, level + "_alloc", 0)
+                setattr(kc, level + "_free", 0)
         for name in SCALAR_NAMES:
             setattr(self, name, 0)

@@ -1,0 +1,158 @@
+"""CuPy integration: graphpool as CuPy's allocator, and CuPy's stream kept in step.
+
+``install()`` makes every CuPy allocation come from graphpool, on CuPy's current stream
+and device, so arrays made inside ``gp.graph(...)`` land in the graph's private pool
+and a block freed by CuPy is reused only as SPEC section 2 allows. It also registers a
+listener so that ``gp.stream(s)`` and ``gp.graph(g)`` make ``s`` (or the capturing
+stream) CuPy's current stream too: CuPy kernels launched inside ``gp.graph`` are
+captured. ``uninstall()`` restores the allocator CuPy had before. ``installed()`` does
+both around a ``with`` block. All three are idempotent.
+
+CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+from graphpool import runtime
+from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.memory import alloc
+from graphpool.streams import Stream, current_stream
+
+_cp: Any = None
+"""The cupy module, once ``install()`` imported it."""
+_lock = threading.Lock()
+_installed = False
+_previous: Any = None
+"""CuPy's allocator before ``install()``."""
+_gp_streams: dict[tuple[int, int], Stream] = {}
+"""graphpool Stream objects wrapping CuPy's stream handles, by (device, handle)."""
+_cp_streams: dict[tuple[int, int], Any] = {}
+"""CuPy stream objects wrapping graphpool's stream handles, by (device, handle)."""
+
+
+def _require_cuda() -> None:
+    name = runtime.get().name
+    if name != "cuda":
+        raise RuntimeError(
+            f"graphpool's CuPy allocator needs the 'cuda' backend, but the {name!r} backend is in "
+            "use: call graphpool.set_backend('cuda') (and keep it) while CuPy allocates through graphpool"
+        )
+
+
+def malloc(nbytes: int) -> Any:
+    """The allocator handed to ``cupy.cuda.set_allocator``: ``nbytes`` on CuPy's current stream.
+
+    Returns a ``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is the
+    graphpool DeviceBuffer, so the block goes back to graphpool when CuPy drops it.
+    """
+    cp = _cp
+    _require_cuda()
+    device = cp.cuda.runtime.getDevice()
+    handle = int(cp.cuda.get_current_stream(device).ptr)
+    key = (device, handle)
+    s = _gp_streams.get(key)
+    if s is None:
+        s = _gp_streams.setdefault(key, Stream._wrap(device, handle))
+    buf = alloc(nbytes, stream=s)
+    mem = cp.cuda.UnownedMemory(buf.ptr, nbytes, buf, device)
+    return cp.cuda.MemoryPointer(mem, 0)
+
+
+def cupy_stream(s: Stream) -> Any:
+    """The CuPy stream object for graphpool stream ``s`` (cached; ``Stream.null`` for handle 0)."""
+    cp = _cp
+    key = (s.device, s.handle)
+    cs = _cp_streams.get(key)
+    if cs is None:
+        if s.handle == LEGACY_STREAM:
+            cs = cp.cuda.Stream.null
+        else:
+            with warnings.catch_warnings():
+                # CuPy 14 deprecates ExternalStream in favour of Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                cs = cp.cuda.ExternalStream(s.handle, s.device)
+        cs = _cp_streams.setdefault(key, cs)
+    return cs
+
+
+def _follow(s: object) -> None:
+    """Stream listener: make graphpool's new current stream CuPy's current stream."""
+    if not isinstance(s, Stream) or runtime.get().name != "cuda":
+        return
+    cs = cupy_stream(s)
+    cp = _cp
+    if cp.cuda.runtime.getDevice() == s.device:
+        cs.use()
+    else:
+        with cp.cuda.Device(s.device):
+            cs.use()
+
+
+def install() -> None:
+    """Make graphpool CuPy's allocator and keep CuPy's current stream in step with graphpool's.
+
+    Idempotent. Raises ImportError without CuPy, RuntimeError unless the backend is "cuda".
+    """
+    global _cp, _installed, _previous
+    import cupy
+
+    _require_cuda()
+    with _lock:
+        if _installed:
+            return
+        _cp = cupy
+        _previous = cupy.cuda.get_allocator()
+        cupy.cuda.set_allocator(malloc)
+        if _follow not in runtime.stream_listeners:
+            runtime.stream_listeners.append(_follow)
+        _installed = True
+    s = current_stream()
+    if s.handle != LEGACY_STREAM:
+        _follow(s)  # installed inside `with gp.stream(...)`: CuPy follows from now on
+
+
+def uninstall() -> None:
+    """Give CuPy back the allocator it had before ``install()`` and stop following streams.
+
+    Idempotent. CuPy arrays allocated through graphpool stay valid and are freed to
+    graphpool when CuPy drops them.
+    """
+    global _installed, _previous
+    with _lock:
+        if not _installed:
+            return
+        while _follow in runtime.stream_listeners:
+            runtime.stream_listeners.remove(_follow)
+        if _cp.cuda.get_allocator() is malloc:
+            _cp.cuda.set_allocator(_previous)
+        _previous = None
+        _installed = False
+
+
+def is_installed() -> bool:
+    """True between ``install()`` and ``uninstall()``."""
+    return _installed
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Install graphpool as CuPy's allocator inside the block (if it was not already)."""
+    was = _installed
+    install()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
+
+
+using = installed
+"""Alias of ``installed``."""
+
+__all__ = ["cupy_stream", "install", "installed", "is_installed", "malloc", "uninstall", "using"]

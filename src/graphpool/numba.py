@@ -1,0 +1,122 @@
+"""Numba integration: an External Memory Management (EMM) plugin backed by graphpool.
+
+``install()`` calls ``numba.cuda.set_memory_manager(GraphpoolEMMPlugin)``; it must run
+before Numba creates its CUDA context (before the first ``cuda.to_device``, kernel
+launch, ``cuda.current_context()``...). Alternatively set the environment variable
+``NUMBA_CUDA_MEMORY_MANAGER=graphpool.numba`` before Numba starts.
+
+Device allocations then come from graphpool on graphpool's current stream of the
+context's device; pinned and mapped host memory stays with Numba (the plugin derives
+from ``HostOnlyCUDAMemoryManager``). Numba is imported on first use of the plugin class.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from graphpool import runtime
+
+_lock = threading.Lock()
+_plugin: Any = None
+
+GraphpoolEMMPlugin: Any
+"""The plugin class, made on first access (it subclasses Numba's, so it needs numba)."""
+
+
+def _make_plugin() -> Any:
+    """Define the plugin class (needs numba.cuda, hence not at module import)."""
+    from numba import cuda
+
+    from graphpool.memory import alloc
+    from graphpool.streams import current_stream
+
+    class GraphpoolEMMPlugin(cuda.HostOnlyCUDAMemoryManager):
+        """Numba EMM plugin: device memory from graphpool's caching allocator."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._buffers: dict[int, Any] = {}
+
+        def _device_index(self) -> int:
+            ctx = self.context
+            return int(ctx.device.id) if ctx is not None else runtime.current_device_index()
+
+        def memalloc(self, size: int) -> Any:
+            """``size`` bytes from graphpool on its current stream of the context's device."""
+            if runtime.get().name != "cuda":
+                raise RuntimeError("graphpool's Numba plugin needs graphpool's 'cuda' backend")
+            buf = alloc(size, stream=current_stream(self._device_index()))
+            ptr = buf.ptr
+            buffers = self._buffers
+            buffers[ptr] = buf
+
+            def finalizer() -> None:
+                # Dropping the last reference lets the DeviceBuffer's finalizer queue the free.
+                buffers.pop(ptr, None)
+
+            return cuda.MemoryPointer(self.context, _device_pointer(ptr), size, finalizer=finalizer)
+
+        def get_memory_info(self) -> Any:
+            """The device's (free, total) bytes; graphpool's cache counts as used."""
+            free, total = runtime.get().device(self._device_index()).mem_info()
+            return cuda.MemoryInfo(free=free, total=total)
+
+        def get_ipc_handle(self, memory: Any) -> Any:
+            """Not supported: graphpool blocks are parts of larger segments."""
+            raise NotImplementedError("graphpool's Numba plugin does not export IPC handles")
+
+        def initialize(self) -> None:
+            """Make sure graphpool's runtime is up (nothing else to prepare)."""
+            runtime.get()
+
+        def reset(self) -> None:
+            """Drop every allocation made through this plugin (Numba resets the context)."""
+            super().reset()
+            self._buffers.clear()
+
+        def defer_cleanup(self) -> Any:
+            """Numba's own deferral for host allocations; graphpool's frees are already deferred."""
+            return super().defer_cleanup()
+
+        @property
+        def interface_version(self) -> int:
+            return 1
+
+    GraphpoolEMMPlugin.__module__ = __name__
+    GraphpoolEMMPlugin.__qualname__ = "GraphpoolEMMPlugin"
+    return GraphpoolEMMPlugin
+
+
+def _device_pointer(ptr: int) -> Any:
+    """A pointer Numba's MemoryPointer accepts (it converts c_void_p to its binding's type)."""
+    import ctypes
+
+    return ctypes.c_void_p(ptr)
+
+
+def plugin_class() -> Any:
+    """The ``GraphpoolEMMPlugin`` class (defined on first call)."""
+    global _plugin
+    if _plugin is None:
+        with _lock:
+            if _plugin is None:
+                _plugin = _make_plugin()
+    return _plugin
+
+
+def install() -> None:
+    """Make graphpool Numba's device memory manager. Call before Numba makes its context."""
+    from numba import cuda
+
+    cuda.set_memory_manager(plugin_class())
+
+
+def __getattr__(name: str) -> Any:
+    # ``GraphpoolEMMPlugin`` and Numba's ``_numba_memory_manager`` hook resolve lazily.
+    if name in ("GraphpoolEMMPlugin", "_numba_memory_manager"):
+        return plugin_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["GraphpoolEMMPlugin", "install", "plugin_class"]

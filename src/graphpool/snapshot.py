@@ -1,0 +1,94 @@
+"""Readable views of the allocator: ``memory_summary()`` and the ``snapshot`` command."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ROWS = (
+    ("Allocated memory", "allocated_bytes", True),
+    ("Active memory", "active_bytes", True),
+    ("Requested memory", "requested_bytes", True),
+    ("Reserved memory", "reserved_bytes", True),
+    ("Non-releasable memory", "inactive_split_bytes", True),
+    ("Allocations", "allocation", False),
+    ("Active allocs", "active", False),
+    ("Segments", "segment", False),
+    ("Non-releasable allocs", "inactive_split", False),
+)
+
+
+def fmt_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1."""
+    value = float(n)
+    for unit in ("B ", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} {unit}" if unit == "B " else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def summary(device: int, stats: dict[str, int]) -> str:
+    """A table of every statistic: current, peak, allocated and freed, for all/small/large."""
+    width = 84
+    lines = [
+        "=" * width,
+        f" graphpool memory summary, device {device}".ljust(width),
+        "-" * width,
+        f"{'Metric':<28}{'Cur Usage':>14}{'Peak Usage':>14}{'Tot Alloc':>14}{'Tot Freed':>14}",
+        "-" * width,
+    ]
+    for title, stat, is_bytes in ROWS:
+        for pool, label in (("all", title), ("large_pool", "  from large pool"), ("small_pool", "  from small pool")):
+            cells = []
+            for counter in ("current", "peak", "allocated", "freed"):
+                v = stats.get(f"{stat}.{pool}.{counter}", 0)
+                cells.append(fmt_bytes(v) if is_bytes else str(v))
+            lines.append(f"{label:<28}" + "".join(f"{c:>14}" for c in cells))
+        lines.append("-" * width)
+    for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"):
+        lines.append(f"{key:<28}{stats.get(key, 0):>14}")
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def render_snapshot(segments: list[dict[str, Any]], as_json: bool = False) -> str:
+    """The segments of ``memory_snapshot()`` as JSON or as one line per block."""
+    if as_json:
+        return json.dumps(segments, indent=2)
+    out = []
+    for seg in segments:
+        pool = seg["segment_pool_id"]
+        owner = f"private pool {tuple(pool)}" if pool is not None else "ordinary pool"
+        out.append(
+            f"segment 0x{seg['address']:x} {fmt_bytes(seg['total_size'])} {seg['segment_type']} "
+            f"stream 0x{seg['stream']:x} {owner}"
+        )
+        for b in seg["blocks"]:
+            graph = f" graph {b['owner_graph']}" if b["owner_graph"] else ""
+            out.append(f"  0x{b['address']:x} {fmt_bytes(b['size']):>12} {b['state']}{graph}")
+    return "\n".join(out) if out else "(no segments)"
+
+
+def run_cli(backend: str | None, as_json: bool = False) -> int:
+    """Make a few eager buffers and one graph, then print the snapshot and the summary."""
+    import graphpool as gp
+    from graphpool import runtime
+
+    if backend is not None:
+        gp.set_backend(backend)
+    keep = [gp.alloc(n) for n in (100, 4096, 3 << 20)]
+    s = gp.Stream()
+    g = gp.CUDAGraph()
+    with gp.stream(s):
+        g.capture_begin()
+        out = gp.alloc(1 << 20)
+        runtime.get().device(s.device).memset(out.ptr, 0, out.nbytes, s.handle)
+        keep.append(out)
+        g.capture_end()
+    print(render_snapshot(gp.memory_snapshot(), as_json))
+    if not as_json:
+        print()
+        print(gp.memory_summary())
+    del keep, g
+    return 0

@@ -1,0 +1,705 @@
+"""Private pools for graph capture (SPEC section 3), on a scripted FakeDevice.
+
+A capture here is ``allocator.begin_capture(pid, begin=lambda: dev.begin(s), stream=s)``,
+then ``dev.end(s)`` and ``allocator.end_capture(rec)`` (or ``abort_capture``); the graph's
+reset is ``release_capture(rec)``.
+"""
+
+from __future__ import annotations
+
+import pytest
+from fakedevice import FakeDevice
+
+from graphpool.device.protocol import (
+    CAPTURE_MODE_GLOBAL,
+    CAPTURE_MODE_RELAXED,
+    CAPTURE_MODE_THREAD_LOCAL,
+)
+from graphpool.errors import CaptureError, DoubleFreeError, OutOfMemoryError
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.pools import DEFAULT, SizeConfig
+from graphpool.policy.private_pools import (
+    CaptureRecord,
+    PoolId,
+    new_graph_pool_id,
+    new_shared_pool_id,
+)
+
+KiB = 1024
+MiB = 1024 * KiB
+S1, S2, S3, S4 = 1, 2, 3, 4
+P = PoolId(7, 0)
+Q = PoolId(8, 0)
+H = PoolId(0, 5)
+UNSAFE = {"record", "query", "sync", "free"}
+
+
+def make(total: int = 1 << 34, sizes: SizeConfig = DEFAULT) -> tuple[FakeDevice, CachingAllocator]:
+    dev = FakeDevice(total)
+    return dev, CachingAllocator(dev, sizes=sizes)
+
+
+def begin(a: CachingAllocator, dev: FakeDevice, pid: PoolId, stream: int) -> CaptureRecord:
+    rec = a.begin_capture(pid, lambda: dev.begin(stream), stream=stream)
+    a.check_invariants()
+    return rec
+
+
+def end(a: CachingAllocator, dev: FakeDevice, rec: CaptureRecord) -> None:
+    for s, cid in list(dev.capturing.items()):
+        if cid == rec.capture_id:
+            dev.end(s)
+    a.end_capture(rec)
+    a.check_invariants()
+
+
+def abort(a: CachingAllocator, dev: FakeDevice, rec: CaptureRecord) -> None:
+    for s, cid in list(dev.capturing.items()):
+        if cid == rec.capture_id:
+            dev.end(s)
+    a.abort_capture(rec)
+    a.check_invariants()
+
+
+def owner(a: CachingAllocator, ptr: int) -> PoolId | None:
+    blk = a.lookup(ptr)
+    assert blk is not None
+    return None if blk.pool.owner is None else blk.pool.owner.id
+
+
+def pstats(a: CachingAllocator, pid: PoolId) -> dict[str, int]:
+    return a.memory_stats(pool=pid)
+
+
+def ok(a: CachingAllocator) -> None:
+    a.check_invariants()
+
+
+# --------------------------------------------------------------------------- pool ids
+def test_pool_id_is_an_immutable_pair() -> None:
+    pid = PoolId(3, 0)
+    assert tuple(pid) == (3, 0) and pid == (3, 0) and pid.graph == 3 and pid.handle == 0
+    with pytest.raises(AttributeError):
+        pid.graph = 4  # type: ignore[misc]
+    assert hash(pid) == hash((3, 0))
+    assert {pid: 1}[PoolId(3, 0)] == 1
+
+
+@pytest.mark.parametrize("good", [(1, 0), (0, 1), (123, 0), (0, 99), PoolId(2, 0)])
+def test_pool_id_coerce_accepts(good: object) -> None:
+    pid = PoolId.coerce(good)
+    assert isinstance(pid, PoolId) and tuple(pid) == tuple(good)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [(0, 0), (1, 1), (-1, 0), (0, -2), (5, 7)])
+def test_pool_id_coerce_rejects_values(bad: tuple[int, int]) -> None:
+    with pytest.raises(ValueError):
+        PoolId.coerce(bad)
+
+
+@pytest.mark.parametrize("bad", [None, 3, "1,0", (1,), (1, 0, 0), (1.0, 0), [1, 0], (True, 0)])
+def test_pool_id_coerce_rejects_types(bad: object) -> None:
+    with pytest.raises(TypeError):
+        PoolId.coerce(bad)
+
+
+def test_pool_id_counters_increase() -> None:
+    g1, g2 = new_graph_pool_id(), new_graph_pool_id()
+    h1, h2 = new_shared_pool_id(), new_shared_pool_id()
+    assert g1.handle == 0 and g2.handle == 0 and 0 < g1.graph < g2.graph
+    assert h1.graph == 0 and h2.graph == 0 and 0 < h1.handle < h2.handle
+
+
+# --------------------------------------------------------------------------- routing
+class CountingDevice(FakeDevice):
+    def __init__(self, total: int = 1 << 34) -> None:
+        super().__init__(total)
+        self.info_calls = 0
+
+    def capture_info(self, stream: int) -> tuple[int, int]:
+        self.info_calls += 1
+        return super().capture_info(stream)
+
+
+def test_no_capture_query_while_nothing_captures() -> None:
+    dev = CountingDevice()
+    a = CachingAllocator(dev)
+    ptrs = [a.malloc(n, stream=S1 + n % 3) for n in (10, 5000, 3 * MiB, 12 * MiB)]
+    for p in ptrs:
+        a.free(p)
+    a.empty_cache()
+    assert dev.info_calls == 0
+    rec = a.begin_capture(P, lambda: dev.begin(S1), stream=S1)
+    a.malloc(10, stream=S1)
+    assert dev.info_calls >= 1
+    dev.end(S1)
+    a.end_capture(rec)
+    n = dev.info_calls
+    a.malloc(10, stream=S2)
+    assert dev.info_calls == n
+    ok(a)
+
+
+def test_capturing_stream_gets_private_memory_others_do_not() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(1000, stream=S1)
+    q = a.malloc(1000, stream=S2)  # eager, while S1 captures
+    assert owner(a, p) == P
+    assert owner(a, q) is None
+    assert a.lookup(p).owner is rec and a.lookup(q).owner is None
+    ps = pstats(a, P)
+    assert ps["allocation.all.current"] == 1
+    assert ps["allocated_bytes.all.current"] == 1024
+    assert ps["requested_bytes.all.current"] == 1000
+    assert ps["segment.all.current"] == 1 and ps["reserved_bytes.all.current"] == 2 * MiB
+    assert ps["num_device_alloc"] == 1
+    assert ps["use_count"] == 1
+    st = a.memory_stats()  # private pools count into the device totals
+    assert st["allocation.all.current"] == 2
+    assert st["segment.all.current"] == 2 and st["reserved_bytes.all.current"] == 4 * MiB
+    assert st["num_device_alloc"] == 2
+    ok(a)
+    end(a, dev, rec)
+    r = a.malloc(1000, stream=S1)  # eager again on the stream that captured
+    assert owner(a, r) is None
+    assert a.memory_stats()["num_device_alloc"] == 3
+    ok(a)
+
+
+def test_pool_memory_never_goes_to_eager_code() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(4096, stream=S1)
+    a.free(p)  # back to P's free list
+    end(a, dev, rec)
+    q = a.malloc(4096, stream=S1)  # eager, same stream and size: must not get P's block
+    assert q != p and owner(a, q) is None
+    ps = pstats(a, P)
+    assert ps["allocation.all.current"] == 0 and ps["segment.all.current"] == 1
+    ok(a)
+
+
+def test_joined_stream_allocates_from_the_capture_pool() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    dev.capturing[S4] = rec.capture_id  # S4 joined the capture through an event
+    p = a.malloc(4096, stream=S4)
+    q = a.malloc(4096, stream=S2)
+    assert owner(a, p) == P and owner(a, q) is None
+    end(a, dev, rec)
+    assert S4 not in dev.capturing
+
+
+def test_two_concurrent_captures_route_to_their_own_pools() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, P, S1)
+    r2 = begin(a, dev, Q, S2)
+    p = a.malloc(512, stream=S1)
+    q = a.malloc(512, stream=S2)
+    r = a.malloc(512, stream=S3)
+    assert (owner(a, p), owner(a, q), owner(a, r)) == (P, Q, None)
+    end(a, dev, r1)
+    p2 = a.malloc(512, stream=S1)  # S1 no longer captures
+    q2 = a.malloc(512, stream=S2)  # S2 still does
+    assert owner(a, p2) is None and owner(a, q2) == Q
+    end(a, dev, r2)
+    ok(a)
+
+
+def test_begin_that_raises_changes_nothing() -> None:
+    dev, a = make()
+
+    def failing() -> int:
+        raise RuntimeError("driver refused")
+
+    with pytest.raises(RuntimeError):
+        a.begin_capture(P, failing, stream=S1)
+    assert a.private_pools() == []
+    p = a.malloc(512, stream=S1)
+    assert owner(a, p) is None
+    a.empty_cache()  # not refused: no capture registered
+    ok(a)
+
+
+# --------------------------------------------------------------------------- frees in capture
+def test_block_freed_during_capture_is_reused_in_that_capture() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(4096, stream=S1)
+    a.free(p)
+    q = a.malloc(4096, stream=S1)
+    assert q == p
+    ps = pstats(a, P)
+    assert ps["num_device_alloc"] == 1 and ps["allocation.all.current"] == 1
+    assert ps["allocation.all.allocated"] == 2 and ps["allocation.all.freed"] == 1
+    end(a, dev, rec)
+
+
+def test_shared_pool_block_reused_by_a_later_capture() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, H, S1)
+    t = a.malloc(4096, stream=S1)
+    a.free(t)  # a temporary of the first graph
+    end(a, dev, r1)
+    r2 = begin(a, dev, H, S1)
+    u = a.malloc(4096, stream=S1)
+    assert u == t and owner(a, u) == H
+    assert pstats(a, H)["num_device_alloc"] == 1
+    assert pstats(a, H)["use_count"] == 2
+    end(a, dev, r2)
+
+
+def test_own_pool_output_freed_in_a_later_capture_returns_to_the_pool() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, H, S1)
+    out = a.malloc(4096, stream=S1)  # the first graph's output
+    end(a, dev, r1)
+    r2 = begin(a, dev, H, S1)
+    a.free(out)  # consumed by the second graph: goes back to H, not kept
+    st = pstats(a, H)
+    assert st["active.all.current"] == 0
+    assert a.malloc(4096, stream=S1) == out
+    end(a, dev, r2)
+    ok(a)
+
+
+def test_ordinary_block_freed_during_capture_is_kept_until_release() -> None:
+    dev, a = make()
+    e = a.malloc(4096, stream=S2)  # eager, before the capture
+    rec = begin(a, dev, P, S1)
+    a.free(e)  # freed during the capture (by any stream): kept for the graph
+    st = a.memory_stats()
+    assert st["allocation.all.current"] == 0
+    assert st["allocated_bytes.all.current"] == 0
+    assert st["active.all.current"] == 1 and st["active_bytes.all.current"] == 4096
+    assert st["requested_bytes.all.current"] == 4096
+    assert [b.ptr for b in rec.kept] == [e]
+    ok(a)
+    x = a.malloc(4096, stream=S2)  # eager code during the capture
+    assert x != e
+    with pytest.raises(DoubleFreeError):
+        a.free(e)
+    end(a, dev, rec)
+    y = a.malloc(4096, stream=S2)  # eager code after the capture: still kept
+    assert y not in (e, x)
+    assert a.memory_stats()["active.all.current"] == 3
+    ok(a)
+    a.release_capture(rec)  # the graph is reset: e returns to the ordinary pool
+    st = a.memory_stats()
+    assert st["active.all.current"] == 2 and st["active_bytes.all.current"] == 8192
+    assert st["requested_bytes.all.current"] == 8192
+    ok(a)
+    assert a.malloc(4096, stream=S2) == e
+    assert a.private_pools() == []  # P never got a segment: gone with its last user
+    ok(a)
+
+
+def test_ordinary_block_of_the_capturing_stream_freed_during_capture_is_kept() -> None:
+    dev, a = make()
+    e = a.malloc(4096, stream=S1)
+    a.malloc(4096, stream=S1)
+    rec = begin(a, dev, P, S1)
+    a.free(e)
+    q = a.malloc(4096, stream=S1)  # in the capture: from P, not e
+    assert q != e and owner(a, q) == P
+    end(a, dev, rec)
+    assert a.malloc(4096, stream=S1) != e
+    a.release_capture(rec)
+    assert a.malloc(4096, stream=S1) == e
+    ok(a)
+
+
+def test_other_private_pool_block_freed_during_capture_is_kept_until_release() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, P, S1)
+    o = a.malloc(4096, stream=S1)  # output of graph 1, pool P
+    a.malloc(4096, stream=S1)
+    end(a, dev, r1)
+    r2 = begin(a, dev, Q, S1)
+    a.free(o)  # a P block freed while Q's graph captures: kept for graph 2
+    assert a.malloc(4096, stream=S1) != o
+    end(a, dev, r2)
+    assert pstats(a, P)["active.all.current"] == 2  # o still held
+    r3 = begin(a, dev, P, S1)
+    assert a.malloc(4096, stream=S1) != o  # not even P's own later captures get it
+    end(a, dev, r3)
+    a.release_capture(r2)
+    ps = pstats(a, P)
+    assert ps["active.all.current"] == 2  # the other block of graph 1 and graph 3's block
+    assert ps["allocation.all.current"] == 2
+    r4 = begin(a, dev, P, S1)
+    assert a.malloc(4096, stream=S1) == o
+    end(a, dev, r4)
+    ok(a)
+
+
+def test_kept_block_does_not_merge_while_held() -> None:
+    dev, a = make()
+    e = a.malloc(4096, stream=S2)  # first block of a segment, followed by the free tail
+    rec = begin(a, dev, P, S1)
+    a.free(e)
+    (seg,) = [s for s in a.snapshot() if s["address"] == e]
+    assert [(b["size"], b["state"]) for b in seg["blocks"]] == [
+        (4096, "active_pending_free"),
+        (2 * MiB - 4096, "inactive"),
+    ]
+    end(a, dev, rec)
+    a.empty_cache()  # the segment is not unsplit-free: kept
+    assert any(s["address"] == e for s in a.snapshot())
+    a.release_capture(rec)
+    a.empty_cache()
+    assert a.snapshot() == []
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+    ok(a)
+
+
+def test_abort_capture_gives_kept_blocks_back_and_restores_use_count() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, H, S1)
+    end(a, dev, r1)
+    e = a.malloc(4096, stream=S2)
+    r2 = begin(a, dev, H, S1)
+    a.free(e)
+    p = a.malloc(4096, stream=S1)  # the failed graph's block, still referenced by the user
+    assert a.memory_stats(pool=H)["use_count"] == 2
+    abort(a, dev, r2)
+    assert a.memory_stats(pool=H)["use_count"] == 1
+    assert a.malloc(4096, stream=S2) == e  # given back at once
+    a.free(p)
+    a.release_capture(r1)
+    a.empty_cache()
+    assert a.private_pools() == []
+    ok(a)
+
+
+# --------------------------------------------------------------------------- stream uses in capture
+def test_record_stream_block_freed_during_capture_is_deferred_without_device_calls() -> None:
+    dev, a = make()
+    e = a.malloc(4096, stream=S2)  # ordinary block with an extra user
+    a.malloc(4096, stream=S2)
+    a.record_stream(e, S3)
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(4096, stream=S1)  # pool block with an extra user
+    a.malloc(4096, stream=S1)
+    a.record_stream(p, S3)
+    dev.calls.clear()
+    a.free(e)
+    a.free(p)
+    a.malloc(3 * MiB, stream=S1)  # a new segment during capture (relaxed malloc)
+    a.malloc(3 * MiB, stream=S2)  # eager malloc during capture: no event polling either
+    assert not UNSAFE & set(dev.calls), dev.calls
+    assert a.malloc(4096, stream=S1) != p  # p waits for its deferred event
+    ps = pstats(a, P)
+    assert ps["active.all.current"] == 4  # p (deferred) + 3 live blocks
+    ok(a)
+    dev.calls.clear()
+    end(a, dev, rec)  # the deferred frees now record their events
+    assert dev.calls.count("record") == 2
+    assert "query" not in dev.calls and "free" not in dev.calls
+    ok(a)
+    dev.complete_all()
+    a.malloc(512, stream=S4)  # polls: p's event done -> back to P
+    ps = pstats(a, P)
+    assert ps["active.all.current"] == 3
+    a.release_capture(rec)  # e: no longer kept, and its event is done -> polled at next malloc
+    a.malloc(512, stream=S4)
+    st = a.memory_stats()
+    assert st["active_bytes.all.current"] == sum(
+        b["size"] for s in a.snapshot() for b in s["blocks"] if b["state"] != "inactive"
+    )
+    assert not any(
+        b["address"] == e and b["state"] != "inactive" for s in a.snapshot() for b in s["blocks"]
+    )
+    ok(a)
+
+
+def test_deferred_free_waits_for_every_capture_to_end() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, P, S1)
+    r2 = begin(a, dev, Q, S2)
+    p = a.malloc(4096, stream=S1)
+    a.record_stream(p, S3)
+    dev.calls.clear()
+    a.free(p)
+    end(a, dev, r1)  # Q still captures: still no event recorded
+    assert not UNSAFE & set(dev.calls)
+    end(a, dev, r2)
+    assert dev.calls.count("record") == 1
+    ok(a)
+
+
+# --------------------------------------------------------------------------- relaxed mode
+def test_segment_malloc_during_capture_runs_relaxed_and_restores_mode() -> None:
+    dev, a = make()
+    a.malloc(512, stream=S1)
+    assert dev.mode_log == []  # no capture: no mode changes
+    rec = begin(a, dev, P, S1)
+    a.malloc(512, stream=S1)  # new private segment
+    assert dev.mode_log == [CAPTURE_MODE_RELAXED, CAPTURE_MODE_GLOBAL]
+    assert dev.mode == CAPTURE_MODE_GLOBAL
+    a.malloc(512, stream=S1)  # cached: no driver call, no mode change
+    assert len(dev.mode_log) == 2
+    a.malloc(5 * MiB, stream=S2)  # eager segment while a capture is underway: relaxed too
+    assert dev.mode_log[2:] == [CAPTURE_MODE_RELAXED, CAPTURE_MODE_GLOBAL]
+    dev.mode = CAPTURE_MODE_THREAD_LOCAL
+    a.malloc(5 * MiB, stream=S1)
+    assert dev.mode_log[-2:] == [CAPTURE_MODE_RELAXED, CAPTURE_MODE_THREAD_LOCAL]
+    assert dev.mode == CAPTURE_MODE_THREAD_LOCAL
+    dev.mode = CAPTURE_MODE_GLOBAL
+    end(a, dev, rec)
+    n = len(dev.mode_log)
+    a.malloc(7 * MiB, stream=S1)
+    assert len(dev.mode_log) == n
+    ok(a)
+
+
+def test_failed_segment_malloc_during_capture_still_restores_mode() -> None:
+    dev, a = make(total=4 * MiB)
+    rec = begin(a, dev, P, S1)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(3 * MiB, stream=S1)  # needs a 20 MiB segment
+    assert dev.mode == CAPTURE_MODE_GLOBAL
+    assert dev.mode_log == [CAPTURE_MODE_RELAXED, CAPTURE_MODE_GLOBAL]
+    abort(a, dev, rec)
+
+
+class ExplodingDevice(FakeDevice):
+    def malloc(self, nbytes: int) -> int | None:
+        raise RuntimeError("driver exploded")
+
+
+def test_mode_restored_when_the_driver_raises_during_capture() -> None:
+    dev = ExplodingDevice()
+    a = CachingAllocator(dev)
+    rec = a.begin_capture(P, lambda: dev.begin(S1), stream=S1)
+    with pytest.raises(RuntimeError):
+        a.malloc(512, stream=S1)
+    assert dev.mode == CAPTURE_MODE_GLOBAL
+    dev.end(S1)
+    a.abort_capture(rec)
+    ok(a)
+
+
+# --------------------------------------------------------------------------- OOM / empty_cache in capture
+def test_oom_during_capture_releases_nothing() -> None:
+    dev, a = make(total=4 * MiB)
+    c = a.malloc(512, stream=S2)
+    a.free(c)  # a cached, unsplit free ordinary segment (2 MiB)
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(512, stream=S1)  # private segment: the device is full now
+    before = a.memory_stats()
+    dev.calls.clear()
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(MiB + 512, stream=S1)  # needs a 20 MiB segment
+    assert "free" not in dev.calls and "sync" not in dev.calls
+    assert dev.calls == ["malloc"]  # one attempt, no retry
+    after = a.memory_stats()
+    assert after["num_ooms"] == before["num_ooms"] + 1
+    assert after["num_alloc_retries"] == 0
+    assert {k for k in after if after[k] != before[k]} == {"num_ooms"}
+    assert pstats(a, P)["num_ooms"] == 1
+    msg = str(info.value)
+    assert "capture" in msg
+    assert "2.00 MiB" in msg or "2097152" in msg  # held in the private pool
+    assert "4.00 MiB" in msg or "4194304" in msg  # reserved
+    ok(a)
+    abort(a, dev, rec)
+    assert pstats(a, P)["use_count"] == 0  # freeable, p still alive
+    a.free(p)
+    a.empty_cache()
+    st = a.memory_stats()
+    assert st["reserved_bytes.all.current"] == 0 and dev.live == {}
+    assert a.private_pools() == []
+    ok(a)
+
+
+def test_eager_oom_during_someone_elses_capture_releases_nothing() -> None:
+    dev, a = make(total=2 * MiB)
+    c = a.malloc(512, stream=S2)
+    a.free(c)
+    rec = begin(a, dev, P, S1)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(512, stream=S3)  # eager, other stream: cache is not released during capture
+    assert "free" not in dev.calls
+    end(a, dev, rec)
+    q = a.malloc(512, stream=S3)  # now the retry may release the cache
+    assert a.memory_stats()["num_alloc_retries"] == 1 and a.lookup(q) is not None
+    ok(a)
+
+
+def test_empty_cache_refused_during_capture() -> None:
+    dev, a = make()
+    p = a.malloc(512, stream=S2)
+    a.free(p)
+    rec = begin(a, dev, P, S1)
+    before = a.memory_stats()
+    with pytest.raises(CaptureError, match="capture"):
+        a.empty_cache()
+    assert a.memory_stats() == before and "free" not in dev.calls
+    end(a, dev, rec)
+    a.empty_cache()
+    assert a.memory_stats()["num_device_free"] == 1
+    ok(a)
+
+
+# --------------------------------------------------------------------------- use counts, release
+def test_use_counts_freeable_pools_and_disappearance() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, H, S1)
+    out = a.malloc(4096, stream=S1)  # output of graph 1, kept referenced
+    end(a, dev, r1)
+    r2 = begin(a, dev, H, S1)
+    t = a.malloc(MiB + 512, stream=S1)  # a temporary of graph 2 in a large private segment
+    a.free(t)
+    end(a, dev, r2)
+    assert pstats(a, H)["use_count"] == 2
+    assert pstats(a, H)["segment.all.current"] == 2
+
+    a.release_capture(r1)
+    assert pstats(a, H)["use_count"] == 1
+    a.empty_cache()  # a live graph's pool: untouched
+    assert a.memory_stats()["num_device_free"] == 0
+    a.release_capture(r1)  # releasing twice is harmless
+    assert pstats(a, H)["use_count"] == 1
+
+    a.release_capture(r2)  # freeable now
+    assert pstats(a, H)["use_count"] == 0
+    a.empty_cache()  # returns the unsplit free large segment, not the one holding `out`
+    ps = pstats(a, H)
+    assert ps["segment.all.current"] == 1 and ps["num_device_free"] == 1
+    assert ps["reserved_bytes.large_pool.current"] == 0
+    assert a.lookup(out) is not None  # outputs still referenced stay valid
+    assert owner(a, out) == H
+    ok(a)
+
+    a.free(out)  # back to H's free list
+    assert pstats(a, H)["segment.all.current"] == 1
+    a.empty_cache()  # the pool's last segment goes, and the pool with it
+    with pytest.raises(ValueError):
+        a.memory_stats(pool=H)
+    assert a.private_pools() == []
+    st = a.memory_stats()
+    assert st["reserved_bytes.all.current"] == 0 and st["num_device_free"] == 2
+    ok(a)
+
+
+def test_pool_without_segments_disappears_with_its_last_user() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    end(a, dev, rec)
+    assert [p.id for p in a.private_pools()] == [P]
+    a.release_capture(rec)
+    assert a.private_pools() == []
+    ok(a)
+
+
+def test_freeable_pool_is_revived_by_a_new_capture() -> None:
+    dev, a = make()
+    r1 = begin(a, dev, P, S1)
+    p = a.malloc(4096, stream=S1)
+    a.free(p)
+    end(a, dev, r1)
+    a.release_capture(r1)
+    assert pstats(a, P)["use_count"] == 0  # freeable, its segment still cached
+    r2 = begin(a, dev, P, S1)  # PyTorch asserts here; graphpool revives the pool
+    assert pstats(a, P)["use_count"] == 1
+    q = a.malloc(4096, stream=S1)
+    assert q == p and pstats(a, P)["num_device_alloc"] == 1
+    a.free(q)
+    end(a, dev, r2)
+    a.empty_cache()  # revived: no longer freeable, nothing released
+    assert pstats(a, P)["segment.all.current"] == 1
+    assert a.memory_stats()["num_device_free"] == 0
+    a.release_capture(r2)
+    a.empty_cache()
+    assert a.private_pools() == []
+    assert a.memory_stats()["num_device_free"] == 1
+    ok(a)
+
+
+def test_oom_retry_releases_freeable_private_pools() -> None:
+    dev, a = make(total=4 * MiB)
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(4096, stream=S1)
+    a.free(p)
+    end(a, dev, rec)
+    a.release_capture(rec)  # freeable, one free 2 MiB segment
+    a.malloc(512, stream=S2)  # the second 2 MiB: device full
+    q = a.malloc(512, stream=S3)  # refused -> freeable pool released -> retry
+    st = a.memory_stats()
+    assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0 and st["num_device_free"] == 1
+    assert owner(a, q) is None
+    assert a.private_pools() == []
+    ok(a)
+
+
+def test_oom_retry_does_not_release_live_graph_pools() -> None:
+    dev, a = make(total=4 * MiB)
+    rec = begin(a, dev, P, S1)
+    p = a.malloc(4096, stream=S1)
+    a.free(p)
+    end(a, dev, rec)  # graph alive: its pool's free segment must stay
+    a.malloc(512, stream=S2)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(512, stream=S3)
+    assert pstats(a, P)["segment.all.current"] == 1
+    assert a.memory_stats()["num_device_free"] == 0
+    ok(a)
+
+
+def test_memory_stats_per_pool_exact_figures() -> None:
+    dev, a = make()
+    a.malloc(3000, stream=S2)  # eager: device totals only
+    rec = begin(a, dev, P, S1)
+    a.malloc(1000, stream=S1)
+    a.malloc(MiB + 1, stream=S1)
+    ps = pstats(a, P)
+    exp = {
+        "allocation.all.current": 2,
+        "allocation.small_pool.current": 1,
+        "allocation.large_pool.current": 1,
+        "allocated_bytes.small_pool.current": 1024,
+        "allocated_bytes.large_pool.current": MiB + 512,
+        "requested_bytes.all.current": 1000 + MiB + 1,
+        "segment.small_pool.current": 1,
+        "segment.large_pool.current": 1,
+        "reserved_bytes.small_pool.current": 2 * MiB,
+        "reserved_bytes.large_pool.current": 20 * MiB,
+        "reserved_bytes.all.current": 22 * MiB,
+        "active.all.current": 2,
+        "active_bytes.all.current": 1024 + MiB + 512,
+        "inactive_split.all.current": 2,
+        "inactive_split_bytes.small_pool.current": 2 * MiB - 1024,
+        "inactive_split_bytes.large_pool.current": 19 * MiB - 512,
+        "num_device_alloc": 2,
+        "num_device_free": 0,
+        "num_ooms": 0,
+        "use_count": 1,
+    }
+    assert {k: ps[k] for k in exp} == exp
+    st = a.memory_stats()
+    assert st["allocation.all.current"] == 3
+    assert st["allocated_bytes.small_pool.current"] == 1024 + 3072
+    assert st["reserved_bytes.all.current"] == 24 * MiB
+    assert st["num_device_alloc"] == 3
+    end(a, dev, rec)
+    a.reset_peak()
+    a.reset_accumulated()
+    ps = pstats(a, P)
+    assert ps["allocation.all.allocated"] == 0 and ps["num_device_alloc"] == 0
+    assert ps["allocation.all.peak"] == 2
+    with pytest.raises(ValueError):
+        a.memory_stats(pool=Q)
+    ok(a)
+
+
+def test_snapshot_names_pool_and_owner_graph() -> None:
+    dev, a = make()
+    rec = a.begin_capture(P, lambda: dev.begin(S1), stream=S1, label="graph#x")
+    p = a.malloc(512, stream=S1)
+    (seg,) = a.snapshot()
+    assert seg["segment_pool_id"] == (7, 0)
+    assert seg["blocks"][0]["owner_graph"] == "graph#x" and seg["blocks"][0]["address"] == p
+    end(a, dev, rec)
+    ok(a)

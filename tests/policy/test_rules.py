@@ -1,0 +1,757 @@
+"""Every policy rule of SPEC section 2, with exact figures, on a scripted FakeDevice.
+
+Each test drives ``CachingAllocator(FakeDevice(...))`` directly, reads the flattened
+``memory_stats()`` and calls ``check_invariants()`` after each step. Some tests shrink the
+size tunables (``SizeConfig``) so splitting, growth and out-of-memory take small numbers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from fakedevice import FakeDevice
+
+from graphpool.errors import DoubleFreeError, ForeignPointerError, OutOfMemoryError
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.pools import DEFAULT, SizeConfig
+from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES
+
+KiB = 1024
+MiB = 1024 * KiB
+
+SHRUNK = SizeConfig(
+    min_block=512,
+    small_size=4096,
+    small_segment=8192,
+    large_segment=40960,
+    min_large_alloc=20480,
+    round_large=8192,
+)
+
+S1, S2, S3 = 1, 2, 3  # stream handles (any ints but 0 work for the policy)
+
+
+def make(total: int = 1 << 34, sizes: SizeConfig = DEFAULT) -> tuple[FakeDevice, CachingAllocator]:
+    dev = FakeDevice(total)
+    return dev, CachingAllocator(dev, sizes=sizes)
+
+
+def cur(a: CachingAllocator, stat: str, pool: str = "all", counter: str = "current") -> int:
+    return a.memory_stats()[f"{stat}.{pool}.{counter}"]
+
+
+def ok(a: CachingAllocator) -> None:
+    a.check_invariants()
+
+
+def segments(a: CachingAllocator) -> list[dict]:
+    return a.snapshot()
+
+
+def block_layout(a: CachingAllocator) -> list[list[tuple[int, str]]]:
+    """Per segment (by address): [(size, state), ...] of its blocks."""
+    return [[(b["size"], b["state"]) for b in seg["blocks"]] for seg in segments(a)]
+
+
+FREE = "inactive"
+ALLOC = "active_allocated"
+PENDING = "active_pending_free"
+
+
+# --------------------------------------------------------------------------- stats shape
+def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
+    _, a = make()
+    st = a.memory_stats()
+    expected = {
+        f"{name}.{pool}.{counter}"
+        for name in (
+            "allocation",
+            "allocated_bytes",
+            "requested_bytes",
+            "segment",
+            "reserved_bytes",
+            "active",
+            "active_bytes",
+            "inactive_split",
+            "inactive_split_bytes",
+        )
+        for pool in ("all", "small_pool", "large_pool")
+        for counter in ("current", "peak", "allocated", "freed")
+    } | {"num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"}
+    assert set(st) == expected
+    assert set(STAT_NAMES) <= {k.split(".")[0] for k in st}
+    assert set(POOL_NAMES) == {"all", "small_pool", "large_pool"}
+    assert set(SCALAR_NAMES) <= set(st)
+    assert all(v == 0 for v in st.values())
+    ok(a)
+
+
+# --------------------------------------------------------------------------- rounding
+@pytest.mark.parametrize(
+    ("nbytes", "rounded"),
+    [(0, 512), (1, 512), (511, 512), (512, 512), (513, 1024), (1000, 1024), (1024, 1024), (4097, 4608)],
+)
+def test_rounding_to_512(nbytes: int, rounded: int) -> None:
+    _, a = make()
+    p = a.malloc(nbytes, stream=S1)
+    blk = a.lookup(p)
+    assert blk is not None and blk.size == rounded
+    st = a.memory_stats()
+    assert st["allocated_bytes.all.current"] == rounded
+    assert st["allocated_bytes.small_pool.current"] == rounded
+    assert st["allocated_bytes.large_pool.current"] == 0
+    assert st["requested_bytes.all.current"] == nbytes
+    assert st["allocation.all.current"] == 1
+    assert st["active_bytes.all.current"] == rounded
+    assert p % 512 == 0
+    ok(a)
+
+
+def test_size_config_rounding_helpers() -> None:
+    assert [DEFAULT.round_size(n) for n in (0, 1, 511, 512, 513)] == [512, 512, 512, 512, 1024]
+    assert DEFAULT.is_small(MiB) and not DEFAULT.is_small(MiB + 512)
+    assert DEFAULT.segment_size(512) == 2 * MiB
+    assert DEFAULT.segment_size(MiB + 512) == 20 * MiB
+    assert DEFAULT.segment_size(10 * MiB - 512) == 20 * MiB
+    assert DEFAULT.segment_size(10 * MiB) == 10 * MiB
+    assert DEFAULT.segment_size(10 * MiB + 512) == 12 * MiB
+    assert DEFAULT.should_split(True, 512) and not DEFAULT.should_split(True, 0)
+    assert not DEFAULT.should_split(False, MiB) and DEFAULT.should_split(False, MiB + 512)
+
+
+def test_size_config_validation() -> None:
+    with pytest.raises(ValueError):
+        SizeConfig(min_block=500)
+    with pytest.raises(ValueError):
+        SizeConfig(small_size=1000)
+    with pytest.raises(ValueError):
+        SizeConfig(small_size=4 * MiB, small_segment=2 * MiB)
+    with pytest.raises(ValueError):
+        SizeConfig(min_large_alloc=40 * MiB, large_segment=20 * MiB)
+
+
+# --------------------------------------------------------------------------- small / large
+def test_one_mib_is_small_and_one_mib_plus_512_is_large() -> None:
+    _, a = make()
+    p = a.malloc(MiB, stream=S1)
+    st = a.memory_stats()
+    assert a.lookup(p).size == MiB
+    assert st["allocation.small_pool.current"] == 1 and st["allocation.large_pool.current"] == 0
+    assert st["segment.small_pool.current"] == 1
+    assert st["reserved_bytes.small_pool.current"] == 2 * MiB
+    assert st["inactive_split.small_pool.current"] == 1
+    assert st["inactive_split_bytes.small_pool.current"] == MiB
+    ok(a)
+
+    q = a.malloc(MiB + 1, stream=S1)  # rounds to 1 MiB + 512: large
+    st = a.memory_stats()
+    assert a.lookup(q).size == MiB + 512
+    assert st["allocation.large_pool.current"] == 1
+    assert st["allocated_bytes.large_pool.current"] == MiB + 512
+    assert st["requested_bytes.large_pool.current"] == MiB + 1
+    assert st["segment.large_pool.current"] == 1
+    assert st["reserved_bytes.large_pool.current"] == 20 * MiB
+    assert st["reserved_bytes.all.current"] == 22 * MiB
+    assert st["inactive_split_bytes.large_pool.current"] == 20 * MiB - (MiB + 512)
+    assert st["num_device_alloc"] == 2
+    ok(a)
+
+
+# --------------------------------------------------------------------------- segment sizes
+@pytest.mark.parametrize(
+    ("nbytes", "segment", "block", "split_rest"),
+    [
+        (512, 2 * MiB, 512, 2 * MiB - 512),
+        (MiB, 2 * MiB, MiB, MiB),
+        (MiB + 512, 20 * MiB, MiB + 512, 19 * MiB - 512),
+        (10 * MiB - 512, 20 * MiB, 10 * MiB - 512, 10 * MiB + 512),
+        (10 * MiB, 10 * MiB, 10 * MiB, 0),
+        (10 * MiB + 1, 12 * MiB, 10 * MiB + 512, 2 * MiB - 512),
+        (19 * MiB, 20 * MiB, 20 * MiB, 0),  # the 1 MiB rest stays attached
+        (21 * MiB + 512, 22 * MiB, 22 * MiB, 0),  # rest 1 MiB - 512: attached
+        (25 * MiB, 26 * MiB, 26 * MiB, 0),
+        (24 * MiB + 512, 26 * MiB, 24 * MiB + 512, 2 * MiB - 512),  # rest > 1 MiB: split
+    ],
+)
+def test_segment_size_and_first_split(nbytes: int, segment: int, block: int, split_rest: int) -> None:
+    dev, a = make()
+    p = a.malloc(nbytes, stream=S1)
+    st = a.memory_stats()
+    assert list(dev.live.values()) == [segment]
+    assert st["reserved_bytes.all.current"] == segment
+    assert st["segment.all.current"] == 1
+    assert a.lookup(p).size == block
+    assert st["allocated_bytes.all.current"] == block
+    assert st["requested_bytes.all.current"] == nbytes
+    assert st["inactive_split.all.current"] == (1 if split_rest else 0)
+    assert st["inactive_split_bytes.all.current"] == split_rest
+    kind = "small_pool" if block <= MiB else "large_pool"
+    assert st[f"reserved_bytes.{kind}.current"] == segment
+    ok(a)
+    a.free(p)
+    ok(a)
+    st = a.memory_stats()
+    assert st["allocated_bytes.all.current"] == 0
+    assert st["inactive_split.all.current"] == 0  # the whole segment is one free block again
+    assert block_layout(a) == [[(segment, FREE)]]
+
+
+# --------------------------------------------------------------------------- best fit
+def test_best_fit_smallest_then_lowest_address_and_split() -> None:
+    _, a = make()
+    a_ = a.malloc(4096, stream=S1)
+    b = a.malloc(512, stream=S1)
+    c = a.malloc(8192, stream=S1)
+    d = a.malloc(512, stream=S1)
+    e = a.malloc(4096, stream=S1)
+    f = a.malloc(512, stream=S1)
+    assert [b - a_, c - b, d - c, e - d, f - e] == [4096, 512, 8192, 512, 4096]
+    for p in (a_, c, e):
+        a.free(p)
+        ok(a)
+    st = a.memory_stats()
+    # free: a_ (4096), c (8192), e (4096) and the tail of the segment
+    assert st["inactive_split.all.current"] == 4
+    assert st["inactive_split_bytes.all.current"] == 2 * MiB - 3 * 512
+    # a tie between a_ and e (both 4096): lowest address wins
+    assert a.malloc(4096, stream=S1) == a_
+    ok(a)
+    # 4000 rounds to 4096: the only 4096 block left is e
+    assert a.malloc(4000, stream=S1) == e
+    ok(a)
+    # 6000 rounds to 6144: the smallest block that fits is c (8192), not the tail; 2048 stays free
+    g = a.malloc(6000, stream=S1)
+    assert g == c
+    assert a.lookup(g).size == 6144
+    st = a.memory_stats()
+    assert st["inactive_split.all.current"] == 2  # c's rest and the tail
+    assert st["inactive_split_bytes.all.current"] == 2048 + (2 * MiB - (4096 + 512 + 8192 + 512 + 4096 + 512))
+    # a 2048 request takes c's rest exactly, no new segment
+    h = a.malloc(2048, stream=S1)
+    assert h == c + 6144
+    assert a.memory_stats()["num_device_alloc"] == 1
+    ok(a)
+
+
+def test_block_never_handed_to_another_stream() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    a.free(p)
+    assert a.memory_stats()["num_device_alloc"] == 1
+    q = a.malloc(4096, stream=S2)
+    assert q != p
+    blk = a.lookup(q)
+    assert blk.stream == S2
+    st = a.memory_stats()
+    assert st["num_device_alloc"] == 2
+    assert st["segment.all.current"] == 2
+    assert st["reserved_bytes.all.current"] == 4 * MiB
+    ok(a)
+    # the stream-1 segment is still there, untouched, and stream 1 gets it back
+    assert a.malloc(4096, stream=S1) == p
+    assert a.memory_stats()["num_device_alloc"] == 2
+    ok(a)
+
+
+def test_stream_two_large_requests_do_not_share_stream_one_cache() -> None:
+    _, a = make()
+    p = a.malloc(5 * MiB, stream=S1)
+    a.free(p)
+    q = a.malloc(5 * MiB, stream=S2)
+    assert q != p and a.memory_stats()["reserved_bytes.large_pool.current"] == 40 * MiB
+    ok(a)
+
+
+# --------------------------------------------------------------------------- split rules
+def test_small_remainder_of_512_is_split() -> None:
+    _, a = make()
+    p = a.malloc(MiB, stream=S1)  # 2 MiB segment: rest 1 MiB
+    q = a.malloc(MiB - 512, stream=S1)  # takes the 1 MiB rest: 512 left, split off
+    assert q == p + MiB
+    assert a.lookup(q).size == MiB - 512
+    st = a.memory_stats()
+    assert st["inactive_split.small_pool.current"] == 1
+    assert st["inactive_split_bytes.small_pool.current"] == 512
+    assert st["allocated_bytes.small_pool.current"] == 2 * MiB - 512
+    ok(a)
+    r = a.malloc(1, stream=S1)
+    assert r == q + MiB - 512
+    st = a.memory_stats()
+    assert st["inactive_split.small_pool.current"] == 0
+    assert st["allocated_bytes.small_pool.current"] == 2 * MiB
+    assert st["segment.all.current"] == 1
+    ok(a)
+
+
+def test_large_remainder_of_exactly_one_mib_stays_attached() -> None:
+    _, a = make()
+    p = a.malloc(9 * MiB, stream=S1)  # 20 MiB segment, 11 MiB rest split off
+    st = a.memory_stats()
+    assert st["inactive_split_bytes.large_pool.current"] == 11 * MiB
+    q = a.malloc(10 * MiB, stream=S1)  # best fit: the 11 MiB block; 1 MiB rest is not split
+    assert q == p + 9 * MiB
+    assert a.lookup(q).size == 11 * MiB
+    st = a.memory_stats()
+    assert st["allocated_bytes.large_pool.current"] == 20 * MiB  # counts the attached 1 MiB
+    assert st["requested_bytes.large_pool.current"] == 19 * MiB
+    assert st["active_bytes.large_pool.current"] == 20 * MiB
+    assert st["inactive_split.large_pool.current"] == 0
+    assert st["inactive_split_bytes.large_pool.current"] == 0
+    assert st["num_device_alloc"] == 1
+    ok(a)
+    a.free(q)  # the whole 11 MiB comes back
+    st = a.memory_stats()
+    assert st["allocated_bytes.large_pool.current"] == 9 * MiB
+    assert st["inactive_split_bytes.large_pool.current"] == 11 * MiB
+    ok(a)
+
+
+@pytest.mark.parametrize(("request_", "rest"), [(10 * MiB - 512, MiB + 512), (9 * MiB, 2 * MiB)])
+def test_large_remainder_above_one_mib_is_split(request_: int, rest: int) -> None:
+    _, a = make()
+    a.malloc(9 * MiB, stream=S1)
+    q = a.malloc(request_, stream=S1)
+    assert a.lookup(q).size == request_
+    st = a.memory_stats()
+    assert st["inactive_split.large_pool.current"] == 1
+    assert st["inactive_split_bytes.large_pool.current"] == rest
+    assert st["allocated_bytes.large_pool.current"] == 9 * MiB + request_
+    ok(a)
+
+
+def test_split_rules_with_shrunken_sizes() -> None:
+    _, a = make(sizes=SHRUNK)
+    p = a.malloc(4096, stream=S1)  # small: 8192 segment, 4096 rest split
+    assert a.lookup(p).size == 4096
+    assert a.memory_stats()["inactive_split_bytes.small_pool.current"] == 4096
+    q = a.malloc(4097, stream=S1)  # large (4608): 40960 segment, rest 36352 > 4096: split
+    assert a.lookup(q).size == 4608
+    st = a.memory_stats()
+    assert st["reserved_bytes.large_pool.current"] == 40960
+    assert st["inactive_split_bytes.large_pool.current"] == 40960 - 4608
+    r = a.malloc(40960 - 4608 - 4096, stream=S1)  # rest exactly small_size (4096): attached
+    assert a.lookup(r).size == 40960 - 4608
+    st = a.memory_stats()
+    assert st["inactive_split.large_pool.current"] == 0
+    assert st["allocated_bytes.large_pool.current"] == 40960
+    s = a.malloc(20480, stream=S1)  # min_large_alloc: its own 24576 segment (rounded to 8192)
+    assert a.lookup(s).size == 20480 + 4096  # rest 4096 == small_size: attached
+    st = a.memory_stats()
+    assert st["reserved_bytes.large_pool.current"] == 40960 + 24576
+    assert st["segment.large_pool.current"] == 2
+    ok(a)
+
+
+# --------------------------------------------------------------------------- free / merge
+def test_free_merges_with_both_neighbours() -> None:
+    _, a = make()
+    x = a.malloc(4096, stream=S1)
+    y = a.malloc(4096, stream=S1)
+    z = a.malloc(4096, stream=S1)
+    tail = 2 * MiB - 3 * 4096
+    assert block_layout(a) == [[(4096, ALLOC), (4096, ALLOC), (4096, ALLOC), (tail, FREE)]]
+    a.free(x)
+    ok(a)
+    assert block_layout(a) == [[(4096, FREE), (4096, ALLOC), (4096, ALLOC), (tail, FREE)]]
+    st = a.memory_stats()
+    assert (st["inactive_split.all.current"], st["inactive_split_bytes.all.current"]) == (2, 4096 + tail)
+    a.free(z)  # merges with the tail (next)
+    ok(a)
+    assert block_layout(a) == [[(4096, FREE), (4096, ALLOC), (4096 + tail, FREE)]]
+    st = a.memory_stats()
+    assert (st["inactive_split.all.current"], st["inactive_split_bytes.all.current"]) == (2, 8192 + tail)
+    a.free(y)  # merges with both sides: one unsplit free segment
+    ok(a)
+    assert block_layout(a) == [[(2 * MiB, FREE)]]
+    st = a.memory_stats()
+    assert st["inactive_split.all.current"] == 0
+    assert st["inactive_split_bytes.all.current"] == 0
+    assert st["inactive_split.all.peak"] == 2
+    assert st["allocation.all.current"] == 0 and st["active.all.current"] == 0
+    assert st["segment.all.current"] == 1
+
+
+def test_free_merges_with_previous_neighbour() -> None:
+    _, a = make()
+    x = a.malloc(4096, stream=S1)
+    y = a.malloc(4096, stream=S1)
+    a.malloc(4096, stream=S1)
+    a.free(x)
+    a.free(y)  # merges with x (prev) only; its next is allocated
+    ok(a)
+    assert block_layout(a)[0][:2] == [(8192, FREE), (4096, ALLOC)]
+    assert a.malloc(8192, stream=S1) == x  # the merged block fits 8192 exactly
+
+
+class ContiguousDevice(FakeDevice):
+    """Hands out segments back to back, so adjacent segments touch."""
+
+    def malloc(self, nbytes: int) -> int | None:
+        self.calls.append("malloc")
+        if self.used + nbytes > self.total:
+            return None
+        ptr = self._next
+        self._next += nbytes
+        self.live[ptr] = nbytes
+        self.used += nbytes
+        return ptr
+
+
+def test_segments_never_merge_even_when_adjacent() -> None:
+    dev = ContiguousDevice()
+    a = CachingAllocator(dev)
+    p = a.malloc(20 * MiB, stream=S1)  # own 20 MiB segment
+    q = a.malloc(20 * MiB, stream=S1)  # own 20 MiB segment, right after p's
+    assert q == p + 20 * MiB
+    a.free(p)
+    a.free(q)
+    ok(a)
+    assert block_layout(a) == [[(20 * MiB, FREE)], [(20 * MiB, FREE)]]
+    # 30 MiB would fit in the two segments together; they must not merge
+    r = a.malloc(30 * MiB, stream=S1)
+    assert r not in (p, q)
+    st = a.memory_stats()
+    assert st["num_device_alloc"] == 3
+    assert st["segment.all.current"] == 3
+    ok(a)
+    small = [a.malloc(MiB, stream=S2) for _ in range(3)]  # two small segments, back to back
+    assert small[2] == small[0] + 2 * MiB
+    for s in small:
+        a.free(s)
+    ok(a)
+    layout = block_layout(a)
+    assert layout.count([(2 * MiB, FREE)]) == 2
+
+
+# --------------------------------------------------------------------------- requested, peaks
+def test_requested_bytes_tracks_what_was_asked_for() -> None:
+    _, a = make()
+    p = a.malloc(1000, stream=S1)
+    q = a.malloc(3 * MiB + 7, stream=S1)
+    st = a.memory_stats()
+    assert st["requested_bytes.all.current"] == 3 * MiB + 1007
+    assert st["requested_bytes.small_pool.current"] == 1000
+    assert st["requested_bytes.large_pool.current"] == 3 * MiB + 7
+    assert st["allocated_bytes.all.current"] == 1024 + 3 * MiB + 512
+    a.free(p)
+    st = a.memory_stats()
+    assert st["requested_bytes.all.current"] == 3 * MiB + 7
+    assert st["requested_bytes.all.freed"] == 1000
+    assert st["requested_bytes.all.allocated"] == 3 * MiB + 1007
+    assert st["requested_bytes.all.peak"] == 3 * MiB + 1007
+    a.free(q)
+    assert a.memory_stats()["requested_bytes.all.current"] == 0
+    ok(a)
+
+
+def test_peaks_and_accumulated_counters_and_their_resets() -> None:
+    dev, a = make()
+    p = a.malloc(MiB + 512, stream=S1)  # large: 20 MiB segment
+    q = a.malloc(512, stream=S1)  # small: 2 MiB segment
+    a.free(p)
+    st = a.memory_stats()
+    assert st["allocated_bytes.all.current"] == 512
+    assert st["allocated_bytes.all.peak"] == MiB + 1024
+    assert st["allocated_bytes.large_pool.peak"] == MiB + 512
+    assert st["allocated_bytes.all.allocated"] == MiB + 1024
+    assert st["allocated_bytes.all.freed"] == MiB + 512
+    assert st["allocation.all.allocated"] == 2 and st["allocation.all.freed"] == 1
+    assert st["allocation.all.peak"] == 2
+    assert st["reserved_bytes.all.current"] == 22 * MiB
+    assert st["reserved_bytes.all.peak"] == 22 * MiB
+    assert st["num_device_alloc"] == 2 and st["num_device_free"] == 0
+    ok(a)
+
+    a.reset_peak()
+    st = a.memory_stats()
+    assert st["allocated_bytes.all.peak"] == 512
+    assert st["allocation.all.peak"] == 1
+    assert st["reserved_bytes.all.peak"] == 22 * MiB
+    assert st["allocated_bytes.all.allocated"] == MiB + 1024  # accumulated untouched
+
+    a.empty_cache()  # returns the unsplit free 20 MiB segment
+    st = a.memory_stats()
+    assert st["reserved_bytes.all.current"] == 2 * MiB
+    assert st["reserved_bytes.all.peak"] == 22 * MiB
+    assert st["segment.large_pool.freed"] == 1
+    assert st["num_device_free"] == 1
+    assert dev.calls.count("free") == 1
+    a.reset_peak()
+    assert a.memory_stats()["reserved_bytes.all.peak"] == 2 * MiB
+    ok(a)
+
+    a.reset_accumulated()
+    st = a.memory_stats()
+    for k, v in st.items():
+        if k.endswith(".allocated") or k.endswith(".freed") or k in SCALAR_NAMES:
+            assert v == 0, k
+    assert st["allocated_bytes.all.current"] == 512  # levels untouched
+    assert st["reserved_bytes.all.current"] == 2 * MiB
+    assert st["allocated_bytes.all.peak"] == 512  # peaks untouched
+    ok(a)
+    assert q
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="check.py asserts allocated - freed >= 0 for every statistic, but reset_accumulated() "
+    "zeroes both while levels stay: the next free makes freed > allocated, legitimately",
+)
+def test_free_after_reset_accumulated_keeps_invariants() -> None:
+    _, a = make()
+    q = a.malloc(512, stream=S1)
+    a.reset_accumulated()
+    a.free(q)
+    st = a.memory_stats()
+    assert st["allocation.all.freed"] == 1 and st["allocation.all.allocated"] == 0
+    assert st["allocated_bytes.all.freed"] == 512
+    assert st["allocated_bytes.all.current"] == 0
+    ok(a)
+
+
+# --------------------------------------------------------------------------- record_stream
+def test_record_stream_block_waits_for_its_event_polled_at_next_malloc() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    q = a.malloc(4096, stream=S1)  # keeps p from merging with the tail
+    a.record_stream(p, S2)
+    assert "record" not in dev.calls
+    a.free(p)
+    assert dev.calls.count("record") == 1
+    st = a.memory_stats()
+    assert st["allocation.all.current"] == 1
+    assert st["allocated_bytes.all.current"] == 4096
+    assert st["active.all.current"] == 2  # p still counts as active (waiting on its event)
+    assert st["active_bytes.all.current"] == 8192
+    assert st["requested_bytes.all.current"] == 8192
+    assert block_layout(a)[0][:2] == [(4096, PENDING), (4096, ALLOC)]
+    ok(a)
+    r = a.malloc(4096, stream=S1)  # polls: event incomplete, p not reusable
+    assert "query" in dev.calls
+    assert r != p
+    ok(a)
+    dev.complete_all()
+    assert a.lookup(p) is None
+    s = a.malloc(4096, stream=S1)  # polls: event complete, p is free again and the best fit
+    assert s == p
+    st = a.memory_stats()
+    assert st["active.all.current"] == 3 and st["allocation.all.current"] == 3
+    ok(a)
+    for x in (q, r, s):
+        a.free(x)
+    ok(a)
+    assert block_layout(a) == [[(2 * MiB, FREE)]]
+
+
+def test_record_stream_several_streams_all_events_must_complete() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    a.malloc(4096, stream=S1)
+    a.record_stream(p, S2)
+    a.record_stream(p, S3)
+    a.record_stream(p, S3)  # recorded once
+    a.free(p)
+    assert dev.calls.count("record") == 2
+    pending = [ev for ev, done in dev.events.items() if not done]
+    assert len(pending) == 2
+    dev.events[pending[0]] = True
+    assert a.malloc(4096, stream=S1) != p  # one user still running
+    ok(a)
+    dev.events[pending[1]] = True
+    assert a.malloc(4096, stream=S1) == p
+    ok(a)
+
+
+def test_record_stream_on_own_stream_records_nothing() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    a.record_stream(p, S1)
+    a.free(p)
+    assert "record" not in dev.calls
+    assert a.malloc(4096, stream=S1) == p
+    ok(a)
+
+
+def test_empty_cache_forces_pending_events_with_event_synchronize() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    a.record_stream(p, S2)
+    a.free(p)
+    st = a.memory_stats()
+    assert st["active.all.current"] == 1 and st["segment.all.current"] == 1
+    a.empty_cache()
+    assert "sync" in dev.calls
+    st = a.memory_stats()
+    assert st["active.all.current"] == 0
+    assert st["segment.all.current"] == 0
+    assert st["reserved_bytes.all.current"] == 0
+    assert st["num_device_free"] == 1
+    assert dev.live == {}
+    ok(a)
+
+
+def test_record_stream_errors() -> None:
+    _, a = make()
+    p = a.malloc(512, stream=S1)
+    a.free(p)
+    with pytest.raises(DoubleFreeError):
+        a.record_stream(p, S2)
+    with pytest.raises(ForeignPointerError):
+        a.record_stream(12345 * 4096, S2)
+    ok(a)
+
+
+# --------------------------------------------------------------------------- out of memory
+def test_oom_releases_cached_segments_and_retries_once() -> None:
+    dev, a = make(total=20480, sizes=SHRUNK)
+    p1 = a.malloc(4096, stream=S1)  # segment A (8192)
+    a.free(p1)  # A cached, unsplit
+    p2 = a.malloc(4096, stream=S2)  # segment B (8192): no room for a third segment now
+    assert dev.used == 16384
+    p3 = a.malloc(4096, stream=S3)  # refused, A released, retried: segment C
+    st = a.memory_stats()
+    assert st["num_alloc_retries"] == 1
+    assert st["num_ooms"] == 0
+    assert st["num_device_alloc"] == 3
+    assert st["num_device_free"] == 1
+    assert st["segment.all.current"] == 2
+    assert st["reserved_bytes.all.current"] == 16384
+    assert dev.calls == ["malloc", "malloc", "malloc", "free", "malloc"]
+    assert a.lookup(p3).stream == S3
+    ok(a)
+
+    before = a.memory_stats()
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc(20000, stream=S3)  # large: a 24576 segment; nothing cached to release
+    assert isinstance(info.value, MemoryError)
+    after = a.memory_stats()
+    assert after["num_ooms"] == 1
+    assert after["num_alloc_retries"] == 2
+    changed = {k for k in after if after[k] != before[k]}
+    assert changed == {"num_ooms", "num_alloc_retries"}
+    msg = str(info.value)
+    assert "19.53 KiB" in msg or "20000" in msg  # the request
+    assert "8.00 KiB" in msg or "8192" in msg  # allocated
+    assert "16.00 KiB" in msg or "16384" in msg  # reserved
+    assert "4.00 KiB" in msg or "4096" in msg  # free on the device
+    for word in ("allocate", "allocated", "reserved", "private", "free"):
+        assert word in msg
+    ok(a)
+
+    # state stays usable: free everything and give it all back
+    a.free(p2)
+    a.free(p3)
+    a.empty_cache()
+    st = a.memory_stats()
+    assert st["reserved_bytes.all.current"] == 0 and dev.used == 0
+    assert a.lookup(a.malloc(4096, stream=S3)) is not None
+    ok(a)
+
+
+def test_oom_retry_waits_for_pending_events_before_release() -> None:
+    dev, a = make(total=8192, sizes=SHRUNK)
+    p = a.malloc(4096, stream=S1)
+    a.record_stream(p, S2)
+    a.free(p)  # waiting on an event; the segment is unsplit but not free yet
+    q = a.malloc(4096, stream=S2)  # refused -> events synchronized, segment released -> retry
+    assert "sync" in dev.calls
+    st = a.memory_stats()
+    assert st["num_alloc_retries"] == 1 and st["num_ooms"] == 0 and st["num_device_free"] == 1
+    assert a.lookup(q).stream == S2
+    ok(a)
+
+
+def test_request_larger_than_the_device_fails_without_touching_state() -> None:
+    dev, a = make(total=1 << 30)
+    a.malloc(512, stream=S1)
+    before = a.memory_stats()
+    calls = list(dev.calls)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc((1 << 30) + 1, stream=S1)
+    assert a.memory_stats() == before
+    assert dev.calls == calls
+    ok(a)
+
+
+def test_bad_sizes_raise_and_change_nothing() -> None:
+    dev, a = make()
+    before = a.memory_stats()
+    with pytest.raises(ValueError):
+        a.malloc(-1, stream=S1)
+    for bad in (1.5, "10", None, True, b"x"):
+        with pytest.raises(TypeError):
+            a.malloc(bad, stream=S1)  # type: ignore[arg-type]
+    assert a.memory_stats() == before and dev.calls == []
+    p = a.malloc(np.int64(1000), stream=S1)  # an __index__ int is fine
+    assert a.lookup(p).size == 1024 and a.lookup(p).requested == 1000
+    ok(a)
+
+
+# --------------------------------------------------------------------------- bad frees
+def test_free_errors_are_typed_and_change_nothing() -> None:
+    _, a = make()
+    p = a.malloc(4096, stream=S1)
+    q = a.malloc(4096, stream=S1)
+    a.free(p)
+    before = a.memory_stats()
+    with pytest.raises(DoubleFreeError):
+        a.free(p)  # freed already
+    with pytest.raises(DoubleFreeError):
+        a.free(p + 512)  # inside a free block
+    with pytest.raises(ForeignPointerError):
+        a.free(q + 512)  # inside a live allocation, not its start
+    with pytest.raises(ForeignPointerError):
+        a.free(0x1234)  # never graphpool's
+    with pytest.raises(ForeignPointerError):
+        a.free(q + 100 * MiB)  # past every segment
+    with pytest.raises(TypeError):
+        a.free("0x10")  # type: ignore[arg-type]
+    assert a.memory_stats() == before
+    assert a.lookup(q) is not None
+    ok(a)
+    a.free(q)
+    ok(a)
+
+
+# --------------------------------------------------------------------------- empty_cache
+def test_empty_cache_returns_only_unsplit_free_segments() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)  # segment A: p + free tail (split)
+    q = a.malloc(4096, stream=S2)  # segment B
+    r = a.malloc(12 * MiB, stream=S1)  # segment C (12 MiB, own)
+    a.free(q)  # B: unsplit and free
+    a.free(r)  # C: unsplit and free
+    a.empty_cache()
+    st = a.memory_stats()
+    assert st["num_device_free"] == 2
+    assert st["segment.all.current"] == 1
+    assert st["reserved_bytes.all.current"] == 2 * MiB
+    assert st["allocated_bytes.all.current"] == 4096
+    assert block_layout(a) == [[(4096, ALLOC), (2 * MiB - 4096, FREE)]]
+    assert list(dev.live.values()) == [2 * MiB]
+    ok(a)
+    a.empty_cache()  # idempotent
+    assert a.memory_stats()["num_device_free"] == 2
+    a.free(p)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0 and dev.live == {}
+    ok(a)
+
+
+def test_lookup_and_snapshot_describe_blocks() -> None:
+    _, a = make()
+    p = a.malloc(1000, stream=S1)
+    blk = a.lookup(p)
+    assert (blk.ptr, blk.size, blk.requested, blk.stream, blk.allocated) == (p, 1024, 1000, S1, True)
+    (seg,) = a.snapshot()
+    assert seg["address"] == p and seg["total_size"] == 2 * MiB
+    assert seg["allocated_size"] == 1024 and seg["requested_size"] == 1000
+    assert seg["stream"] == S1 and seg["segment_type"] == "small" and seg["segment_pool_id"] is None
+    assert seg["blocks"][0] == {
+        "address": p,
+        "size": 1024,
+        "requested_size": 1000,
+        "state": ALLOC,
+        "owner_graph": None,
+    }
+    assert a.lookup(p + 512) is None

@@ -1,0 +1,77 @@
+"""graphpool.numba: the Numba EMM plugin (GPU only).
+
+Numba takes its memory manager when it creates its CUDA context, once per process, so
+the check runs in a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+SCRIPT = textwrap.dedent(
+    """
+    import gc
+    import numpy as np
+    import graphpool as gp
+    import graphpool.numba as gnumba
+
+    gp.set_backend("cuda")
+    gnumba.install()
+    from numba import cuda
+
+    ctx = cuda.current_context()
+    assert isinstance(ctx.memory_manager, gnumba.GraphpoolEMMPlugin), type(ctx.memory_manager)
+    free, total = ctx.get_memory_info()
+    assert 0 < free <= total
+
+    gc.collect()
+    base = gp.memory_allocated()
+    host = np.arange(100_000, dtype=np.float32)
+    d = cuda.to_device(host)
+    assert gp.memory_allocated() >= base + host.nbytes, (gp.memory_allocated(), base)
+    ptr = d.device_ctypes_pointer.value
+    assert any(s["address"] <= ptr < s["address"] + s["total_size"] for s in gp.memory_snapshot())
+    np.testing.assert_array_equal(d.copy_to_host(), host)
+    e = cuda.device_array_like(d)
+    e.copy_to_device(d)
+    np.testing.assert_array_equal(e.copy_to_host(), host)
+    try:
+        ctx.get_ipc_handle(d.gpu_data)
+    except NotImplementedError:
+        pass
+    else:
+        raise AssertionError("IPC handles should be refused")
+    del d, e
+    gc.collect()
+    cuda.synchronize()
+    assert gp.memory_allocated() == base, (gp.memory_allocated(), base)
+    print("NUMBA-OK")
+    """
+)
+
+
+def test_numba_emm_plugin() -> None:
+    if os.environ.get("GRAPHPOOL_NO_GPU"):
+        pytest.skip("GRAPHPOOL_NO_GPU is set")
+    from graphpool.device.cuda import is_available
+
+    if not is_available():
+        pytest.skip("no usable CUDA GPU")
+    pytest.importorskip("numba.cuda")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("GRAPHPOOL_BACKEND", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and "NUMBA-OK" in proc.stdout, proc.stdout + proc.stderr
