@@ -59,7 +59,7 @@ OTHER_PEAKS = ("inactive_split", "inactive_split_bytes")
 KINDS = ("all", "small_pool", "large_pool")
 
 SETTINGS = settings(
-    max_examples=600,
+    max_examples=60,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
@@ -146,6 +146,23 @@ class AllocatorMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- rules
     @rule(nbytes=st.one_of(st.integers(0, 4096), st.integers(0, 60000)), stream=st.sampled_from(STREAMS))
     def malloc(self, nbytes: int, stream: int) -> None:
+        self._malloc(nbytes, stream)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        self._free(data.draw(st.sampled_from(sorted(self.live))))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free_and_malloc_again(self, data: st.DataObject) -> None:
+        """The commonest pattern: a request of the same size on the same stream right after a free."""
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        v = self.live[ptr]
+        self._free(ptr)
+        self._malloc(v.nbytes, v.stream)
+
+    def _malloc(self, nbytes: int, stream: int) -> None:
         cap = self.route(stream)
         before = self.a.memory_stats()
         try:
@@ -176,10 +193,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not overlaps(lo, hi, self.blocked_ranges()), "memory handed out while kept or awaiting events"
         self.live[ptr] = Live(nbytes, blk.size, stream, got)
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        ptr = data.draw(st.sampled_from(sorted(self.live)))
+    def _free(self, ptr: int) -> None:
         v = self.live.pop(ptr)
         lo, hi = ptr, ptr + v.size
         events = None
@@ -382,3 +396,232 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 TestAllocatorMachine = AllocatorMachine.TestCase
 TestAllocatorMachine.settings = SETTINGS
+
+
+# =========================================================================== public API, sim
+import graphpool as gp  # noqa: E402
+from graphpool import runtime  # noqa: E402
+from graphpool.sim import SimBackend, capture as sim_capture  # noqa: E402
+from graphpool.sim import xp  # noqa: E402
+
+SIM_MEMORY = 600_000
+
+
+@dataclass
+class Buf:
+    buf: Any
+    stream: Any
+    pattern: int
+
+
+@dataclass
+class Graph:
+    g: Any
+    out: Any  # the output array, or None once dropped
+    value: float
+    n: int
+
+
+class PublicApiMachine(RuleBasedStateMachine):
+    """The public API on a small simulated device, patterns verified at every free."""
+
+    @initialize()
+    def setup(self) -> None:
+        runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=SIM_MEMORY), sizes=SIZES)
+        self.dev = runtime.get().device(0)
+        self.streams = [gp.default_stream(), gp.Stream(), gp.Stream()]
+        self.handles = [gp.graph_pool_handle()]
+        self.bufs: list[Buf] = []
+        self.graphs: list[Graph] = []
+        self.patterns = itertools.count(1)
+        self.ooms = 0
+
+    # ------------------------------------------------------------- buffers
+    @rule(nbytes=st.integers(0, 60000), si=st.integers(0, 2))
+    def alloc(self, nbytes: int, si: int) -> None:
+        s = self.streams[si]
+        try:
+            buf = gp.alloc(nbytes, stream=s)
+        except gp.OutOfMemoryError:
+            self.ooms += 1
+            return
+        assert buf.nbytes == nbytes and buf.stream == s
+        assert runtime.allocator(0).lookup(buf.ptr).pool.owner is None  # eager: never private memory
+        pat = next(self.patterns) % 250 + 1
+        if nbytes:
+            self.dev.write(buf.ptr, bytes([pat]) * nbytes, s.handle)
+        self.bufs.append(Buf(buf, s, pat))
+
+    @precondition(lambda self: self.bufs)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        b = self.bufs.pop(data.draw(st.integers(0, len(self.bufs) - 1)))
+        self._verify(b)
+        b.buf.free()
+
+    def _verify(self, b: Buf) -> None:
+        n = b.buf.nbytes
+        if n:
+            gp.synchronize()
+            got = self.dev.read(b.buf.ptr, n, b.stream.handle)
+            assert got == bytes([b.pattern]) * n, "a buffer's contents changed: its memory was shared"
+
+    @precondition(lambda self: self.bufs)
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def record_stream(self, data: st.DataObject, si: int) -> None:
+        b = self.bufs[data.draw(st.integers(0, len(self.bufs) - 1))]
+        s = self.streams[si]
+        b.buf.record_stream(s)
+        if s.handle and b.buf.nbytes:  # s really uses the buffer: it writes the same pattern
+            self.dev.write(b.buf.ptr, bytes([b.pattern]) * b.buf.nbytes, s.handle)
+
+    @precondition(lambda self: self.bufs)
+    @rule(data=st.data())
+    def drop_buffer(self, data: st.DataObject) -> None:
+        """Let the finalizer free it (the free is queued and drained by the next call)."""
+        b = self.bufs.pop(data.draw(st.integers(0, len(self.bufs) - 1)))
+        self._verify(b)
+        del b
+        gc.collect()
+
+    @rule()
+    def empty_cache(self) -> None:
+        gp.synchronize()
+        gp.empty_cache()
+
+    # ------------------------------------------------------------- graphs
+    @rule(
+        n=st.integers(1, 4000),
+        value=st.integers(-5, 5),
+        pool=st.sampled_from(["own", "handle", "mate"]),
+        si=st.sampled_from([None, 1, 2]),
+        victim=st.booleans(),
+        data=st.data(),
+    )
+    def capture(self, n: int, value: int, pool: str, si: int | None, victim: bool, data: st.DataObject) -> None:
+        pid: Any = None
+        if pool == "handle":
+            pid = self.handles[0]
+        elif pool == "mate":
+            mates = [gr.g for gr in self.graphs]
+            if mates:
+                pid = data.draw(st.sampled_from(mates)).pool()
+        kill = None
+        if victim and self.bufs:
+            kill = self.bufs.pop(data.draw(st.integers(0, len(self.bufs) - 1)))
+            self._verify(kill)
+        g = gp.CUDAGraph()
+        stream = None if si is None else self.streams[si]
+        try:
+            with gp.graph(g, pool=pid, stream=stream):
+                x = xp.full(n, value)
+                y = x + 1
+                if kill is not None:
+                    # the graph writes into a buffer freed during its capture: kept for the graph
+                    if kill.buf.nbytes:
+                        self.dev.memset(kill.buf.ptr, 0xEE, kill.buf.nbytes, gp.current_stream().handle)
+                    kill.buf.free()
+                del x
+        except gp.OutOfMemoryError:
+            self.ooms += 1
+            if kill is not None and not kill.buf.freed:
+                kill.buf.free()
+            assert not gp.is_current_stream_capturing()
+            return
+        if pid is not None:
+            assert g.pool() == pid
+        else:
+            assert g.pool().handle == 0 and g.pool().graph > 0
+        self.graphs.append(Graph(g, y, float(value + 1), n))
+
+    @precondition(lambda self: self.graphs)
+    @rule(data=st.data(), si=st.integers(0, 2))
+    def replay(self, data: st.DataObject, si: int) -> None:
+        gr = data.draw(st.sampled_from(self.graphs))
+        with gp.stream(self.streams[si]):
+            gr.g.replay()
+            if gr.out is not None:
+                got = gr.out.get()
+                assert got.shape == (gr.n,)
+                assert np.all(got == gr.value), "a replay computed a wrong result"
+            else:
+                gp.current_stream().synchronize()
+
+    @precondition(lambda self: self.graphs)
+    @rule(data=st.data())
+    def drop_output(self, data: st.DataObject) -> None:
+        gr = data.draw(st.sampled_from(self.graphs))
+        gr.out = None
+        gc.collect()
+
+    @precondition(lambda self: self.graphs)
+    @rule(data=st.data(), collect=st.booleans())
+    def reset_graph(self, data: st.DataObject, collect: bool) -> None:
+        gr = data.draw(st.sampled_from(self.graphs))
+        self.graphs.remove(gr)
+        if collect:  # dropped without reset(): the finalizer releases it
+            del gr
+            gc.collect()
+        else:
+            gr.g.reset()
+            with pytest.raises(gp.CaptureError):
+                gr.g.replay()
+
+    @rule(n=st.integers(1, 3000))
+    def failed_capture(self, n: int) -> None:
+        g = gp.CUDAGraph()
+        try:
+            with gp.graph(g, pool=self.handles[0]):
+                xp.full(n, 3)
+                raise KeyError("body failed")
+        except KeyError:
+            pass
+        except gp.OutOfMemoryError:
+            self.ooms += 1
+        assert not gp.is_current_stream_capturing()
+        with pytest.raises(gp.CaptureError):
+            g.pool()
+
+    # ------------------------------------------------------------- invariants
+    @invariant()
+    def consistent(self) -> None:
+        if not hasattr(self, "dev"):
+            return
+        gp.check_invariants()
+        assert not gp.is_current_stream_capturing()
+        assert sim_capture.ongoing() == []
+        assert sim_capture.thread_mode() == CAPTURE_MODE_GLOBAL
+        st_ = gp.memory_stats()
+        assert st_["allocation.all.current"] >= len(self.bufs)
+
+    def teardown(self) -> None:
+        if not hasattr(self, "dev"):
+            return
+        try:
+            for b in self.bufs:
+                self._verify(b)
+                b.buf.free()
+            self.bufs.clear()
+            for gr in self.graphs:
+                gr.out = None
+                gr.g.reset()
+            self.graphs.clear()
+            gc.collect()
+            gp.synchronize()
+            gp.empty_cache()
+            gp.check_invariants()
+            assert gp.memory_reserved() == 0, "memory not given back after everything was released"
+            assert gp.memory_allocated() == 0
+            assert self.dev.allocations() == []
+            assert runtime.allocator(0).private_pools() == []
+        finally:
+            gp.set_backend("sim")
+
+
+TestPublicApiMachine = PublicApiMachine.TestCase
+TestPublicApiMachine.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)

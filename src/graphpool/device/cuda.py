@@ -292,10 +292,15 @@ class CudaDevice:
 
     # -- capture and graphs ---------------------------------------------------
     def capture_info(self, stream: int) -> tuple[int, int]:
-        """(status, id) from cudaStreamGetCaptureInfo; id 0 when not capturing."""
+        """(status, id): cudaStreamIsCapturing, then cudaStreamGetCaptureInfo when capturing."""
         if stream == LEGACY_STREAM:
             self._use()  # the legacy stream is per device
             stream = _LEGACY
+        # cudaStreamIsCapturing builds no output arrays: the cheap answer when not capturing.
+        err, status = _rt.cudaStreamIsCapturing(stream)
+        _check("cudaStreamIsCapturing", err)
+        if not int(status):
+            return 0, 0
         # CUDA 13 bindings: (err, status, id, graph, deps, edgeData, numDeps)
         res = _rt.cudaStreamGetCaptureInfo(stream)
         _check("cudaStreamGetCaptureInfo", res[0])

@@ -277,18 +277,21 @@ class CachingAllocator:
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
     def _capture_for_free(self, block: Block) -> CaptureRecord | None:
-        """The capture a free made now belongs to: the block stream's, else this thread's, else the latest."""
-        status, cid = self.device.capture_info(block.stream)
-        if status != CAPTURE_STATUS_NONE:
-            rec = self._captures.get(cid)
-            if rec is not None:
-                return rec
-        records = list(self._captures.values())
-        if not records:
-            return None
+        """The capture a free made now belongs to, if any; no driver query.
+
+        A block of a pool being captured into belongs to that capture; otherwise a free
+        made by a thread that began a capture (the capture body dropping an array)
+        belongs to its latest capture, as does a block of a stream that began one.
+        Frees by other threads of blocks of other streams are ordinary frees.
+        """
         me = threading.get_ident()
-        mine = [r for r in records if r.thread == me]
-        return (mine or records)[-1]
+        found = None
+        for rec in self._captures.values():
+            if rec.pool is block.pool.owner or rec.stream == block.stream:
+                return rec
+            if rec.thread == me:
+                found = rec
+        return found
 
     def _free_block(self, block: Block, freed: bool) -> None:
         """Return a block with no holds to its free list, merging free neighbours.
