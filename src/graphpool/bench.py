@@ -89,9 +89,8 @@ def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
         fns["graphpool alloc+drop"] = gp_collect
         fns["policy malloc+free"] = policy_pair
         if cupy_pool is not None:
-            pool = cupy_pool
 
-            def cupy_pair(n: int = n) -> None:
+            def cupy_pair(n: int = n, pool: Any = cupy_pool) -> None:
                 p = pool.malloc(n)
                 del p
 
@@ -170,7 +169,6 @@ def bench_replay(number: int, repeat: int) -> dict[str, Any]:
         s.synchronize()
     out = {f"{k} (us)": v * 1e6 for k, v in med.items()}
     out["ratio replay / bare launch"] = med["CUDAGraph.replay"] / med["bare launch"]
-    del g, buf
     return out
 
 
@@ -233,6 +231,7 @@ def bench_cupy_hazard() -> dict[str, Any]:
         res = t + 1
         del t
         graph = st.end_capture()
+        assert res is not None
         y = cupy.full(n, 7, dtype=cupy.float32)
         graph.launch()
         st.synchronize()
@@ -252,6 +251,7 @@ def bench_cupy_hazard() -> dict[str, Any]:
         g.replay()
         s.synchronize()
         out["graphpool: elements of y overwritten by one replay"] = int((y != 7).sum().item())
+        out["graphpool: graph output correct"] = bool(float(res.sum().item()) == 3.0 * n)
     out["elements"] = n
     return out
 

@@ -45,8 +45,8 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     line = "  ".join("-" * w for w in widths)
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), line]
-    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in cells[1:]]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)), line]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells[1:]]
     return "\n".join("    " + s for s in out)
 
 
@@ -200,7 +200,7 @@ def memory_stats_after_destroy(xp: Any) -> str:
         g.replay()
         ok = _per_elem(b, numel) == 6
 
-        def d(after: dict[str, int], stat: str) -> int:
+        def d(after: dict[str, int], stat: str, pool: str = pool, pre: dict[str, int] = pre) -> int:
             key = f"{stat}.{pool}.current"
             return after[key] - pre[key]
 
@@ -270,11 +270,10 @@ def run(backend: str | None = None) -> int:
     print(f"graphpool demo on {where}\n")
     t0 = time.perf_counter()
     sections = (
-        ("1. two_successive: g1 continues g0's work; sharing a pool saves memory", lambda: two_successive(xp)),
+        ("1. two_successive: g1 continues g0's work; a shared pool saves memory", lambda: two_successive(xp)),
         ("2. concurrent_replay: overlapping replays on two streams", lambda: concurrent_replay(xp, spin)),
         ("3. three_successive: replay order g0,g2,g1 is unsafe when shared", lambda: three_successive(xp)),
-        ("4. memory stats across capture, replay and graph deletion",
-         lambda: memory_stats_after_destroy(xp)),
+        ("4. memory stats across capture, replay and graph deletion", lambda: memory_stats_after_destroy(xp)),
         ("5. CuPy's hazard (a block freed during capture), closed", lambda: hazard_closed(xp)),
     )
     for title, fn in sections:

@@ -17,8 +17,9 @@ import weakref
 from typing import Any
 
 from graphpool import runtime
-from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_MODES, LEGACY_STREAM
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_MODES, LEGACY_STREAM, Device
 from graphpool.errors import CaptureError, GraphpoolError, ReplayHazardError
+from graphpool.memory import empty_cache
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.private_pools import (
     CaptureRecord,
@@ -26,7 +27,6 @@ from graphpool.policy.private_pools import (
     new_graph_pool_id,
     new_shared_pool_id,
 )
-from graphpool.memory import empty_cache
 from graphpool.streams import Event, Stream, current_stream, stream, synchronize
 
 _labels = itertools.count(1)
@@ -48,6 +48,7 @@ class CUDAGraph:
         self._graph: int | None = None
         self._exec: int | None = None
         self._capturing = False
+        self._dev: Device | None = None
         # replay-checker state (only touched while checks are on)
         self._last_tick = -1
         self._last_stream: Stream | None = None
@@ -117,6 +118,7 @@ class CUDAGraph:
             raise
         self._alloc.end_capture(self._rec)
         self._graph, self._exec = graph, graph_exec
+        self._dev = dev
         self._capturing = False
         _register(self)
         if dev.graph_node_count(graph) == 0:
@@ -151,18 +153,23 @@ class CUDAGraph:
     # ------------------------------------------------------------- replay
     def replay(self) -> None:
         """Launch the graph on the current stream (any stream of its device)."""
-        if self._exec is None:
+        exe = self._exec
+        if exe is None:
             raise CaptureError(
                 f"{self.label}: replay() needs a successful capture first "
                 "(capture_begin()/capture_end() or `with gp.graph(g):`)"
             )
-        assert self._stream is not None
-        s = current_stream(self._stream.device)
+        assert self._stream is not None and self._dev is not None
+        index = self._stream.device
+        s = runtime.thread_state().streams.get(index)
+        if s is None:
+            s = current_stream(index)
         if _checks != "off":
-            _check_replay(self, s)
-        runtime.get().device(s.device).launch(self._exec, s.handle)
-        if _checks != "off":
-            _note_replay(self, s)
+            _check_replay(self, s)  # type: ignore[arg-type]
+            self._dev.launch(exe, s.handle)  # type: ignore[attr-defined]
+            _note_replay(self, s)  # type: ignore[arg-type]
+            return
+        self._dev.launch(exe, s.handle)  # type: ignore[attr-defined]
 
     def reset(self) -> None:
         """Forget the capture; the pool's memory becomes reusable once nothing else uses it."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from graphpool.device.protocol import Backend, Device
 from graphpool.policy.allocator import CachingAllocator

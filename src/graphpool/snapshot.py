@@ -39,7 +39,8 @@ def summary(device: int, stats: dict[str, int]) -> str:
         "-" * width,
     ]
     for title, stat, is_bytes in ROWS:
-        for pool, label in (("all", title), ("large_pool", "  from large pool"), ("small_pool", "  from small pool")):
+        kinds = (("all", title), ("large_pool", "  from large pool"), ("small_pool", "  from small pool"))
+        for pool, label in kinds:
             cells = []
             for counter in ("current", "peak", "allocated", "freed"):
                 v = stats.get(f"{stat}.{pool}.{counter}", 0)

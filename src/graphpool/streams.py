@@ -8,7 +8,8 @@ running (PyTorch pools its streams for the same reason).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import threading
 import warnings
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right, insort
 from collections import deque
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn, SupportsIndex
 
 from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_NONE, Device
 from graphpool.errors import (
@@ -76,20 +77,25 @@ class CachingAllocator:
         self._total = device.mem_info()[1]
 
     # ------------------------------------------------------------------ malloc
-    def malloc(self, nbytes: int, *, stream: int) -> int:
+    def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
         """Hand out at least ``nbytes`` for work on ``stream``; return the address.
 
         Cached path: one bisect, at most one split, no driver call. Raises ValueError or
         TypeError for a bad size and OutOfMemoryError when the device is full.
         """
-        if type(nbytes) is not int:
-            nbytes = self._check_size_type(nbytes)
-        if nbytes < 0 or nbytes > self._total:
-            self._reject_size(nbytes)
+        # ``nbytes`` is typed SupportsIndex, not int: compiled by mypyc, an ``int`` parameter
+        # would admit a bool and refuse numpy integers before the check below could run.
+        requested = nbytes if type(nbytes) is int else self._check_size_type(nbytes)
+        if requested < 0 or requested > self._total:
+            self._reject_size(requested)
         m = self.sizes.min_block
-        size = m if nbytes < m else (nbytes + m - 1) & -m
+        size = m if requested < m else (requested + m - 1) & -m
         small = size <= self._small_limit
-        with self._lock:
+        # acquire/release rather than `with`: `with` calls __enter__ and __exit__(None, None, None),
+        # 55 ns slower per call uncompiled, 20 ns compiled (benchmarks/NOTES.md, entry 1).
+        lock = self._lock
+        lock.acquire()
+        try:
             if self._pending:
                 self._drain()
             rec = None
@@ -101,10 +107,19 @@ class CachingAllocator:
                 fl = self._small if small else self._large
             else:
                 fl = rec.pool.small if small else rec.pool.large
-            block = fl.take_best_fit(size, stream)
+            # Best fit: the first block of this stream sorted by (size, address) with room
+            # (freelist.py). Written out here: a call would cost more than the bisect.
+            block: Block | None = None
+            bins = fl.bins.get(stream)
+            if bins is not None:
+                sizes = bins.sizes
+                i = bisect_left(sizes, size)
+                if i < len(sizes):
+                    del sizes[i]
+                    block = bins.blocks.pop(i)
             d_cnt = d_bytes = 0
             if block is None:
-                block = self._new_segment(fl, size, stream, nbytes)
+                block = self._new_segment(fl, size, stream, requested)
             elif block.prev is not None or block.next is not None:
                 d_cnt = -1
                 d_bytes = -block.size
@@ -126,19 +141,21 @@ class CachingAllocator:
                 d_cnt += 1
                 d_bytes += remaining
             block.allocated = True
-            block.requested = nbytes
+            block.requested = requested
             ptr = block.ptr
             self._active[ptr] = block
-            self.stats.on_malloc(small, block.size, nbytes, d_cnt, d_bytes)
+            self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
             owner = fl.owner
             if owner is not None:
-                owner.stats.on_malloc(small, block.size, nbytes, d_cnt, d_bytes)
+                owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                 if rec is not None:
                     self._serial += 1
                     block.serial = self._serial
                     block.owner = rec
                     rec.written.append((ptr, block.size, block, self._serial))
             return ptr
+        finally:
+            lock.release()
 
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
@@ -217,10 +234,22 @@ class CachingAllocator:
     # -------------------------------------------------------------------- free
     def free(self, ptr: int) -> None:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError."""
-        with self._lock:
+        lock = self._lock  # acquire/release: see malloc
+        lock.acquire()
+        try:
             if self._pending:
                 self._drain()
-            self._free(ptr)
+            # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
+            block = self._active.pop(ptr, None)
+            if block is None:
+                self._bad_pointer(ptr, "free")
+            block.allocated = False
+            if self._capturing or block.stream_uses:
+                self._free_held(block)
+            else:
+                self._free_block(block, True)
+        finally:
+            lock.release()
 
     def defer_free(self, ptr: int) -> None:
         """Queue a free for the next allocator call. Lock-free: for finalizers."""
@@ -231,6 +260,7 @@ class CachingAllocator:
         self._pending.append(rec)
 
     def _free(self, ptr: int) -> None:
+        """Free the allocation at ``ptr`` (``free`` writes this out)."""
         block = self._active.pop(ptr, None)
         if block is None:
             self._bad_pointer(ptr, "free")

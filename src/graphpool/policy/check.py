@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from graphpool.policy.block import Block, iter_segment
-from graphpool.policy.freelist import KEY_SHIFT, FreeList
+from graphpool.policy.freelist import FreeList
 from graphpool.policy.stats import POOL_NAMES, STAT_NAMES, PoolStats
 
 if TYPE_CHECKING:
@@ -58,7 +58,8 @@ def _check_stats(st: PoolStats, blocks: list[Block], segments: list[Block], scop
         for i, pool in enumerate(POOL_NAMES):
             key = f"{name}.{pool}."
             cur = flat[key + "current"]
-            _expect(cur == expected[name][i], f"{scope} {key}current is {cur}, blocks say {expected[name][i]}")
+            want = expected[name][i]
+            _expect(cur == want, f"{scope} {key}current is {cur}, blocks say {want}")
             _expect(cur <= flat[key + "peak"], f"{scope} {key}peak below current")
             _expect(cur >= 0, f"{scope} {key}current negative")
         for counter in ("current", "allocated", "freed"):
@@ -71,20 +72,18 @@ def _check_stats(st: PoolStats, blocks: list[Block], segments: list[Block], scop
 
 
 def _check_freelist(fl: FreeList, blocks_in_fl: set[int]) -> None:
-    n = 0
-    for stream, keys in fl.keys.items():
-        _expect(keys == sorted(keys), "free-list keys out of order")
-        for key in keys:
-            b = fl.blocks.get(key)
-            _expect(b is not None, "free-list key without a block")
-            assert b is not None
+    for stream, bins in fl.bins.items():
+        _expect(len(bins.sizes) == len(bins.blocks), "free-list sizes and blocks differ in length")
+        keys = [(b.size, b.ptr) for b in bins.blocks]
+        _expect(keys == sorted(keys), "free-list blocks out of (size, address) order")
+        _expect(len(set(keys)) == len(keys), "a block filed twice in a free list")
+        for size, b in zip(bins.sizes, bins.blocks, strict=True):
             _expect(b.stream == stream, "free block filed under another stream")
-            _expect(key == b.size << KEY_SHIFT | b.ptr, "free-list key does not match its block")
+            _expect(size == b.size, "free-list size does not match its block")
             _expect(not b.allocated and b.holds == 0, "allocated or held block in a free list")
             _expect(b.pool is fl, "block filed in a free list that is not its pool")
+            _expect(id(b) not in blocks_in_fl, "a block filed in two free lists")
             blocks_in_fl.add(id(b))
-            n += 1
-    _expect(n == len(fl.blocks), "free-list index and block map differ in size")
 
 
 def check_invariants(a: CachingAllocator) -> None:
@@ -119,7 +118,8 @@ def check_invariants(a: CachingAllocator) -> None:
         if b.allocated:
             _expect(a._active.get(b.ptr) is b, f"{b} allocated but not tracked")
         _expect(b.holds >= 0, "negative hold count")
-    _expect(len(a._active) == sum(1 for b in all_blocks if b.allocated), "tracked allocations != allocated blocks")
+    n_allocated = sum(1 for b in all_blocks if b.allocated)
+    _expect(len(a._active) == n_allocated, "tracked allocations != allocated blocks")
 
     _check_stats(a.stats, all_blocks, heads, "device")
     for pool in a._pools.values():

@@ -1,70 +1,91 @@
 """The best-fit index: free blocks ordered by (stream, size, address).
 
 One ``FreeList`` per pool kind (small or large) of the ordinary pools and of each
-private pool. For each stream it keeps a plain sorted list of integer keys
-``size << 64 | ptr``, so the best fit (smallest size that fits, lowest address on
-ties) is one ``bisect`` in C. Insertion and removal are O(log n) comparisons plus a
-memmove of the list tail, which measures faster than a balanced tree at the sizes a
-pool reaches (CuPy made the same trade: "not faster, but a lot simpler").
+private pool. For each stream it keeps two parallel lists sorted by (size, address):
+``sizes`` and ``blocks`` (``sizes[i] == blocks[i].size``). The best fit (smallest size
+that fits, lowest address on ties) is ``blocks[bisect_left(sizes, size)]``, one bisect
+in C. Insertion and removal are O(log n) comparisons plus a memmove of the list tails,
+which measures faster than a balanced tree at the sizes a pool reaches (CuPy made the
+same trade: "not faster, but a lot simpler").
+
+Why not one list of keys ``size << 64 | ptr``: those keys pass 63 bits, and compiled
+with mypyc every one is a boxed big int (benchmarks/NOTES.md, entry 2). Sizes alone are
+small ints; equal sizes, rare, are ordered by address with a bisect over their run.
+
+The best-fit lookup itself lives in ``CachingAllocator.malloc`` (an uncompiled call would
+cost more than the bisect); ``insert`` and ``remove`` are the only other writers.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left, insort
-from typing import TYPE_CHECKING, Any, Iterator
+from bisect import bisect_left, bisect_right
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from graphpool.policy.block import Block
 
-KEY_SHIFT = 64
-PTR_MASK = (1 << KEY_SHIFT) - 1
+
+class Bins:
+    """The free blocks of one stream: ``sizes`` and ``blocks``, sorted by (size, address)."""
+
+    __slots__ = ("sizes", "blocks")
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+        self.blocks: list[Block] = []
+
+
+def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
+    """Bisect ``blocks[lo:hi]`` (one size, ascending addresses) for address ``ptr``."""
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if blocks[mid].ptr < ptr:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 class FreeList:
     """Free blocks of one pool kind, by stream. ``owner`` is the private pool or None."""
 
-    __slots__ = ("is_small", "owner", "keys", "blocks")
+    __slots__ = ("is_small", "owner", "bins")
 
     def __init__(self, is_small: bool, owner: Any = None) -> None:
         self.is_small = is_small
         self.owner = owner
-        self.keys: dict[int, list[int]] = {}
-        self.blocks: dict[int, Block] = {}
+        self.bins: dict[int, Bins] = {}  # stream -> its free blocks
 
     def __len__(self) -> int:
-        return len(self.blocks)
+        """Number of free blocks. O(streams)."""
+        return sum(len(b.sizes) for b in self.bins.values())
 
     def __iter__(self) -> Iterator[Block]:
-        return iter(list(self.blocks.values()))
+        """A snapshot of every free block, so the caller may remove while iterating. O(n)."""
+        return iter([b for bins in self.bins.values() for b in bins.blocks])
 
     def insert(self, block: Block) -> None:
         """Add a free block. O(log n) + memmove."""
-        key = block.size << KEY_SHIFT | block.ptr
-        self.blocks[key] = block
-        keys = self.keys.get(block.stream)
-        if keys is None:
-            self.keys[block.stream] = [key]
-        else:
-            insort(keys, key)
+        bins = self.bins.get(block.stream)
+        if bins is None:
+            bins = self.bins[block.stream] = Bins()
+        size = block.size
+        sizes = bins.sizes
+        i = bisect_left(sizes, size)  # first entry of this size
+        if i < len(sizes) and sizes[i] == size:
+            i = tie_index(bins.blocks, block.ptr, i, bisect_right(sizes, size, i))
+        sizes.insert(i, size)
+        bins.blocks.insert(i, block)
 
     def remove(self, block: Block) -> None:
         """Take a free block out of the index. O(log n) + memmove."""
-        key = block.size << KEY_SHIFT | block.ptr
-        del self.blocks[key]
-        keys = self.keys[block.stream]
-        del keys[bisect_left(keys, key)]
-
-    def take_best_fit(self, size: int, stream: int) -> Block | None:
-        """Remove and return the smallest free block of ``stream`` with at least ``size`` bytes."""
-        keys = self.keys.get(stream)
-        if not keys:
-            return None
-        i = bisect_left(keys, size << KEY_SHIFT)
-        if i == len(keys):
-            return None
-        key = keys.pop(i)
-        return self.blocks.pop(key)
-
-    def contains(self, block: Block) -> bool:
-        """True when ``block`` is indexed under its current size and address."""
-        return self.blocks.get(block.size << KEY_SHIFT | block.ptr) is block
+        bins = self.bins[block.stream]
+        size = block.size
+        sizes = bins.sizes
+        blocks = bins.blocks
+        i = bisect_left(sizes, size)  # first entry of this size
+        if blocks[i] is not block:
+            i = tie_index(blocks, block.ptr, i, bisect_right(sizes, size, i))
+        del sizes[i]
+        del blocks[i]

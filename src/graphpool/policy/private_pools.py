@@ -83,7 +83,8 @@ class CaptureRecord:
     may touch them on every replay, so they stay out of every pool until release.
     ``deferred``: blocks with extra stream users freed during the capture; their events
     are recorded once no capture is underway. ``written``: (ptr, size) of every block
-    handed out during the capture (with the block and its serial). ``consumed``: (ptr, size, producer) of pool blocks
+    handed out during the capture (with the block and its serial). ``consumed``: (ptr, size,
+    producer) of pool blocks
     made by an earlier capture and freed during this one (inputs it read).
     ``outputs``: blocks handed out during the capture and still allocated at its end.
     ``handles``: ("graph" | "exec", handle) pairs the allocator destroys when it releases

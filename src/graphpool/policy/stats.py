@@ -157,7 +157,8 @@ class PoolStats:
             total = run + getattr(o, level + "_cur")
             if total > peaks[level]:
                 peaks[level] = total
-        for name, n, h in (("active", "allocation", "held"), ("active_bytes", "allocated_bytes", "held_bytes")):
+        derived = (("active", "allocation", "held"), ("active_bytes", "allocated_bytes", "held_bytes"))
+        for name, n, h in derived:
             mine = getattr(k, n + "_run") + getattr(k, h + "_cur")
             if mine > getattr(k, name + "_peak"):
                 setattr(k, name + "_peak", mine)
@@ -169,7 +170,7 @@ class PoolStats:
                 setattr(kc, level + "_run", getattr(kc, level + "_cur"))
 
     # -- the two hot-path events, one call each -------------------------------
-    def on_malloc(self, is_small: bool, size: int, requested: int, d_split: int, d_split_bytes: int) -> None:
+    def on_malloc(self, is_small: bool, size: int, requested: int, d_split: int, d_bytes: int) -> None:
         """A block of ``size`` bytes was handed out; split bookkeeping moved by the deltas."""
         k = self.small if is_small else self.large
         if self.epoch is not k:
@@ -190,11 +191,30 @@ class PoolStats:
         k.requested_bytes_alloc += requested
         if c > k.requested_bytes_run:
             k.requested_bytes_run = c
-        if d_split or d_split_bytes:
-            self._split(k, d_split, d_split_bytes)
+        if d_split or d_bytes:  # the inactive-split move; written out (not a call): it is hot
+            c = k.inactive_split_cur + d_split
+            k.inactive_split_cur = c
+            if d_split > 0:
+                k.inactive_split_alloc += d_split
+                if c > k.inactive_split_run:
+                    k.inactive_split_run = c
+            elif d_split < 0:
+                if c < 0:
+                    raise AssertionError("inactive_split would go negative")
+                k.inactive_split_free -= d_split
+            c = k.inactive_split_bytes_cur + d_bytes
+            k.inactive_split_bytes_cur = c
+            if d_bytes > 0:
+                k.inactive_split_bytes_alloc += d_bytes
+                if c > k.inactive_split_bytes_run:
+                    k.inactive_split_bytes_run = c
+            elif d_bytes < 0:
+                if c < 0:
+                    raise AssertionError("inactive_split_bytes would go negative")
+                k.inactive_split_bytes_free -= d_bytes
 
     def on_release(
-        self, is_small: bool, size: int, requested: int, d_split: int, d_split_bytes: int, freed: bool
+        self, is_small: bool, size: int, requested: int, d_split: int, d_bytes: int, freed: bool
     ) -> None:
         """A block stopped being active; split bookkeeping moved by the deltas.
 
@@ -218,32 +238,27 @@ class PoolStats:
             raise AssertionError("requested_bytes would go negative")
         k.requested_bytes_cur = c
         k.requested_bytes_free += requested
-        if d_split or d_split_bytes:
-            self._split(k, d_split, d_split_bytes)
-
-    @staticmethod
-    def _split(k: KindCounters, d_split: int, d_bytes: int) -> None:
-        """Move the inactive-split count and bytes of ``k`` (written out: it is hot)."""
-        c = k.inactive_split_cur + d_split
-        k.inactive_split_cur = c
-        if d_split > 0:
-            k.inactive_split_alloc += d_split
-            if c > k.inactive_split_run:
-                k.inactive_split_run = c
-        elif d_split < 0:
-            if c < 0:
-                raise AssertionError("inactive_split would go negative")
-            k.inactive_split_free -= d_split
-        c = k.inactive_split_bytes_cur + d_bytes
-        k.inactive_split_bytes_cur = c
-        if d_bytes > 0:
-            k.inactive_split_bytes_alloc += d_bytes
-            if c > k.inactive_split_bytes_run:
-                k.inactive_split_bytes_run = c
-        elif d_bytes < 0:
-            if c < 0:
-                raise AssertionError("inactive_split_bytes would go negative")
-            k.inactive_split_bytes_free -= d_bytes
+        if d_split or d_bytes:  # the inactive-split move, as in on_malloc
+            c = k.inactive_split_cur + d_split
+            k.inactive_split_cur = c
+            if d_split > 0:
+                k.inactive_split_alloc += d_split
+                if c > k.inactive_split_run:
+                    k.inactive_split_run = c
+            elif d_split < 0:
+                if c < 0:
+                    raise AssertionError("inactive_split would go negative")
+                k.inactive_split_free -= d_split
+            c = k.inactive_split_bytes_cur + d_bytes
+            k.inactive_split_bytes_cur = c
+            if d_bytes > 0:
+                k.inactive_split_bytes_alloc += d_bytes
+                if c > k.inactive_split_bytes_run:
+                    k.inactive_split_bytes_run = c
+            elif d_bytes < 0:
+                if c < 0:
+                    raise AssertionError("inactive_split_bytes would go negative")
+                k.inactive_split_bytes_free -= d_bytes
 
     def on_free(self, is_small: bool, size: int) -> None:
         """A block of ``size`` bytes was given back by its user (it may still be held)."""
@@ -270,8 +285,8 @@ class PoolStats:
     # -- reading ----------------------------------------------------------------
     def current(self, name: str, kind: str = "all") -> int:
         """The current level of one statistic (``kind`` in POOL_NAMES)."""
-        kcs = {"all": (self.small, self.large), "small_pool": (self.small,), "large_pool": (self.large,)}[kind]
-        return sum(self._level(kc, name)[0] for kc in kcs)
+        kcs = {"all": (self.small, self.large), "small_pool": (self.small,), "large_pool": (self.large,)}
+        return sum(self._level(kc, name)[0] for kc in kcs[kind])
 
     @staticmethod
     def _level(kc: KindCounters, name: str) -> tuple[int, int, int, int]:
@@ -299,7 +314,7 @@ class PoolStats:
             s = self._level(self.small, name)
             g = self._level(self.large, name)
             a = (s[0] + g[0], self.all_peak[name], s[2] + g[2], s[3] + g[3])
-            for pool_name, vals in zip(POOL_NAMES, (a, s, g)):
+            for pool_name, vals in zip(POOL_NAMES, (a, s, g), strict=True):
                 prefix = f"{name}.{pool_name}."
                 out[prefix + "current"] = vals[0]
                 out[prefix + "peak"] = max(vals[1], vals[0])

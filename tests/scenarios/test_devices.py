@@ -1,0 +1,80 @@
+"""One allocator per device (SPEC section 2): statistics, caches and captures stay per device.
+
+Runs on the simulator (two devices) and on GPU machines with two or more GPUs."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+
+N = 1 << 16
+
+
+def _need_two() -> None:
+    if gp.device_count() < 2:
+        pytest.skip("needs two devices")
+
+
+def test_allocations_and_stats_are_per_device(backend: Any) -> None:
+    _need_two()
+    xp = backend.xp
+    gc.collect()
+    gp.empty_cache(0)
+    with gp.device(1):
+        gp.empty_cache()
+        assert gp.current_device() == 1
+        base1 = gp.memory_allocated()
+        base0 = gp.memory_allocated(0)
+        a = xp.ones(N, dtype=xp.float32)
+        buf = gp.alloc(1000)
+        assert buf.device == 1 and buf.stream.device == 1
+        assert gp.memory_allocated() == base1 + N * 4 + 1024
+        assert gp.memory_allocated(0) == base0
+        assert gp.current_stream().device == 1
+    assert gp.current_device() == 0
+    assert gp.memory_allocated(1) == base1 + N * 4 + 1024
+    assert runtime.allocator(1).lookup(buf.ptr) is not None
+    assert runtime.allocator(0).lookup(buf.ptr) is None
+    del a
+    buf.free()
+    gc.collect()
+    gp.synchronize(1)
+    gp.empty_cache(1)
+    assert gp.memory_allocated(1) == base1
+    gp.check_invariants(1)
+
+
+def test_capture_on_second_device(backend: Any) -> None:
+    _need_two()
+    xp = backend.xp
+    with gp.device(1):
+        s = gp.Stream()
+        assert s.device == 1
+        with gp.stream(s):
+            a = xp.ones(N, dtype=xp.float32)
+        g = gp.CUDAGraph()
+        with gp.graph(g, stream=s):
+            b = a * 5
+        assert gp.memory_stats(pool=g.pool())["allocation.all.current"] == 1
+        with pytest.raises(ValueError):
+            gp.memory_stats(0, pool=g.pool())
+        with gp.stream(s):
+            g.replay()
+            assert float(b.sum().item()) == 5 * N
+        del a, b, g
+        gc.collect()
+        gp.synchronize()
+        gp.empty_cache()
+        gp.check_invariants()
+
+
+def test_bad_device_index(backend: Any) -> None:
+    with pytest.raises(ValueError, match="invalid device"):
+        gp.alloc(16, gp.Stream(gp.device_count()))
+    with pytest.raises(ValueError, match="invalid device"):
+        gp.memory_stats(-1)
