@@ -15,8 +15,12 @@ def main(argv: list[str] | None = None) -> int:
         ("snapshot", "a small workload's memory snapshot and summary"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--backend", choices=("cuda", "sim"), default=None,
-                       help="default: cuda when a GPU is usable, else sim")
+        p.add_argument(
+            "--backend",
+            choices=("cuda", "sim"),
+            default=None,
+            help="default: cuda when a GPU is usable, else sim",
+        )
         if name == "bench":
             p.add_argument("--quick", action="store_true", help="fewer repetitions")
             p.add_argument("--json", default=None, help="also write the results to this file")

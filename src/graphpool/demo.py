@@ -84,8 +84,13 @@ def two_successive(xp: Any) -> str:
         reserved = gp.memory_reserved()
         base = reserved if base is None else base
         rows.append(
-            [share, f"{_per_elem(b, n):g}", f"{_per_elem(c, n):g}", fmt_bytes(reserved),
-             "-" if share == "none" else f"{base - reserved:,} B"]
+            [
+                share,
+                f"{_per_elem(b, n):g}",
+                f"{_per_elem(c, n):g}",
+                fmt_bytes(reserved),
+                "-" if share == "none" else f"{base - reserved:,} B",
+            ]
         )
         del a, b, c, g0, g1
     return _table(["sharing", "b/elem (3070)", "c/elem (442)", "reserved", "saved by sharing"], rows)
@@ -172,14 +177,17 @@ def three_successive(xp: Any) -> str:
             gp.set_replay_checks("off")
         rows.append([share, in_order, f"{_per_elem(e, n):g}, {_per_elem(f, n):g}", report])
         del a, b, d, e, f, g0, g1, g2
-    return _table(
-        ["sharing", "g0,g1,g2: e, f (5, 7)", "g0,g2,g1: e, f", "checker on g0,g2,g1"], rows
-    )
+    return _table(["sharing", "g0,g1,g2: e, f (5, 7)", "g0,g2,g1: e, f", "checker on g0,g2,g1"], rows)
 
 
 def memory_stats_after_destroy(xp: Any) -> str:
-    cases = ((128, "small_pool"), (262144, "small_pool"), (262272, "large_pool"),
-             (2621312, "large_pool"), (2621568, "large_pool"))
+    cases = (
+        (128, "small_pool"),
+        (262144, "small_pool"),
+        (262272, "large_pool"),
+        (2621312, "large_pool"),
+        (2621568, "large_pool"),
+    )
     rows = []
     s = gp.Stream()
     for numel, pool in cases:
@@ -210,12 +218,22 @@ def memory_stats_after_destroy(xp: Any) -> str:
         _settle()
         after = gp.memory_stats()
         ok = ok and _per_elem(b, numel) == 6
-        rows.append([f"{numel:,}", pool, f"+{seg}", f"+{res // MiB} MiB", f"+{act}", f"+{actb:,} B",
-                     f"+{d(after, 'segment')} / +{d(after, 'reserved_bytes') // MiB} MiB",
-                     "6 per elem" if ok else "WRONG"])
+        rows.append(
+            [
+                f"{numel:,}",
+                pool,
+                f"+{seg}",
+                f"+{res // MiB} MiB",
+                f"+{act}",
+                f"+{actb:,} B",
+                f"+{d(after, 'segment')} / +{d(after, 'reserved_bytes') // MiB} MiB",
+                "6 per elem" if ok else "WRONG",
+            ]
+        )
         del a, b
-    return _table(["numel", "pool", "segments", "reserved", "active", "active bytes",
-                   "after graph deleted", "b"], rows)
+    return _table(
+        ["numel", "pool", "segments", "reserved", "active", "active bytes", "after graph deleted", "b"], rows
+    )
 
 
 def hazard_closed(xp: Any) -> str:
@@ -236,8 +254,10 @@ def hazard_closed(xp: Any) -> str:
         wrong = int((y.get() != 7).sum())
         total = float(y.sum().item())
     del a, out, y, g
-    return (f"    eager y = full({n:,}, 7) made after the capture freed t, then one replay: "
-            f"{wrong:,} of {n:,} elements overwritten (sum {total:,.0f}, expected {7 * n:,})")
+    return (
+        f"    eager y = full({n:,}, 7) made after the capture freed t, then one replay: "
+        f"{wrong:,} of {n:,} elements overwritten (sum {total:,.0f}, expected {7 * n:,})"
+    )
 
 
 def run(backend: str | None = None) -> int:
@@ -282,6 +302,8 @@ def run(backend: str | None = None) -> int:
         print()
     _settle()
     gp.check_invariants()
-    print(f"allocator invariants hold; {gp.memory_reserved():,} B reserved at exit; "
-          f"{time.perf_counter() - t0:.2f} s")
+    print(
+        f"allocator invariants hold; {gp.memory_reserved():,} B reserved at exit; "
+        f"{time.perf_counter() - t0:.2f} s"
+    )
     return 0

@@ -46,9 +46,7 @@ class Runtime:
 
     def check_index(self, index: int) -> None:
         if type(index) is not int or not 0 <= index < self.count:
-            raise ValueError(
-                f"invalid device {index!r}: the {self.name} backend has {self.count} device(s)"
-            )
+            raise ValueError(f"invalid device {index!r}: the {self.name} backend has {self.count} device(s)")
 
 
 class _ThreadState(threading.local):

@@ -245,9 +245,7 @@ class CudaDevice:
     def stream_wait_event(self, stream: int, event: int) -> None:
         """cudaStreamWaitEvent(stream, event, 0); joins ``stream`` to a capture."""
         self._use()
-        _check(
-            "cudaStreamWaitEvent", _rt.cudaStreamWaitEvent(_stream(stream), event, 0)[0]
-        )
+        _check("cudaStreamWaitEvent", _rt.cudaStreamWaitEvent(_stream(stream), event, 0)[0])
 
     def stream_synchronize(self, stream: int) -> None:
         """cudaStreamSynchronize."""
@@ -358,9 +356,7 @@ def _mode(mode: int) -> Any:
     """The cudaStreamCaptureMode member for protocol mode ``mode``."""
     if 0 <= mode < len(_MODES):
         return _MODES[mode]
-    raise ValueError(
-        f"unknown capture mode {mode!r}; expected 0 (global), 1 (thread_local) or 2 (relaxed)"
-    )
+    raise ValueError(f"unknown capture mode {mode!r}; expected 0 (global), 1 (thread_local) or 2 (relaxed)")
 
 
 class CudaBackend:

@@ -703,7 +703,9 @@ class CachingAllocator:
                             "state": (
                                 "active_allocated"
                                 if b.allocated
-                                else "active_pending_free" if b.holds else "inactive"
+                                else "active_pending_free"
+                                if b.holds
+                                else "inactive"
                             ),
                             "owner_graph": b.owner.label if b.owner is not None else None,
                         }
