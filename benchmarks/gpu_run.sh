@@ -14,11 +14,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cat "$OUT/env.txt"
 timeout 420 python3 -m pytest -q -p no:cacheprovider -rs ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -25
 timeout 120 python3 -m graphpool demo 2>&1 | tee "$OUT/demo_gpu.txt" | tail -45
-timeout 200 python3 -m graphpool bench --json "$OUT/bench_pure.json" > /dev/null 2>&1
+timeout 200 python3 -m graphpool bench --json "$OUT/bench_pure.json" > /dev/null 2>> "$OUT/bench_errors.txt"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
   rm -rf /tmp/srcc && cp -r src /tmp/srcc && (cd /tmp/srcc && PYTHONPATH=/tmp/site timeout 200 python3 -m mypyc --ignore-missing-imports graphpool/policy/block.py graphpool/policy/freelist.py graphpool/policy/pools.py graphpool/policy/stats.py graphpool/policy/private_pools.py graphpool/policy/allocator.py > "$OUT/mypyc_build.txt" 2>&1; ls graphpool/policy/*.so >> "$OUT/mypyc_build.txt" 2>&1)
-  PYTHONPATH=/tmp/srcc timeout 200 python3 -m graphpool bench --json "$OUT/bench_compiled.json" > /dev/null 2>&1
+  PYTHONPATH=/tmp/srcc timeout 200 python3 -m graphpool bench --json "$OUT/bench_compiled.json" > /dev/null 2>> "$OUT/bench_errors.txt"
   PYTHONPATH=/tmp/srcc timeout 200 python3 -c 'import graphpool.policy.allocator as m; print("compiled policy:", m.__file__)' >> "$OUT/pytest_compiled.txt" 2>&1
   PYTHONPATH=/tmp/srcc timeout 240 python3 -m pytest -q -p no:cacheprovider tests/policy tests/property tests/scenarios >> "$OUT/pytest_compiled.txt" 2>&1
   tail -2 "$OUT/pytest_compiled.txt"
