@@ -17,7 +17,13 @@ import weakref
 from typing import Any
 
 from graphpool import runtime
-from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_MODES, LEGACY_STREAM, Device
+from graphpool.device.protocol import (
+    CAPTURE_MODE_RELAXED,
+    CAPTURE_MODES,
+    CAPTURE_STATUS_NONE,
+    LEGACY_STREAM,
+    Device,
+)
 from graphpool.errors import CaptureError, GraphpoolError, ReplayHazardError
 from graphpool.memory import empty_cache
 from graphpool.policy.allocator import CachingAllocator
@@ -49,6 +55,7 @@ class CUDAGraph:
         self._exec: int | None = None
         self._capturing = False
         self._dev: Device | None = None
+        self._replay_streams: set[int] = set()
         # replay-checker state (only touched while checks are on)
         self._last_tick = -1
         self._last_stream: Stream | None = None
@@ -65,13 +72,13 @@ class CUDAGraph:
             )
         if self._capturing or self._exec is not None:
             raise CaptureError(f"{self.label} already holds a capture; call reset() before capturing again")
-        pid = new_graph_pool_id() if pool is None else PoolId.coerce(pool)
         s = current_stream()
         if s.handle == LEGACY_STREAM:
             raise CaptureError(
                 "CUDA graphs must be captured on a non-default stream: "
                 "run the capture inside `with gp.stream(gp.Stream()):` or use gp.graph(...)"
             )
+        pid = new_graph_pool_id() if pool is None else PoolId.coerce(pool)
         rt = runtime.get()
         dev = rt.device(s.device)
         alloc = rt.allocator(s.device)
@@ -104,6 +111,12 @@ class CUDAGraph:
         try:
             graph = dev.end_capture(s.handle)
         except GraphpoolError as exc:
+            if dev.capture_info(s.handle)[0] != CAPTURE_STATUS_NONE:
+                # refused without ending (e.g. another thread than the capturing one)
+                raise CaptureError(
+                    f"{self.label}: capture_end() was refused and the capture goes on ({exc}); "
+                    "end it from the thread that began it"
+                ) from exc
             self._abort()
             raise CaptureError(
                 f"{self.label}: the capture failed and was discarded ({exc}). A call that is not "
@@ -119,6 +132,7 @@ class CUDAGraph:
         self._alloc.end_capture(self._rec)
         self._graph, self._exec = graph, graph_exec
         self._dev = dev
+        self._replay_streams = self._rec.replay_streams
         self._capturing = False
         _register(self)
         if dev.graph_node_count(graph) == 0:
@@ -166,10 +180,10 @@ class CUDAGraph:
             s = current_stream(index)
         if _checks != "off":
             _check_replay(self, s)  # type: ignore[arg-type]
-            self._dev.launch(exe, s.handle)  # type: ignore[attr-defined]
-            _note_replay(self, s)  # type: ignore[arg-type]
-            return
         self._dev.launch(exe, s.handle)  # type: ignore[attr-defined]
+        self._replay_streams.add(s.handle)  # type: ignore[attr-defined]
+        if _checks != "off":
+            _note_replay(self, s)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         """Forget the capture; the pool's memory becomes reusable once nothing else uses it."""
@@ -386,7 +400,9 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
                     "or capture them into separate pools."
                 )
     # 2. an input this graph read at capture was overwritten since its producer's last replay
-    for ptr, size, producer in rec.consumed:
+    for ptr, size, producer, block, serial in rec.inputs:
+        if block.allocated and block.serial == serial:
+            continue  # still the same allocation: no later capture can have been handed it
         prod = next((h for h in mates if h._rec is producer), None)
         if prod is None:
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from graphpool import runtime
@@ -24,7 +25,8 @@ def alloc(nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
     a = rt.allocators[stream.device] if rt is not None and stream.device < rt.count else None
     if a is None:
         a = runtime.get().allocator(stream.device)
-    return DeviceBuffer(a.malloc(nbytes, stream=stream.handle), nbytes, stream, a)
+    ptr = a.malloc(nbytes, stream=stream.handle)  # validates nbytes
+    return DeviceBuffer(ptr, nbytes if type(nbytes) is int else operator.index(nbytes), stream, a)
 
 
 def _alloc_of(device: Any) -> CachingAllocator:

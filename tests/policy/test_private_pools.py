@@ -208,7 +208,7 @@ def test_two_concurrent_captures_route_to_their_own_pools() -> None:
 
 
 def test_begin_that_raises_changes_nothing() -> None:
-    dev, a = make()
+    _, a = make()
 
     def failing() -> int:
         raise RuntimeError("driver refused")
@@ -408,9 +408,7 @@ def test_record_stream_block_freed_during_capture_is_deferred_without_device_cal
     assert st["active_bytes.all.current"] == sum(
         b["size"] for s in a.snapshot() for b in s["blocks"] if b["state"] != "inactive"
     )
-    assert not any(
-        b["address"] == e and b["state"] != "inactive" for s in a.snapshot() for b in s["blocks"]
-    )
+    assert not any(b["address"] == e and b["state"] != "inactive" for s in a.snapshot() for b in s["blocks"])
     ok(a)
 
 
@@ -703,3 +701,42 @@ def test_snapshot_names_pool_and_owner_graph() -> None:
     assert seg["blocks"][0]["owner_graph"] == "graph#x" and seg["blocks"][0]["address"] == p
     end(a, dev, rec)
     ok(a)
+
+
+def test_failed_capture_segments_return_although_the_shared_pool_lives() -> None:
+    dev, a = make()
+    g = begin(a, dev, H, S1)
+    out = a.malloc(4 * KiB, stream=S1)  # the live graph's output: H keeps its segment
+    end(a, dev, g)
+    failed = begin(a, dev, H, S1)
+    big = a.malloc(3 * MiB, stream=S1)  # a 20 MiB segment made by the failing capture alone
+    abort(a, dev, failed)
+    a.free(big)
+    a.empty_cache()
+    a.check_invariants()
+    st = a.memory_stats(pool=H)
+    assert st["segment.all.current"] == 1 and st["reserved_bytes.all.current"] == 2 * MiB
+    assert st["use_count"] == 1
+    a.free(out)
+    a.release_capture(g)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_failed_capture_segment_used_by_a_live_capture_stays() -> None:
+    dev, a = make()
+    failed = begin(a, dev, H, S1)
+    big = a.malloc(3 * MiB, stream=S1)
+    abort(a, dev, failed)
+    a.free(big)
+    g = begin(a, dev, H, S1)  # revives H and takes memory of the failed capture's segment
+    tmp = a.malloc(3 * MiB, stream=S1)
+    assert tmp == big
+    a.free(tmp)  # a temporary the graph's kernels touch on every replay
+    end(a, dev, g)
+    a.empty_cache()
+    a.check_invariants()
+    assert a.memory_stats(pool=H)["reserved_bytes.all.current"] == 20 * MiB
+    a.release_capture(g)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0

@@ -234,7 +234,7 @@ def test_best_fit_smallest_then_lowest_address_and_split() -> None:
 
 
 def test_block_never_handed_to_another_stream() -> None:
-    dev, a = make()
+    _, a = make()
     p = a.malloc(4096, stream=S1)
     a.free(p)
     assert a.memory_stats()["num_device_alloc"] == 1
@@ -750,3 +750,26 @@ def test_lookup_and_snapshot_describe_blocks() -> None:
         "owner_graph": None,
     }
     assert a.lookup(p + 512) is None
+
+
+# --------------------------------------------------------------------------- finalizer frees
+def test_deferred_free_is_carried_out_by_the_next_call() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    a.defer_free(p)  # what a finalizer does: no lock, no device call
+    assert a.lookup(p) is not None and dev.calls == ["malloc"]
+    q = a.malloc(4096, stream=S1)  # drains first, so p is free and the best fit again
+    assert q == p
+    ok(a)
+
+
+def test_a_bad_deferred_free_warns_and_does_not_fail_the_next_call() -> None:
+    _, a = make()
+    p = a.malloc(4096, stream=S1)
+    a.free(p)
+    a.defer_free(p)  # freed already
+    a.defer_free(0x1234)  # never graphpool's
+    with pytest.warns(RuntimeWarning):
+        q = a.malloc(512, stream=S1)
+    assert a.lookup(q) is not None
+    ok(a)

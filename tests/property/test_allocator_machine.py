@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import gc
 import itertools
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,17 +33,18 @@ from hypothesis.stateful import (
     rule,
 )
 
+import graphpool as gp
+from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
 from graphpool.errors import CaptureError, OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import SizeConfig
 from graphpool.policy.private_pools import CaptureRecord, PoolId
-
-import sys
-from pathlib import Path
+from graphpool.sim import SimBackend, xp
+from graphpool.sim import capture as sim_capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy"))
-from fakedevice import FakeDevice  # noqa: E402
+from fakedevice import FakeDevice
 
 SIZES = SizeConfig(
     min_block=512,
@@ -54,7 +57,15 @@ SIZES = SizeConfig(
 BUDGET = 200_000
 STREAMS = (1, 2, 3)
 UNSAFE = {"record", "query", "sync", "free"}
-EXACT_PEAKS = ("allocation", "allocated_bytes", "requested_bytes", "segment", "reserved_bytes", "active", "active_bytes")
+EXACT_PEAKS = (
+    "allocation",
+    "allocated_bytes",
+    "requested_bytes",
+    "segment",
+    "reserved_bytes",
+    "active",
+    "active_bytes",
+)
 OTHER_PEAKS = ("inactive_split", "inactive_split_bytes")
 KINDS = ("all", "small_pool", "large_pool")
 
@@ -71,7 +82,7 @@ def rounded(n: int) -> int:
 
 
 def overlaps(lo: int, hi: int, ranges: Any) -> bool:
-    return any(lo < h and l < hi for l, h in ranges)
+    return any(lo < end and start < hi for start, end in ranges)
 
 
 @dataclass
@@ -175,6 +186,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert after["num_device_free"] == before["num_device_free"]
                 assert after["num_alloc_retries"] == before["num_alloc_retries"]
             return
+        if self.a.memory_stats()["num_alloc_retries"] > before["num_alloc_retries"]:
+            # the retry released the cache: every pending event was synchronized first
+            for b in self.blocked:
+                if b.events == "waiting":
+                    b.events = None
+            self.prune()
         blk = self.a.lookup(ptr)
         assert blk is not None and blk.ptr == ptr and blk.stream == stream
         want = rounded(nbytes)
@@ -189,7 +206,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert got == cap.pid, f"capture into {cap.pid} served from {got}"
         lo, hi = ptr, ptr + blk.size
         assert ptr not in self.live
-        assert not overlaps(lo, hi, [(p, p + v.size) for p, v in self.live.items()]), "overlapping allocations"
+        others = [(p, p + v.size) for p, v in self.live.items()]
+        assert not overlaps(lo, hi, others), "overlapping allocations"
         assert not overlaps(lo, hi, self.blocked_ranges()), "memory handed out while kept or awaiting events"
         self.live[ptr] = Live(nbytes, blk.size, stream, got)
 
@@ -211,6 +229,26 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.free(ptr)
         if recs is not None or events is not None:
             self.blocked.append(Blocked(lo, hi, recs, events))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finalizer_free(self, data: st.DataObject) -> None:
+        """A finalizer queues the free (no lock); the next allocator call carries it out."""
+        ptr = data.draw(st.sampled_from(sorted(self.live)))
+        self.a.free = self.a.defer_free  # type: ignore[method-assign]
+        try:
+            self._free(ptr)  # the model's bookkeeping, with the free only queued
+        finally:
+            del self.a.free
+        assert self.a.lookup(ptr) is not None  # not freed yet
+        self.a.memory_stats()  # any call drains the queue
+        assert self.a.lookup(ptr) is None
+
+    @rule()
+    def reset_accumulated(self) -> None:
+        self.a.reset_accumulated()
+        st_ = self.a.memory_stats()
+        assert all(st_[k] == 0 for k in st_ if k.endswith((".allocated", ".freed")) or k.startswith("num_"))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), stream=st.sampled_from(STREAMS))
@@ -267,8 +305,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             pid = pools[len(pools) // 2]
         else:
             pid = PoolId(0, int(which[1]))
-        if any(c.pid == pid for c in self.active.values()):
-            return  # one capture per pool at a time
         if not self.active:
             self.capture_calls_from = len(self.dev.calls)
         rec = self.a.begin_capture(pid, lambda: self.dev.begin(stream), stream=stream)
@@ -367,7 +403,8 @@ class AllocatorMachine(RuleBasedStateMachine):
                     m = max(self.maxima.get((scope, k), 0), sts[k + "current"])
                     self.maxima[(scope, k)] = m
                     if name in EXACT_PEAKS:
-                        assert sts[k + "peak"] == m, f"{scope} {k}peak is {sts[k + 'peak']}, highest level seen {m}"
+                        peak = sts[k + "peak"]
+                        assert peak == m, f"{scope} {k}peak is {peak}, highest level seen {m}"
                     else:
                         assert sts[k + "peak"] >= m, f"{scope} {k}peak below a level seen"
                 all_peak = sts[f"{name}.all.peak"]
@@ -399,11 +436,6 @@ TestAllocatorMachine.settings = SETTINGS
 
 
 # =========================================================================== public API, sim
-import graphpool as gp  # noqa: E402
-from graphpool import runtime  # noqa: E402
-from graphpool.sim import SimBackend, capture as sim_capture  # noqa: E402
-from graphpool.sim import xp  # noqa: E402
-
 SIM_MEMORY = 600_000
 
 
@@ -498,7 +530,9 @@ class PublicApiMachine(RuleBasedStateMachine):
         victim=st.booleans(),
         data=st.data(),
     )
-    def capture(self, n: int, value: int, pool: str, si: int | None, victim: bool, data: st.DataObject) -> None:
+    def capture(
+        self, n: int, value: int, pool: str, si: int | None, victim: bool, data: st.DataObject
+    ) -> None:
         pid: Any = None
         if pool == "handle":
             pid = self.handles[0]

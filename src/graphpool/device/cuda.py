@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.errors import CUDAError
+
+_R = TypeVar("_R")
 
 _rt: Any = None
 """The ``cuda.bindings.runtime`` module once loaded."""
@@ -136,6 +139,28 @@ def versions() -> dict[str, str]:
     }
 
 
+def _on_device(method: Callable[..., _R]) -> Callable[..., _R]:
+    """Run a CudaDevice method with its device current, then restore the caller's device.
+
+    The runtime API acts on the thread's current device; restoring it keeps CuPy, PyTorch
+    and ``gp.current_device()`` in step when graphpool works on another device.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: CudaDevice, *args: Any, **kwargs: Any) -> _R:
+        err, cur = _rt.cudaGetDevice()
+        _check("cudaGetDevice", err)
+        if cur == self.index:
+            return method(self, *args, **kwargs)
+        _check("cudaSetDevice", _rt.cudaSetDevice(self.index)[0])
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            _rt.cudaSetDevice(cur)
+
+    return wrapper
+
+
 class CudaDevice:
     """One CUDA device through the runtime API (primary context).
 
@@ -160,18 +185,10 @@ class CudaDevice:
     def __repr__(self) -> str:
         return f"CudaDevice({self.index}, {self.name!r})"
 
-    def _use(self) -> None:
-        """Make this device current on the calling thread if it is not already."""
-        err, cur = _rt.cudaGetDevice()
-        if err:
-            _check("cudaGetDevice", err)
-        if cur != self.index:
-            _check("cudaSetDevice", _rt.cudaSetDevice(self.index)[0])
-
     # -- memory ---------------------------------------------------------------
+    @_on_device
     def malloc(self, nbytes: int) -> int | None:
         """cudaMalloc; ``None`` on cudaErrorMemoryAllocation (the allocator retries)."""
-        self._use()
         err, ptr = _rt.cudaMalloc(nbytes)
         if err:
             if err == _OOM:
@@ -180,48 +197,48 @@ class CudaDevice:
             _check("cudaMalloc", err)
         return int(ptr)
 
+    @_on_device
     def free(self, ptr: int) -> None:
         """cudaFree (synchronizes the device; unsafe during capture)."""
-        self._use()
         _check("cudaFree", _rt.cudaFree(ptr)[0])
 
+    @_on_device
     def mem_info(self) -> tuple[int, int]:
         """(free, total) bytes from cudaMemGetInfo."""
-        self._use()
         err, free, total = _rt.cudaMemGetInfo()
         _check("cudaMemGetInfo", err)
         return int(free), int(total)
 
+    @_on_device
     def memset(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         """cudaMemsetAsync of the low byte of ``value``."""
-        self._use()
         _check(
             "cudaMemsetAsync",
             _rt.cudaMemsetAsync(ptr, value & 0xFF, nbytes, _stream(stream))[0],
         )
 
+    @_on_device
     def memcpy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """cudaMemcpyAsync device to device."""
-        self._use()
         _check(
             "cudaMemcpyAsync",
             _rt.cudaMemcpyAsync(dst, src, nbytes, _D2D, _stream(stream))[0],
         )
 
+    @_on_device
     def write(self, ptr: int, data: bytes, stream: int) -> None:
         """Host-to-device copy in ``stream`` order; returns once ``stream`` has done it."""
         if not len(data):
             return
-        self._use()
         s = _stream(stream)
         _check("cudaMemcpyAsync", _rt.cudaMemcpyAsync(ptr, data, len(data), _H2D, s)[0])
         _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(s)[0])
 
+    @_on_device
     def read(self, ptr: int, nbytes: int, stream: int) -> bytes:
         """Device-to-host copy queued after ``stream``'s work, then wait for it."""
         if nbytes <= 0:
             return b""
-        self._use()
         s = _stream(stream)
         buf = bytearray(nbytes)
         _check("cudaMemcpyAsync", _rt.cudaMemcpyAsync(buf, ptr, nbytes, _D2H, s)[0])
@@ -229,9 +246,9 @@ class CudaDevice:
         return bytes(buf)
 
     # -- streams --------------------------------------------------------------
+    @_on_device
     def create_stream(self) -> int:
         """cudaStreamCreateWithFlags(cudaStreamNonBlocking) on this device."""
-        self._use()
         err, s = _rt.cudaStreamCreateWithFlags(_NON_BLOCKING)
         _check("cudaStreamCreateWithFlags", err)
         return int(s)
@@ -242,25 +259,25 @@ class CudaDevice:
             return
         _check("cudaStreamDestroy", _rt.cudaStreamDestroy(stream)[0])
 
+    @_on_device
     def stream_wait_event(self, stream: int, event: int) -> None:
         """cudaStreamWaitEvent(stream, event, 0); joins ``stream`` to a capture."""
-        self._use()
         _check("cudaStreamWaitEvent", _rt.cudaStreamWaitEvent(_stream(stream), event, 0)[0])
 
+    @_on_device
     def stream_synchronize(self, stream: int) -> None:
         """cudaStreamSynchronize."""
-        self._use()
         _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(_stream(stream))[0])
 
+    @_on_device
     def device_synchronize(self) -> None:
         """cudaDeviceSynchronize on this device."""
-        self._use()
         _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
 
     # -- events ---------------------------------------------------------------
+    @_on_device
     def create_event(self) -> int:
         """cudaEventCreateWithFlags(cudaEventDisableTiming) on this device."""
-        self._use()
         err, e = _rt.cudaEventCreateWithFlags(_DISABLE_TIMING)
         _check("cudaEventCreateWithFlags", err)
         return int(e)
@@ -269,9 +286,9 @@ class CudaDevice:
         """cudaEventDestroy."""
         _check("cudaEventDestroy", _rt.cudaEventDestroy(event)[0])
 
+    @_on_device
     def record_event(self, event: int, stream: int) -> None:
         """cudaEventRecord (a capture node when ``stream`` is capturing)."""
-        self._use()
         _check("cudaEventRecord", _rt.cudaEventRecord(event, _stream(stream))[0])
 
     def query_event(self, event: int) -> bool:
@@ -292,8 +309,15 @@ class CudaDevice:
     def capture_info(self, stream: int) -> tuple[int, int]:
         """(status, id): cudaStreamIsCapturing, then cudaStreamGetCaptureInfo when capturing."""
         if stream == LEGACY_STREAM:
-            self._use()  # the legacy stream is per device
-            stream = _LEGACY
+            return self._legacy_capture_info()
+        return self._capture_info(stream)
+
+    @_on_device
+    def _legacy_capture_info(self) -> tuple[int, int]:
+        """The legacy stream is per device: ask with this device current."""
+        return self._capture_info(_LEGACY)
+
+    def _capture_info(self, stream: int) -> tuple[int, int]:
         # cudaStreamIsCapturing builds no output arrays: the cheap answer when not capturing.
         err, status = _rt.cudaStreamIsCapturing(stream)
         _check("cudaStreamIsCapturing", err)
@@ -311,9 +335,9 @@ class CudaDevice:
         _check("cudaThreadExchangeStreamCaptureMode", err)
         return int(prev)
 
+    @_on_device
     def begin_capture(self, stream: int, mode: int) -> None:
         """cudaStreamBeginCapture; fails on the legacy stream."""
-        self._use()
         _check(
             "cudaStreamBeginCapture",
             _rt.cudaStreamBeginCapture(_stream(stream), _mode(mode))[0],
@@ -331,16 +355,16 @@ class CudaDevice:
         _check("cudaGraphGetNodes", err)
         return int(count)
 
+    @_on_device
     def instantiate(self, graph: int) -> int:
         """cudaGraphInstantiate(graph, 0)."""
-        self._use()
         err, graph_exec = _rt.cudaGraphInstantiate(graph, 0)
         _check("cudaGraphInstantiate", err)
         return int(graph_exec)
 
+    @_on_device
     def launch(self, graph_exec: int, stream: int) -> None:
         """cudaGraphLaunch."""
-        self._use()
         _check("cudaGraphLaunch", _rt.cudaGraphLaunch(graph_exec, _stream(stream))[0])
 
     def destroy_graph(self, graph: int) -> None:

@@ -119,7 +119,7 @@ class CachingAllocator:
                     block = bins.blocks.pop(i)
             d_cnt = d_bytes = 0
             if block is None:
-                block = self._new_segment(fl, size, stream, requested)
+                block = self._new_segment(fl, size, stream, requested, rec)
             elif block.prev is not None or block.next is not None:
                 d_cnt = -1
                 d_bytes = -block.size
@@ -149,6 +149,11 @@ class CachingAllocator:
             if owner is not None:
                 owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                 if rec is not None:
+                    head = block
+                    while head.prev is not None:
+                        head = head.prev
+                    if head.origin is not rec:
+                        head.origin = None  # shared with another capture: the pool's for good
                     self._serial += 1
                     block.serial = self._serial
                     block.owner = rec
@@ -166,10 +171,9 @@ class CachingAllocator:
     def _reject_size(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        raise OutOfMemoryError(
-            f"cannot allocate {_fmt(nbytes)} ({nbytes} bytes) on device {self.device.index}: "
-            f"the device has only {_fmt(self._total)} in total. Check the requested size."
-        )
+        with self._lock:
+            message = self._oom_message(nbytes, None)
+        raise OutOfMemoryError(message)
 
     def _route(self, stream: int) -> CaptureRecord | None:
         """The registered capture ``stream`` belongs to, if any (one driver query)."""
@@ -178,7 +182,9 @@ class CachingAllocator:
             return None
         return self._captures.get(cid)
 
-    def _new_segment(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
+    def _new_segment(
+        self, fl: FreeList, size: int, stream: int, nbytes: int, rec: CaptureRecord | None = None
+    ) -> Block:
         """Get a segment for a rounded ``size`` from the driver, releasing the cache once if refused."""
         seg = self.sizes.segment_size(size)
         ptr = self._device_malloc(seg)
@@ -192,6 +198,7 @@ class CachingAllocator:
                 fl.owner.stats.num_ooms += 1
             raise OutOfMemoryError(self._oom_message(nbytes, seg))
         head = Block(ptr, seg, stream, fl)
+        head.origin = rec
         self._segments[ptr] = head
         insort(self._seg_bases, ptr)
         for st in self._scopes(fl):
@@ -213,7 +220,10 @@ class CachingAllocator:
         finally:
             self.device.exchange_capture_mode(prev)
 
-    def _oom_message(self, nbytes: int, seg: int) -> str:
+    def _oom_message(self, nbytes: int, seg: int | None) -> str:
+        """The out-of-memory message: the request, then what is allocated, reserved, held in
+        private pools and free on the device, then what to do. ``seg`` None: the request
+        alone is larger than the device."""
         st = self.stats
         private = sum(p.stats.current("reserved_bytes") for p in self._pools.values())
         try:
@@ -224,7 +234,12 @@ class CachingAllocator:
         during = " during graph capture (the cache cannot be released then)" if self._capturing else ""
         return (
             f"out of memory on device {self.device.index}{during}: tried to allocate {_fmt(nbytes)} "
-            f"(a new segment of {_fmt(seg)}); {_fmt(st.current('allocated_bytes'))} allocated, "
+            + (
+                f"(a new segment of {_fmt(seg)}); "
+                if seg is not None
+                else f"({nbytes} bytes), more than the device's {_fmt(self._total)} in total; "
+            )
+            + f"{_fmt(st.current('allocated_bytes'))} allocated, "
             f"{_fmt(st.current('reserved_bytes'))} reserved "
             f"({_fmt(private)} of it held in private graph pools), {dev}. "
             "Free buffers you no longer need, reset graphs you no longer replay, "
@@ -240,37 +255,44 @@ class CachingAllocator:
             if self._pending:
                 self._drain()
             # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
-            block = self._active.pop(ptr, None)
+            block = self._active.pop(ptr, None) if type(ptr) is int else None
             if block is None:
                 self._bad_pointer(ptr, "free")
             block.allocated = False
             if self._capturing or block.stream_uses:
-                self._free_held(block)
+                self._free_held(block, threading.get_ident())
             else:
                 self._free_block(block, True)
         finally:
             lock.release()
 
     def defer_free(self, ptr: int) -> None:
-        """Queue a free for the next allocator call. Lock-free: for finalizers."""
-        self._pending.append(ptr)
+        """Queue a free for the next allocator call. Lock-free: for finalizers.
+
+        During a capture the freeing thread is queued too: whichever thread drains the
+        queue, the free counts as made by the thread that dropped the buffer.
+        """
+        if self._capturing:
+            self._pending.append((ptr, threading.get_ident()))
+        else:
+            self._pending.append(ptr)
 
     def defer_release(self, rec: CaptureRecord) -> None:
         """Queue ``release_capture(rec)`` for the next allocator call. Lock-free: for finalizers."""
         self._pending.append(rec)
 
-    def _free(self, ptr: int) -> None:
-        """Free the allocation at ``ptr`` (``free`` writes this out)."""
-        block = self._active.pop(ptr, None)
+    def _free(self, ptr: int, thread: int) -> None:
+        """Free the allocation at ``ptr`` on behalf of ``thread`` (``free`` writes this out)."""
+        block = self._active.pop(ptr, None) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
         if self._capturing or block.stream_uses:
-            self._free_held(block)
+            self._free_held(block, thread)
         else:
             self._free_block(block, True)
 
-    def _free_held(self, block: Block) -> None:
+    def _free_held(self, block: Block, thread: int) -> None:
         """A free that may keep the block back: during a capture, or with extra stream users."""
         fl = block.pool
         size = block.size
@@ -279,7 +301,7 @@ class CachingAllocator:
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
         if self._capturing:
-            rec = self._capture_for_free(block)
+            rec = self._capture_for_free(block, thread)
             if rec is not None:
                 if owner is not rec.pool:
                     # The graph's kernels may touch this memory on every replay.
@@ -289,8 +311,6 @@ class CachingAllocator:
                         self._hold(block)
                         self._deferred.append(block)
                     return
-                if block.owner is not None and block.owner is not rec:
-                    rec.consumed.append((block.ptr, size, block.owner))
             if block.stream_uses:
                 self._hold(block)
                 self._deferred.append(block)
@@ -306,22 +326,30 @@ class CachingAllocator:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
-    def _capture_for_free(self, block: Block) -> CaptureRecord | None:
+    def _capture_for_free(self, block: Block, thread: int) -> CaptureRecord | None:
         """The capture a free made now belongs to, if any; no driver query.
 
-        A block of a pool being captured into belongs to that capture; otherwise a free
-        made by a thread that began a capture (the capture body dropping an array)
-        belongs to its latest capture, as does a block of a stream that began one.
-        Frees by other threads of blocks of other streams are ordinary frees.
+        A free by a thread that began captures (its capture body dropping an array)
+        belongs to the one of them on the block's stream or pool, else to its latest.
+        A free by another thread belongs to the capture into the block's pool, else to
+        the capture on the block's stream, else to none (an ordinary eager free).
         """
-        me = threading.get_ident()
-        found = None
-        for rec in self._captures.values():
-            if rec.pool is block.pool.owner or rec.stream == block.stream:
-                return rec
-            if rec.thread == me:
-                found = rec
-        return found
+        owner = block.pool.owner
+        stream = block.stream
+        recs = list(self._captures.values())
+        mine = [r for r in recs if r.thread == thread]
+        for r in reversed(mine):
+            if r.stream == stream or r.pool is owner:
+                return r
+        if mine:
+            return mine[-1]
+        for r in recs:
+            if r.pool is owner:
+                return r
+        for r in recs:
+            if r.stream == stream:
+                return r
+        return None
 
     def _free_block(self, block: Block, freed: bool) -> None:
         """Return a block with no holds to its free list, merging free neighbours.
@@ -491,6 +519,14 @@ class CachingAllocator:
         self._synchronize_events()
         for fl in (self._small, self._large):
             self._release_free_segments(fl)
+        for pool in self._pools.values():  # live pools: only segments of failed captures
+            if pool.use_count:
+                for fl in (pool.small, pool.large):
+                    for block in fl:
+                        origin = block.origin
+                        if block.prev is None and block.next is None and origin is not None and origin.failed:
+                            fl.remove(block)
+                            self._release_segment(block)
         for pid, pool in list(self._freeable.items()):
             self._release_free_segments(pool.small)
             self._release_free_segments(pool.large)
@@ -522,15 +558,22 @@ class CachingAllocator:
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
+        me = threading.get_ident()
+        later: list[Any] = []
         while pending:
             item = pending.popleft()
             try:
                 if type(item) is int:
-                    self._free(item)
+                    self._free(item, me)
+                elif type(item) is tuple:
+                    self._free(item[0], item[1])
+                elif item.active and item.thread != me:
+                    later.append(item)  # only the capturing thread can end its capture
                 else:
                     self._release(item)
             except GraphpoolError as exc:  # a finalizer's work must not fail an unrelated call
                 warnings.warn(f"graphpool: a deferred free failed: {exc}", RuntimeWarning, stacklevel=3)
+        pending.extend(later)
 
     # --------------------------------------------------------------- capture
     def begin_capture(
@@ -554,6 +597,13 @@ class CachingAllocator:
             self._capture_seq += 1
             rec = CaptureRecord(pool, label, threading.get_ident(), self._capture_seq)
             rec.stream = stream
+            # What this capture may read from its pool: outputs of earlier captures still
+            # alive. O(live allocations), once per capture.
+            rec.inputs = [
+                (b.ptr, b.size, b.owner, b, b.serial)
+                for b in self._active.values()
+                if b.pool.owner is pool and b.owner is not None
+            ]
             self._capturing += 1
             try:
                 cid = begin()
@@ -578,6 +628,7 @@ class CachingAllocator:
     def abort_capture(self, rec: CaptureRecord) -> None:
         """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
         with self._lock:
+            rec.failed = True
             self._unregister(rec)
             self._release(rec)
 
@@ -622,7 +673,18 @@ class CachingAllocator:
                 pass
         kept, rec.kept = rec.kept, []
         for block in kept:
-            self._unhold(block)
+            # A replay queued on another stream may still touch the block: it waits for an
+            # event on each such stream, as a record_stream'd block would.
+            uses = rec.replay_streams - {block.stream}
+            if uses:
+                block.stream_uses = uses
+                self._hold(block)
+                if self._capturing:
+                    self._deferred.append(block)
+                else:
+                    self._insert_events(block)
+                    self._unhold(block)
+            self._unhold(block)  # the graph's own hold
         self._drop_use(rec.pool)
         if not self._capturing and self._deferred:
             self._flush_deferred()

@@ -23,6 +23,9 @@ class Block:
     block out of its free list: outstanding events of extra stream users, a graph that
     must keep the memory, a deferred event recording. ``owner`` is the capture that
     allocated it, if any; ``serial`` tells its allocations apart for the replay checker.
+    ``origin`` (first blocks only) is the capture that made the segment while no other
+    capture has allocated from it: a failed capture's own segments may go back to the
+    driver although its pool lives on.
     """
 
     __slots__ = (
@@ -38,6 +41,7 @@ class Block:
         "holds",
         "owner",
         "serial",
+        "origin",
     )
 
     def __init__(self, ptr: int, size: int, stream: int, pool: FreeList) -> None:
@@ -53,6 +57,7 @@ class Block:
         self.holds = 0
         self.owner: Any = None
         self.serial = 0
+        self.origin: Any = None  # on a segment's first block: the capture that made it, alone
 
     @property
     def is_split(self) -> bool:

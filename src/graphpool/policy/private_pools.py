@@ -83,10 +83,11 @@ class CaptureRecord:
     may touch them on every replay, so they stay out of every pool until release.
     ``deferred``: blocks with extra stream users freed during the capture; their events
     are recorded once no capture is underway. ``written``: (ptr, size) of every block
-    handed out during the capture (with the block and its serial). ``consumed``: (ptr, size,
-    producer) of pool blocks
-    made by an earlier capture and freed during this one (inputs it read).
+    handed out during the capture (with the block and its serial). ``inputs``: (ptr, size,
+    producer, block, serial) of the pool's blocks made by earlier captures and alive when
+    this one began: what it may read (the replay checker's view of its inputs).
     ``outputs``: blocks handed out during the capture and still allocated at its end.
+    ``replay_streams``: streams the graph replayed on; kept blocks wait for them at release.
     ``handles``: ("graph" | "exec", handle) pairs the allocator destroys when it releases
     the record for a graph that was collected, so finalizers make no device calls.
     """
@@ -98,13 +99,15 @@ class CaptureRecord:
         "thread",
         "kept",
         "written",
-        "consumed",
+        "inputs",
         "outputs",
         "active",
         "released",
         "sequence",
         "stream",
         "handles",
+        "replay_streams",
+        "failed",
     )
 
     def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
@@ -114,13 +117,15 @@ class CaptureRecord:
         self.thread = thread
         self.kept: list[Block] = []
         self.written: list[tuple[int, int, Block, int]] = []  # ptr, size, block, serial
-        self.consumed: list[tuple[int, int, CaptureRecord]] = []
+        self.inputs: list[tuple[int, int, CaptureRecord, Block, int]] = []
         self.outputs: list[tuple[Block, int]] = []
         self.active = True
         self.released = False
         self.sequence = sequence
         self.stream = 0  # the capturing stream, to end an abandoned capture
         self.handles: list[tuple[str, int]] = []  # device graph objects to destroy at release
+        self.replay_streams: set[int] = set()  # streams the graph was replayed on
+        self.failed = False  # the capture was aborted: its graph never existed
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"

@@ -41,8 +41,9 @@ ADDRESS_BASE = 0x7F00_0000_0000
 ADDRESS_SPAN = 1 << 44
 """Device ``i`` hands out addresses from ``ADDRESS_BASE + i * ADDRESS_SPAN`` upward."""
 
-_handles = itertools.count(1)
-"""Stream, event, graph and exec handles: unique across kinds and devices, like CUDA's pointers."""
+_handles = itertools.count(0x1000, 0x10)
+"""Stream, event, graph and exec handles: unique across kinds and devices, like CUDA's pointers;
+never 1 or 2, which the CUDA array interface reserves for the default streams."""
 
 
 class _Marker:

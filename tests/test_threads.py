@@ -1,0 +1,303 @@
+"""Thread safety (SPEC 2): any number of Python threads may allocate and free at once.
+
+Each thread allocates and frees in a random pattern; a shared registry checks, under its
+own lock, that no two live allocations overlap. A range leaves the registry *before* its
+free, so another thread may legitimately get it right after. Afterwards the allocator's
+invariants hold and every byte comes back.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.pools import SizeConfig
+from graphpool.sim import SimBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "policy"))
+from fakedevice import FakeDevice
+
+SHRUNK = SizeConfig(
+    min_block=512,
+    small_size=4096,
+    small_segment=8192,
+    large_segment=40960,
+    min_large_alloc=20480,
+    round_large=8192,
+)
+THREADS = 8
+OPS = 400
+
+
+class Registry:
+    """Live ranges of every thread; raises on overlap."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.live: dict[int, int] = {}
+        self.errors: list[str] = []
+
+    def add(self, ptr: int, size: int) -> None:
+        with self.lock:
+            for p, n in self.live.items():
+                if ptr < p + n and p < ptr + size:
+                    self.errors.append(f"[{ptr:#x}, +{size}) overlaps [{p:#x}, +{n})")
+            if ptr in self.live:
+                self.errors.append(f"{ptr:#x} handed out twice")
+            self.live[ptr] = size
+
+    def remove(self, ptr: int) -> None:
+        with self.lock:
+            del self.live[ptr]
+
+
+def run_threads(target: Any, n: int = THREADS) -> None:
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def wrapped(i: int) -> None:
+        try:
+            barrier.wait()
+            target(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(old)
+    assert not any(t.is_alive() for t in threads), "a thread hung (deadlock?)"
+    if errors:
+        raise errors[0]
+
+
+# --------------------------------------------------------------------------- the policy directly
+def test_threads_on_the_allocator_directly() -> None:
+    dev = FakeDevice(total=1 << 30)
+    a = CachingAllocator(dev, sizes=SHRUNK)
+    reg = Registry()
+
+    def work(i: int) -> None:
+        rng = random.Random(i)
+        mine: list[int] = []
+        stream = 1 + i % 3  # threads share streams, so they compete for the same blocks
+        for _ in range(OPS):
+            r = rng.random()
+            if mine and r < 0.45:
+                ptr = mine.pop(rng.randrange(len(mine)))
+                reg.remove(ptr)
+                a.free(ptr)
+            elif mine and r < 0.5:
+                a.record_stream(rng.choice(mine), 1 + (i + 1) % 3)
+            elif r < 0.52:
+                dev.complete_all()
+            elif r < 0.53:
+                a.empty_cache()
+            else:
+                n = rng.choice([rng.randrange(0, 4096), rng.randrange(0, 60000)])
+                ptr = a.malloc(n, stream=stream)
+                blk = a.lookup(ptr)
+                assert blk is not None and blk.size >= max(n, 1)
+                reg.add(ptr, blk.size)
+                mine.append(ptr)
+        for ptr in mine:
+            reg.remove(ptr)
+            a.free(ptr)
+
+    run_threads(work)
+    assert not reg.errors, reg.errors[:3]
+    a.check_invariants()
+    st = a.memory_stats()
+    assert st["allocation.all.current"] == 0 and st["allocated_bytes.all.current"] == 0
+    a.empty_cache()
+    a.check_invariants()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0 and dev.used == 0
+
+
+def test_threads_stats_add_up_exactly() -> None:
+    dev = FakeDevice(total=1 << 30)
+    a = CachingAllocator(dev, sizes=SHRUNK)
+    per_thread = 300
+
+    def work(i: int) -> None:
+        ptrs = [a.malloc(1000, stream=1 + i % 2) for _ in range(per_thread)]
+        for p in ptrs:
+            a.free(p)
+
+    run_threads(work)
+    st = a.memory_stats()
+    total = THREADS * per_thread
+    assert st["allocation.all.allocated"] == total and st["allocation.all.freed"] == total
+    assert st["allocated_bytes.all.allocated"] == total * 1024
+    assert st["requested_bytes.all.allocated"] == total * 1000
+    assert st["allocation.all.current"] == 0
+    a.check_invariants()
+
+
+# --------------------------------------------------------------------------- the public API, sim
+@pytest.fixture
+def small_sim() -> Any:
+    runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=256 << 20), sizes=SHRUNK)
+    try:
+        yield runtime.get()
+    finally:
+        gc.collect()
+        try:
+            gp.synchronize()
+            gp.empty_cache()
+            gp.check_invariants()
+        finally:
+            gp.set_backend("sim")
+
+
+def test_threads_through_gp_alloc_with_patterns(small_sim: Any) -> None:
+    dev = small_sim.device(0)
+    reg = Registry()
+    corrupt: list[str] = []
+    streams = [gp.Stream() for _ in range(3)]
+
+    def work(i: int) -> None:
+        rng = random.Random(100 + i)
+        s = streams[i % 3]
+        mine: list[tuple[Any, int]] = []
+        with gp.stream(s):
+            for k in range(OPS // 2):
+                if mine and rng.random() < 0.45:
+                    buf, pat = mine.pop(rng.randrange(len(mine)))
+                    got = dev.read(buf.ptr, buf.nbytes, s.handle)
+                    if got != bytes([pat]) * buf.nbytes:
+                        corrupt.append(f"thread {i}: buffer {buf.ptr:#x} changed")
+                    reg.remove(buf.ptr)
+                    if rng.random() < 0.5:
+                        buf.free()
+                    else:
+                        del buf  # freed by its finalizer, drained by a later call
+                else:
+                    n = rng.randrange(1, 20000)
+                    buf = gp.alloc(n)
+                    assert buf.stream == s
+                    pat = (i * 31 + k) % 250 + 1
+                    dev.write(buf.ptr, bytes([pat]) * n, s.handle)
+                    reg.add(buf.ptr, runtime.allocator(0).lookup(buf.ptr).size)
+                    mine.append((buf, pat))
+            for buf, pat in mine:
+                got = dev.read(buf.ptr, buf.nbytes, s.handle)
+                if got != bytes([pat]) * buf.nbytes:
+                    corrupt.append(f"thread {i}: buffer {buf.ptr:#x} changed")
+                reg.remove(buf.ptr)
+                buf.free()
+
+    run_threads(work)
+    assert not reg.errors, reg.errors[:3]
+    assert not corrupt, corrupt[:3]
+    gc.collect()
+    gp.synchronize()
+    gp.check_invariants()
+    assert gp.memory_allocated() == 0
+    gp.empty_cache()
+    assert gp.memory_reserved() == 0
+
+
+def test_threads_allocate_while_another_thread_captures(small_sim: Any) -> None:
+    """Eager threads never get private memory, and never break another thread's capture."""
+    from graphpool.sim import xp
+
+    alloc = runtime.allocator(0)
+    stop = threading.Event()
+    private: list[int] = []
+    captured = threading.Event()
+
+    def eager(i: int) -> None:
+        s = gp.Stream()
+        with gp.stream(s):
+            while not stop.is_set():
+                buf = gp.alloc(1000 + 512 * i)
+                if alloc.lookup(buf.ptr).pool.owner is not None:
+                    private.append(buf.ptr)
+                buf.free()
+
+    def capturer() -> None:
+        g = gp.CUDAGraph()
+        s = gp.Stream()
+        with gp.stream(s):
+            g.capture_begin()  # global mode: any unsafe call by any thread would break it
+            arrays = [xp.ones(100 + k) for k in range(50)]
+            g.capture_end()
+            g.replay()
+            assert all(alloc.lookup(a.data.ptr).pool.owner is not None for a in arrays)
+            assert float(arrays[-1].sum().item()) == 149.0
+        g.reset()
+        captured.set()
+
+    workers = [threading.Thread(target=eager, args=(i,)) for i in range(3)]
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            capturer()
+        except BaseException as exc:
+            errors.append(exc)
+
+    cap = threading.Thread(target=guarded)
+    for w in workers:
+        w.start()
+    cap.start()
+    cap.join(timeout=60)
+    stop.set()
+    for w in workers:
+        w.join(timeout=60)
+    if errors:
+        raise errors[0]
+    assert captured.is_set()
+    assert not private, "eager code got private-pool memory while another thread captured"
+    gc.collect()
+    gp.check_invariants()
+
+
+def test_graph_collected_mid_capture_is_ended_when_another_thread_drains(small_sim: Any) -> None:
+    from graphpool.sim import capture as sim_capture
+    from graphpool.sim import xp
+
+    s = gp.Stream()
+    dev = small_sim.device(0)
+    try:
+        with gp.stream(s):
+            g = gp.CUDAGraph()
+            g.capture_begin()
+            a = xp.ones(100)
+            del g
+            gc.collect()
+            t = threading.Thread(target=gp.memory_stats)  # another thread's call drains the queue
+            t.start()
+            t.join()
+            # Only the capturing thread can end its capture: the release waits for it, and
+            # meanwhile the allocator still routes the stream to the capture's pool.
+            assert s.query_capturing()
+            assert runtime.allocator(0)._capturing == 1
+            b = xp.ones(100)  # the capturing thread's next call ends the abandoned capture first
+            assert not s.query_capturing(), "the abandoned capture is still open on the device"
+            assert sim_capture.ongoing() == []
+            assert runtime.allocator(0).lookup(b.data.ptr).pool.owner is None
+            del a, b
+    finally:
+        for cap in sim_capture.ongoing():  # leave no capture behind for later tests
+            try:
+                dev.end_capture(cap.origin)
+            except gp.GraphpoolError:
+                sim_capture.finish(cap)
+        gc.collect()
