@@ -211,7 +211,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert not overlaps(lo, hi, self.blocked_ranges()), "memory handed out while kept or awaiting events"
         self.live[ptr] = Live(nbytes, blk.size, stream, got)
 
-    def _free(self, ptr: int) -> None:
+    def _free(self, ptr: int, queue: bool = False) -> None:
         v = self.live.pop(ptr)
         lo, hi = ptr, ptr + v.size
         events = None
@@ -226,7 +226,10 @@ class AllocatorMachine(RuleBasedStateMachine):
                 candidates = list(self.active.values())
             if all(c.pid != v.pool for c in candidates):
                 recs = candidates
-        self.a.free(ptr)
+        if queue:
+            self.a.defer_free(ptr)  # what a finalizer does: no lock, carried out later
+        else:
+            self.a.free(ptr)
         if recs is not None or events is not None:
             self.blocked.append(Blocked(lo, hi, recs, events))
 
@@ -235,11 +238,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def finalizer_free(self, data: st.DataObject) -> None:
         """A finalizer queues the free (no lock); the next allocator call carries it out."""
         ptr = data.draw(st.sampled_from(sorted(self.live)))
-        self.a.free = self.a.defer_free  # type: ignore[method-assign]
-        try:
-            self._free(ptr)  # the model's bookkeeping, with the free only queued
-        finally:
-            del self.a.free
+        self._free(ptr, queue=True)  # the model's bookkeeping, with the free only queued
         assert self.a.lookup(ptr) is not None  # not freed yet
         self.a.memory_stats()  # any call drains the queue
         assert self.a.lookup(ptr) is None
