@@ -37,23 +37,10 @@ class Env:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
-_SPIN_SRC = r"""
-extern "C" __global__ void gp_spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
-_spin_kernel: Any = None
-
-
 def _cuda_spin(stream: gp.Stream) -> None:
-    import cupy
+    from graphpool.bench import cuda_spin
 
-    global _spin_kernel
-    if _spin_kernel is None:
-        _spin_kernel = cupy.RawKernel(_SPIN_SRC, "gp_spin")
-    with cupy.cuda.ExternalStream(stream.handle):
-        _spin_kernel((1,), (1,), (cupy.int64(200_000_000),))  # about 0.1 s at 2 GHz
+    cuda_spin(stream)
 
 
 def _sim_spin(stream: gp.Stream) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import graphpool as gp
-from graphpool import runtime
+from graphpool import runtime, scenarios
 
 _SPIN_SRC = r"""
 extern "C" __global__ void gp_spin(long long cycles) {
@@ -30,11 +30,12 @@ def cuda_spin(stream: gp.Stream, cycles: int = 200_000_000) -> None:
     """Queue a one-thread kernel that spins ``cycles`` clock ticks (about 0.1 s) on ``stream``."""
     import cupy
 
+    from graphpool.cupy import cupy_stream
+
     global _spin
     if _spin is None:
         _spin = cupy.RawKernel(_SPIN_SRC, "gp_spin")
-    with cupy.cuda.ExternalStream(stream.handle):
-        _spin((1,), (1,), (cupy.int64(cycles),))
+    _spin((1,), (1,), (cupy.int64(cycles),), stream=cupy_stream(stream))
 
 
 def _per_call(fn: Callable[[], None], number: int, repeat: int) -> list[float]:
@@ -238,20 +239,9 @@ def bench_cupy_hazard() -> dict[str, Any]:
         out["cupy pool: elements of y overwritten by one replay"] = int((y != 7).sum().item())
         del a, res, y, graph
     gcupy.install()
-    s = gp.Stream()
-    with gp.stream(s):
-        a = cupy.ones(n, dtype=cupy.float32)
-        g = gp.CUDAGraph()
-        g.capture_begin()
-        t = a * 2
-        res = t + 1
-        del t
-        g.capture_end()
-        y = cupy.full(n, 7, dtype=cupy.float32)
-        g.replay()
-        s.synchronize()
-        out["graphpool: elements of y overwritten by one replay"] = int((y != 7).sum().item())
-        out["graphpool: graph output correct"] = bool(float(res.sum().item()) == 3.0 * n)
+    wrong, _, out_total = scenarios.hazard(cupy, n)
+    out["graphpool: elements of y overwritten by one replay"] = wrong
+    out["graphpool: graph output correct"] = out_total == 3.0 * n
     out["elements"] = n
     return out
 

@@ -67,6 +67,10 @@ def malloc(nbytes: int) -> Any:
 def cupy_stream(s: Stream) -> Any:
     """The CuPy stream object for graphpool stream ``s`` (cached; ``Stream.null`` for handle 0)."""
     cp = _cp
+    if cp is None:  # usable before install() too
+        import cupy
+
+        cp = cupy
     key = (s.device, s.handle)
     cs = _cp_streams.get(key)
     if cs is None:

@@ -122,6 +122,30 @@ class KindCounters:
             setattr(self, level + "_free", getattr(self, level + "_free") - amount)
 
 
+def _move_split(k: KindCounters, d_split: int, d_bytes: int) -> None:
+    """Move the inactive-split count and bytes of ``k`` (either sign)."""
+    c = k.inactive_split_cur + d_split
+    if c < 0:
+        raise AssertionError("inactive_split would go negative")
+    k.inactive_split_cur = c
+    if d_split > 0:
+        k.inactive_split_alloc += d_split
+        if c > k.inactive_split_run:
+            k.inactive_split_run = c
+    else:
+        k.inactive_split_free -= d_split
+    c = k.inactive_split_bytes_cur + d_bytes
+    if c < 0:
+        raise AssertionError("inactive_split_bytes would go negative")
+    k.inactive_split_bytes_cur = c
+    if d_bytes > 0:
+        k.inactive_split_bytes_alloc += d_bytes
+        if c > k.inactive_split_bytes_run:
+            k.inactive_split_bytes_run = c
+    else:
+        k.inactive_split_bytes_free -= d_bytes
+
+
 class PoolStats:
     """All statistics of one accounting scope (a device, or one private pool)."""
 
@@ -191,27 +215,8 @@ class PoolStats:
         k.requested_bytes_alloc += requested
         if c > k.requested_bytes_run:
             k.requested_bytes_run = c
-        if d_split or d_bytes:  # the inactive-split move; written out (not a call): it is hot
-            c = k.inactive_split_cur + d_split
-            k.inactive_split_cur = c
-            if d_split > 0:
-                k.inactive_split_alloc += d_split
-                if c > k.inactive_split_run:
-                    k.inactive_split_run = c
-            elif d_split < 0:
-                if c < 0:
-                    raise AssertionError("inactive_split would go negative")
-                k.inactive_split_free -= d_split
-            c = k.inactive_split_bytes_cur + d_bytes
-            k.inactive_split_bytes_cur = c
-            if d_bytes > 0:
-                k.inactive_split_bytes_alloc += d_bytes
-                if c > k.inactive_split_bytes_run:
-                    k.inactive_split_bytes_run = c
-            elif d_bytes < 0:
-                if c < 0:
-                    raise AssertionError("inactive_split_bytes would go negative")
-                k.inactive_split_bytes_free -= d_bytes
+        if d_split or d_bytes:
+            _move_split(k, d_split, d_bytes)
 
     def on_release(
         self, is_small: bool, size: int, requested: int, d_split: int, d_bytes: int, freed: bool
@@ -238,27 +243,8 @@ class PoolStats:
             raise AssertionError("requested_bytes would go negative")
         k.requested_bytes_cur = c
         k.requested_bytes_free += requested
-        if d_split or d_bytes:  # the inactive-split move, as in on_malloc
-            c = k.inactive_split_cur + d_split
-            k.inactive_split_cur = c
-            if d_split > 0:
-                k.inactive_split_alloc += d_split
-                if c > k.inactive_split_run:
-                    k.inactive_split_run = c
-            elif d_split < 0:
-                if c < 0:
-                    raise AssertionError("inactive_split would go negative")
-                k.inactive_split_free -= d_split
-            c = k.inactive_split_bytes_cur + d_bytes
-            k.inactive_split_bytes_cur = c
-            if d_bytes > 0:
-                k.inactive_split_bytes_alloc += d_bytes
-                if c > k.inactive_split_bytes_run:
-                    k.inactive_split_bytes_run = c
-            elif d_bytes < 0:
-                if c < 0:
-                    raise AssertionError("inactive_split_bytes would go negative")
-                k.inactive_split_bytes_free -= d_bytes
+        if d_split or d_bytes:
+            _move_split(k, d_split, d_bytes)
 
     def on_free(self, is_small: bool, size: int) -> None:
         """A block of ``size`` bytes was given back by its user (it may still be held)."""
