@@ -773,3 +773,17 @@ def test_a_bad_deferred_free_warns_and_does_not_fail_the_next_call() -> None:
         q = a.malloc(512, stream=S1)
     assert a.lookup(q) is not None
     ok(a)
+
+
+def test_debug_mode_checks_invariants_after_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRAPHPOOL_DEBUG", "1")
+    _, a = make()
+    p = a.malloc(512, stream=S1)
+    a.stats.small.allocation_cur += 1  # corrupt a level behind the allocator's back
+    with pytest.raises(AssertionError, match="allocation"):
+        a.free(p)
+    monkeypatch.setenv("GRAPHPOOL_DEBUG", "0")
+    _, b = make()
+    q = b.malloc(512, stream=S1)
+    b.stats.small.allocation_cur += 1
+    b.free(q)  # not checked without the variable

@@ -17,6 +17,7 @@ Finalizers never take the lock: ``defer_free`` queues a pointer that the next ca
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from bisect import bisect_left, bisect_right, insort
@@ -75,6 +76,7 @@ class CachingAllocator:
         self._capture_seq = 0
         self._serial = 0
         self._total = device.mem_info()[1]
+        self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
 
     # ------------------------------------------------------------------ malloc
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
@@ -158,6 +160,8 @@ class CachingAllocator:
                     block.serial = self._serial
                     block.owner = rec
                     rec.written.append((ptr, block.size, block, self._serial))
+            if self._debug:
+                self._check()
             return ptr
         finally:
             lock.release()
@@ -263,6 +267,8 @@ class CachingAllocator:
                 self._free_held(block, threading.get_ident())
             else:
                 self._free_block(block, True)
+            if self._debug:
+                self._check()
         finally:
             lock.release()
 
@@ -779,7 +785,12 @@ class CachingAllocator:
 
     def check_invariants(self) -> None:
         """Verify every invariant (policy/check.py); raises AssertionError on the first broken one."""
+        with self._lock:
+            self._check()
+
+    def _check(self) -> None:
+        """check_invariants under the caller's lock; after every malloc and free when
+        GRAPHPOOL_DEBUG=1 (O(blocks) each: for tests and bug hunts)."""
         from graphpool.policy.check import check_invariants
 
-        with self._lock:
-            check_invariants(self)
+        check_invariants(self)
