@@ -6,6 +6,7 @@ device with ``graphpool.sim.xp``. Every figure printed is measured in this run.
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable
 from typing import Any
@@ -123,6 +124,13 @@ def run(backend: str | None = None) -> int:
     name = gp.backend()
     xp: Any
     spin: Callable[[gp.Stream], None]
+    if name == "cuda" and importlib.util.find_spec("cupy") is None:
+        print(
+            "A GPU is usable but CuPy is not installed (pip install -e '.[cupy]'): "
+            "running the scenarios on the simulated device instead.\n"
+        )
+        gp.set_backend("sim")
+        name = "sim"
     if name == "cuda":
         import cupy
 
