@@ -740,3 +740,70 @@ def test_failed_capture_segment_used_by_a_live_capture_stays() -> None:
     a.release_capture(g)
     a.empty_cache()
     assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
+def test_kept_deferred_block_waits_for_its_users_and_the_replay_streams() -> None:
+    dev, a = make()
+    x = a.malloc(4 * MiB, stream=S1)
+    a.record_stream(x, S3)
+    g1 = begin(a, dev, P, S2)
+    g2 = begin(a, dev, Q, S4)
+    g2.thread = -1  # begun by another thread: the free below is g1's
+    a.free(x)  # kept by g1 and deferred (stream S3 uses it)
+    end(a, dev, g1)
+    g1.replay_streams.add(S4)  # g1 was replayed on S4
+    a.release_capture(g1)  # while g2 still captures: the events wait
+    end(a, dev, g2)
+    assert sorted(a._waiting) == [S3, S4]  # both the extra user and the replay stream
+    assert a.malloc(4 * MiB, stream=S1) != x
+    dev.complete_all()
+    assert a.malloc(4 * MiB, stream=S1) == x
+    ok(a)
+
+
+def test_failed_capture_segment_touched_by_a_live_capture_stays() -> None:
+    dev, a = make()
+    keep = begin(a, dev, H, S1)
+    a.malloc(KiB, stream=S1)
+    end(a, dev, keep)  # H lives
+    failed = begin(a, dev, H, S1)
+    x = a.malloc(8 * MiB, stream=S1)  # a 20 MiB segment of the failing capture; the user keeps x
+    abort(a, dev, failed)
+    g = begin(a, dev, H, S1)
+    a.free(x)  # g's body reads x and drops it: g's kernels touch that memory on every replay
+    end(a, dev, g)
+    before = pstats(a, H)["segment.all.current"]
+    a.empty_cache()
+    assert pstats(a, H)["segment.all.current"] == before
+    ok(a)
+
+
+def test_two_failed_captures_in_a_row_leak_nothing() -> None:
+    dev, a = make()
+    keep = begin(a, dev, H, S1)
+    a.malloc(KiB, stream=S1)
+    end(a, dev, keep)
+    reserved = a.memory_stats()["reserved_bytes.all.current"]
+    for _ in range(2):
+        f = begin(a, dev, H, S1)
+        y = a.malloc(8 * MiB, stream=S1)
+        abort(a, dev, f)
+        a.free(y)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == reserved
+    ok(a)
+
+
+def test_nested_captures_of_one_thread_each_keep_an_eager_block() -> None:
+    dev, a = make()
+    x = a.malloc(4 * MiB, stream=S3)
+    g1 = begin(a, dev, P, S1)
+    g2 = begin(a, dev, Q, S2)
+    a.free(x)  # either graph may read it
+    end(a, dev, g2)
+    a.release_capture(g2)
+    assert a.malloc(4 * MiB, stream=S3) != x  # g1 still holds it
+    end(a, dev, g1)
+    a.release_capture(g1)
+    assert a.malloc(4 * MiB, stream=S3) == x
+    ok(a)

@@ -40,6 +40,11 @@ from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
 from graphpool.policy.stats import PoolStats
 
 
+def _thread_alive(ident: int) -> bool:
+    """Whether a thread with this id still runs (O(threads); rare path)."""
+    return any(t.ident == ident for t in threading.enumerate())
+
+
 def _fmt(n: int) -> str:
     """Bytes in the largest binary unit that keeps the figure >= 1."""
     value = float(n)
@@ -151,11 +156,7 @@ class CachingAllocator:
             if owner is not None:
                 owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                 if rec is not None:
-                    head = block
-                    while head.prev is not None:
-                        head = head.prev
-                    if head.origin is not rec:
-                        head.origin = None  # shared with another capture: the pool's for good
+                    self._claim(block, rec)
                     self._serial += 1
                     block.serial = self._serial
                     block.owner = rec
@@ -202,7 +203,8 @@ class CachingAllocator:
                 fl.owner.stats.num_ooms += 1
             raise OutOfMemoryError(self._oom_message(nbytes, seg))
         head = Block(ptr, seg, stream, fl)
-        head.origin = rec
+        if rec is not None:
+            head.origin = [rec]
         self._segments[ptr] = head
         insort(self._seg_bases, ptr)
         for st in self._scopes(fl):
@@ -307,16 +309,18 @@ class CachingAllocator:
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
         if self._capturing:
-            rec = self._capture_for_free(block, thread)
-            if rec is not None:
-                if owner is not rec.pool:
-                    # The graph's kernels may touch this memory on every replay.
+            recs = self._captures_for_free(block, thread)
+            for rec in recs:
+                self._claim(block, rec)
+            if recs and (len(recs) > 1 or owner is not recs[0].pool):
+                # The graphs' kernels may touch this memory on every replay.
+                for rec in recs:
                     self._hold(block)
                     rec.kept.append(block)
-                    if block.stream_uses:
-                        self._hold(block)
-                        self._deferred.append(block)
-                    return
+                if block.stream_uses:
+                    self._hold(block)
+                    self._deferred.append(block)
+                return
             if block.stream_uses:
                 self._hold(block)
                 self._deferred.append(block)
@@ -332,30 +336,38 @@ class CachingAllocator:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
-    def _capture_for_free(self, block: Block, thread: int) -> CaptureRecord | None:
-        """The capture a free made now belongs to, if any; no driver query.
+    def _captures_for_free(self, block: Block, thread: int) -> list[CaptureRecord]:
+        """The captures a free made now belongs to; no driver query.
 
         A free by a thread that began captures (its capture body dropping an array)
-        belongs to the one of them on the block's stream or pool, else to its latest.
-        A free by another thread belongs to the capture into the block's pool, else to
-        the capture on the block's stream, else to none (an ordinary eager free).
+        belongs to the one of them on the block's pool or stream, else to all of them
+        (nested captures may each read the block). A free by another thread belongs to
+        the capture into the block's pool, else to the capture on the block's stream,
+        else to none: an ordinary eager free.
         """
         owner = block.pool.owner
         stream = block.stream
         recs = list(self._captures.values())
         mine = [r for r in recs if r.thread == thread]
-        for r in reversed(mine):
-            if r.stream == stream or r.pool is owner:
-                return r
-        if mine:
-            return mine[-1]
-        for r in recs:
-            if r.pool is owner:
-                return r
-        for r in recs:
-            if r.stream == stream:
-                return r
-        return None
+        for group in (mine, recs):
+            for r in reversed(group):
+                if r.pool is owner:
+                    return [r]
+            for r in reversed(group):
+                if r.stream == stream:
+                    return [r]
+            if mine:
+                return mine
+        return []
+
+    @staticmethod
+    def _claim(block: Block, rec: CaptureRecord) -> None:
+        """Note that capture ``rec`` touched ``block``'s segment (see Block.origin)."""
+        head = block
+        while head.prev is not None:
+            head = head.prev
+        if head.origin is not None and rec not in head.origin:
+            head.origin.append(rec)
 
     def _free_block(self, block: Block, freed: bool) -> None:
         """Return a block with no holds to its free list, merging free neighbours.
@@ -530,7 +542,8 @@ class CachingAllocator:
                 for fl in (pool.small, pool.large):
                     for block in fl:
                         origin = block.origin
-                        if block.prev is None and block.next is None and origin is not None and origin.failed:
+                        whole = block.prev is None and block.next is None
+                        if whole and origin and all(r.failed for r in origin):
                             fl.remove(block)
                             self._release_segment(block)
         for pid, pool in list(self._freeable.items()):
@@ -566,20 +579,22 @@ class CachingAllocator:
         pending = self._pending
         me = threading.get_ident()
         later: list[Any] = []
-        while pending:
-            item = pending.popleft()
-            try:
-                if type(item) is int:
-                    self._free(item, me)
-                elif type(item) is tuple:
-                    self._free(item[0], item[1])
-                elif item.active and item.thread != me:
-                    later.append(item)  # only the capturing thread can end its capture
-                else:
-                    self._release(item)
-            except GraphpoolError as exc:  # a finalizer's work must not fail an unrelated call
-                warnings.warn(f"graphpool: a deferred free failed: {exc}", RuntimeWarning, stacklevel=3)
-        pending.extend(later)
+        try:
+            while pending:
+                item = pending.popleft()
+                try:
+                    if type(item) is int:
+                        self._free(item, me)
+                    elif type(item) is tuple:
+                        self._free(item[0], item[1])
+                    elif item.active and item.thread != me and _thread_alive(item.thread):
+                        later.append(item)  # only the capturing thread can end its capture
+                    elif not self._release(item):
+                        later.append(item)  # its capture could not be ended: it goes on
+                except Exception as exc:  # a finalizer's work must not fail an unrelated call
+                    warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning, stacklevel=3)
+        finally:
+            pending.extend(later)
 
     # --------------------------------------------------------------- capture
     def begin_capture(
@@ -610,6 +625,8 @@ class CachingAllocator:
                 for b in self._active.values()
                 if b.pool.owner is pool and b.owner is not None
             ]
+            for _, _, _, b, _ in rec.inputs:
+                self._claim(b, rec)
             self._capturing += 1
             try:
                 cid = begin()
@@ -656,17 +673,19 @@ class CachingAllocator:
         if not self._capturing:
             self._flush_deferred()
 
-    def _release(self, rec: CaptureRecord) -> None:
+    def _release(self, rec: CaptureRecord) -> bool:
+        """Give back what ``rec`` holds; False (nothing done) while its capture cannot be ended."""
         if rec.released:
-            return
+            return True
         if rec.active:  # a graph collected mid-capture: end the device capture, discard it
-            rec.active = False
-            del self._captures[rec.capture_id]
-            self._capturing -= 1
             try:
                 rec.handles.append(("graph", self.device.end_capture(rec.stream)))
             except GraphpoolError:
-                pass
+                if self.device.capture_info(rec.stream)[0] != CAPTURE_STATUS_NONE:
+                    return False  # e.g. its thread is gone and the mode binds it to that thread
+            rec.active = False
+            del self._captures[rec.capture_id]
+            self._capturing -= 1
         rec.released = True
         handles, rec.handles = rec.handles, []
         for kind, handle in handles:
@@ -683,17 +702,21 @@ class CachingAllocator:
             # event on each such stream, as a record_stream'd block would.
             uses = rec.replay_streams - {block.stream}
             if uses:
-                block.stream_uses = uses
-                self._hold(block)
-                if self._capturing:
-                    self._deferred.append(block)
+                if block.stream_uses:  # still deferred: its coming events cover these streams too
+                    block.stream_uses |= uses
                 else:
-                    self._insert_events(block)
-                    self._unhold(block)
+                    block.stream_uses = set(uses)
+                    self._hold(block)
+                    if self._capturing:
+                        self._deferred.append(block)
+                    else:
+                        self._insert_events(block)
+                        self._unhold(block)
             self._unhold(block)  # the graph's own hold
         self._drop_use(rec.pool)
         if not self._capturing and self._deferred:
             self._flush_deferred()
+        return True
 
     def _drop_use(self, pool: PrivatePool) -> None:
         pool.use_count -= 1

@@ -23,9 +23,9 @@ class Block:
     block out of its free list: outstanding events of extra stream users, a graph that
     must keep the memory, a deferred event recording. ``owner`` is the capture that
     allocated it, if any; ``serial`` tells its allocations apart for the replay checker.
-    ``origin`` (first blocks only) is the capture that made the segment while no other
-    capture has allocated from it: a failed capture's own segments may go back to the
-    driver although its pool lives on.
+    ``origin`` (first blocks of segments made during a capture) lists the captures that
+    allocated, freed or read in the segment: once all of them failed, the segment may go
+    back to the driver although its pool lives on.
     """
 
     __slots__ = (
@@ -57,7 +57,7 @@ class Block:
         self.holds = 0
         self.owner: Any = None
         self.serial = 0
-        self.origin: Any = None  # on a segment's first block: the capture that made it, alone
+        self.origin: list[Any] | None = None  # first blocks: captures that touched the segment
 
     @property
     def is_split(self) -> bool:
