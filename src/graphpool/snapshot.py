@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from graphpool.policy.allocator import fmt_bytes
+
 ROWS = (
     ("Allocated memory", "allocated_bytes", True),
     ("Active memory", "active_bytes", True),
@@ -16,16 +18,6 @@ ROWS = (
     ("Segments", "segment", False),
     ("Non-releasable allocs", "inactive_split", False),
 )
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the figure >= 1."""
-    value = float(n)
-    for unit in ("B ", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} {unit}" if unit == "B " else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def summary(device: int, stats: dict[str, int]) -> str:

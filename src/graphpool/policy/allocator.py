@@ -45,14 +45,14 @@ def _thread_alive(ident: int) -> bool:
     return any(t.ident == ident for t in threading.enumerate())
 
 
-def _fmt(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the figure >= 1."""
+def fmt_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the figure >= 1 (for messages and tables)."""
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
-    return f"{n} B"  # pragma: no cover
+    return f"{value:.2f} TiB"
 
 
 class CachingAllocator:
@@ -234,20 +234,20 @@ class CachingAllocator:
         private = sum(p.stats.current("reserved_bytes") for p in self._pools.values())
         try:
             free, total = self.device.mem_info()
-            dev = f"{_fmt(free)} free of {_fmt(total)} on the device"
+            dev = f"{fmt_bytes(free)} free of {fmt_bytes(total)} on the device"
         except GraphpoolError:
             dev = "device free memory unknown"
         during = " during graph capture (the cache cannot be released then)" if self._capturing else ""
         return (
-            f"out of memory on device {self.device.index}{during}: tried to allocate {_fmt(nbytes)} "
+            f"out of memory on device {self.device.index}{during}: tried to allocate {fmt_bytes(nbytes)} "
             + (
-                f"(a new segment of {_fmt(seg)}); "
+                f"(a new segment of {fmt_bytes(seg)}); "
                 if seg is not None
-                else f"({nbytes} bytes), more than the device's {_fmt(self._total)} in total; "
+                else f"({nbytes} bytes), more than the device's {fmt_bytes(self._total)} in total; "
             )
-            + f"{_fmt(st.current('allocated_bytes'))} allocated, "
-            f"{_fmt(st.current('reserved_bytes'))} reserved "
-            f"({_fmt(private)} of it held in private graph pools), {dev}. "
+            + f"{fmt_bytes(st.current('allocated_bytes'))} allocated, "
+            f"{fmt_bytes(st.current('reserved_bytes'))} reserved "
+            f"({fmt_bytes(private)} of it held in private graph pools), {dev}. "
             "Free buffers you no longer need, reset graphs you no longer replay, "
             "then call empty_cache()."
         )
