@@ -179,11 +179,11 @@ class CUDAGraph:
         if s is None:
             s = current_stream(index)
         if _checks != "off":
-            _check_replay(self, s)  # type: ignore[arg-type]
-        self._dev.launch(exe, s.handle)  # type: ignore[attr-defined]
-        self._replay_streams.add(s.handle)  # type: ignore[attr-defined]
+            _check_replay(self, s)
+        self._dev.launch(exe, s.handle)
+        self._replay_streams.add(s.handle)
         if _checks != "off":
-            _note_replay(self, s)  # type: ignore[arg-type]
+            _note_replay(self, s)
 
     def reset(self) -> None:
         """Forget the capture; the pool's memory becomes reusable once nothing else uses it."""

@@ -17,7 +17,7 @@ def alloc(nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
     if stream is None:
         tls = runtime._tls
         s = tls.streams.get(tls.device) if tls.generation == runtime._generation else None
-        stream = s if s is not None else current_stream()  # type: ignore[assignment]
+        stream = s if s is not None else current_stream()
     elif not isinstance(stream, Stream):
         raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
     assert stream is not None

@@ -9,10 +9,14 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from graphpool.device.protocol import Backend, Device
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
+
+if TYPE_CHECKING:
+    from graphpool.streams import Stream
 
 BACKENDS = ("cuda", "sim")
 
@@ -52,7 +56,7 @@ class Runtime:
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.device = 0
-        self.streams: dict[int, object] = {}
+        self.streams: dict[int, Stream] = {}  # device index -> current stream
         self.generation = -1
 
 

@@ -173,7 +173,7 @@ def current_stream(device: int | None = None) -> Stream:
     s = tls.streams.get(index)
     if s is None:
         s = tls.streams[index] = Stream._wrap(index, LEGACY_STREAM)
-    return s  # type: ignore[return-value]
+    return s
 
 
 def set_stream(s: Stream) -> None:
