@@ -27,6 +27,13 @@ def f(t: Any, v: float) -> Any:
     return x + y
 
 
+def f5(t: Any, v: float) -> Any:
+    """``f`` applied five times, as every capture of the seed does."""
+    for _ in range(5):
+        t = f(t, v)
+    return t
+
+
 def settle() -> None:
     """Collect, synchronize and empty the cache, so figures start from the same place."""
     gc.collect()
@@ -66,13 +73,10 @@ def two_successive(xp: Any, share: str, n: int = 1000) -> TwoSuccessive:
     with gp.stream(s):
         first = first_pool(share)
         g0.capture_begin(*first)
-        b = a.copy()
-        for _ in range(5):
-            b = f(b, 1)
+        b = f5(a.copy(), 1)
         g0.capture_end()
         g1.capture_begin(*next_pool(share, g0, first))
-        for _ in range(5):
-            b = f(b, 1)
+        b = f5(b, 1)
         g1.capture_end()
     gp.current_stream().wait_stream(s)
     c = a.copy()
@@ -101,14 +105,10 @@ def concurrent_replay(
     with gp.stream(s):
         first = first_pool(share)
         g0.capture_begin(*first)
-        b = a.copy()
-        for _ in range(5):
-            b = f(b, 1)
+        b = f5(a.copy(), 1)
         g0.capture_end()
         g1.capture_begin(*next_pool(share, g0, first))
-        c = a.copy()
-        for _ in range(5):
-            c = f(c, 2)
+        c = f5(a.copy(), 2)
         g1.capture_end()
     # Line the replays up behind a long kernel so that they run at the same time.
     gp.synchronize()

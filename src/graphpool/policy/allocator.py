@@ -757,10 +757,6 @@ class CachingAllocator:
         """The live allocation that starts at ``ptr``, if any."""
         return self._active.get(ptr)
 
-    def capture_record(self, capture_id: int) -> CaptureRecord | None:
-        """The registered capture with this id, if any."""
-        return self._captures.get(capture_id)
-
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
         with self._lock:

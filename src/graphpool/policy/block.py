@@ -3,7 +3,8 @@
 A segment (one driver allocation) is a doubly linked chain of blocks that tile it
 exactly: ``b.next.ptr == b.ptr + b.size`` and ``b.next.prev is b``. Blocks split when
 a request takes the front of a larger free block and merge when adjacent free blocks
-meet; blocks of different segments never merge.
+meet (``CachingAllocator.malloc`` and ``_free_block`` do both); blocks of different
+segments never merge.
 """
 
 from __future__ import annotations
@@ -59,48 +60,9 @@ class Block:
         self.serial = 0
         self.origin: list[Any] | None = None  # first blocks: captures that touched the segment
 
-    @property
-    def is_split(self) -> bool:
-        """True when the block shares its segment with other blocks."""
-        return self.prev is not None or self.next is not None
-
-    def segment_head(self) -> Block:
-        """The first block of this block's segment. O(blocks before it)."""
-        b = self
-        while b.prev is not None:
-            b = b.prev
-        return b
-
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else ("held" if self.holds else "free")
         return f"Block(0x{self.ptr:x}, {self.size}, stream={self.stream}, {state})"
-
-
-def split_front(block: Block, size: int) -> Block:
-    """Cut ``block`` so it keeps its first ``size`` bytes; return the new block for the rest.
-
-    The rest inherits stream and pool and is linked right after ``block``.
-    """
-    rest = Block(block.ptr + size, block.size - size, block.stream, block.pool)
-    rest.prev = block
-    rest.next = block.next
-    if rest.next is not None:
-        rest.next.prev = rest
-    block.next = rest
-    block.size = size
-    return rest
-
-
-def absorb_next(block: Block) -> Block:
-    """Merge ``block.next`` into ``block`` (both must be free); return the absorbed block."""
-    nxt = block.next
-    assert nxt is not None
-    block.size += nxt.size
-    block.next = nxt.next
-    if nxt.next is not None:
-        nxt.next.prev = block
-    nxt.prev = nxt.next = None
-    return nxt
 
 
 def iter_segment(head: Block) -> list[Block]:

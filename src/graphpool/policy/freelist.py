@@ -57,10 +57,6 @@ class FreeList:
         self.owner = owner
         self.bins: dict[int, Bins] = {}  # stream -> its free blocks
 
-    def __len__(self) -> int:
-        """Number of free blocks. O(streams)."""
-        return sum(len(b.sizes) for b in self.bins.values())
-
     def __iter__(self) -> Iterator[Block]:
         """A snapshot of every free block, so the caller may remove while iterating. O(n)."""
         return iter([b for bins in self.bins.values() for b in bins.blocks])
