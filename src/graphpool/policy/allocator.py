@@ -34,7 +34,7 @@ from graphpool.errors import (
     OutOfMemoryError,
 )
 from graphpool.policy.block import Block, iter_segment
-from graphpool.policy.freelist import FreeList
+from graphpool.policy.freelist import Bins, FreeList
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
 from graphpool.policy.stats import PoolStats
@@ -118,13 +118,16 @@ class CachingAllocator:
             # (freelist.py). Written out here: a call would cost more than the bisect.
             block: Block | None = None
             bins = fl.bins.get(stream)
+            hit: Bins | None = None  # the bins still holding ``block`` at ``i``
+            i = 0
             if bins is not None:
                 sizes = bins.sizes
                 i = bisect_left(sizes, size)
                 if i < len(sizes):
-                    del sizes[i]
-                    block = bins.blocks.pop(i)
+                    block = bins.blocks[i]
+                    hit = bins
             d_cnt = d_bytes = 0
+            rest: Block | None = None
             if block is None:
                 block = self._new_segment(fl, size, stream, requested, rec)
             elif block.prev is not None or block.next is not None:
@@ -144,9 +147,12 @@ class CachingAllocator:
                 rest.prev = block
                 block.next = rest
                 block.size = size
-                fl.insert(rest)
                 d_cnt += 1
                 d_bytes += remaining
+            if hit is not None:
+                fl.place(hit, i, rest)  # the remainder usually takes the block's entry
+            elif rest is not None:
+                fl.insert(rest)
             block.allocated = True
             block.requested = requested
             ptr = block.ptr
@@ -381,10 +387,15 @@ class CachingAllocator:
         block.owner = None
         block.stream_uses = None
         d_cnt = d_bytes = 0
+        # A merged block takes the free-list entry of a neighbour it absorbed when the
+        # order allows (FreeList.replace): no list resize in the usual cycle.
+        old: Block | None = None
+        old_size = 0
         nxt = block.next
         if nxt is not None and not nxt.allocated and nxt.holds == 0:
             # absorb the free block after this one; keep its object for a later split
-            fl.remove(nxt)
+            old = nxt
+            old_size = nxt.size
             d_cnt = -1
             d_bytes = -nxt.size
             block.size = size + nxt.size
@@ -396,7 +407,10 @@ class CachingAllocator:
         prev = block.prev
         if prev is not None and not prev.allocated and prev.holds == 0:
             # the free block before absorbs this one
-            fl.remove(prev)
+            if old is not None:
+                fl.remove(old)
+            old = prev
+            old_size = prev.size
             d_cnt -= 1
             d_bytes -= prev.size
             prev.size += block.size
@@ -406,7 +420,10 @@ class CachingAllocator:
             block.prev = block.next = None
             self._spare.append(block)
             block = prev
-        fl.insert(block)
+        if old is None:
+            fl.insert(block)
+        else:
+            fl.replace(old, old_size, block)
         if block.prev is not None or block.next is not None:
             d_cnt += 1
             d_bytes += block.size

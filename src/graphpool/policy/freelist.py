@@ -13,7 +13,10 @@ with mypyc every one is a boxed big int (benchmarks/NOTES.md, entry 2). Sizes al
 small ints; equal sizes, rare, are ordered by address with a bisect over their run.
 
 The best-fit lookup itself lives in ``CachingAllocator.malloc`` (an uncompiled call would
-cost more than the bisect); ``insert`` and ``remove`` are the only other writers.
+cost more than the bisect). A split remainder or a merged block usually sorts exactly where
+the block it came from was filed: ``place`` and ``replace`` then overwrite that entry, so
+the steady cached malloc/free cycle never resizes a list (resizing a list of one or two
+entries reallocates it; benchmarks/NOTES.md, entry 7).
 """
 
 from __future__ import annotations
@@ -77,11 +80,44 @@ class FreeList:
     def remove(self, block: Block) -> None:
         """Take a free block out of the index. O(log n) + memmove."""
         bins = self.bins[block.stream]
-        size = block.size
+        i = _index_of(bins, block, block.size)
+        del bins.sizes[i]
+        del bins.blocks[i]
+
+    def replace(self, old: Block, old_size: int, new: Block) -> None:
+        """File ``new`` in place of ``old``, filed under ``old_size``. Same stream. O(log n)."""
+        bins = self.bins[old.stream]
+        self.place(bins, _index_of(bins, old, old_size), new)
+
+    def place(self, bins: Bins, i: int, new: Block | None) -> None:
+        """Drop entry ``i`` of ``bins`` and file ``new`` (if any, of the same stream).
+
+        O(1) when ``new`` sorts at ``i``, the usual case; else a removal and an insertion.
+        """
         sizes = bins.sizes
         blocks = bins.blocks
-        i = bisect_left(sizes, size)  # first entry of this size
-        if blocks[i] is not block:
-            i = tie_index(blocks, block.ptr, i, bisect_right(sizes, size, i))
+        if new is not None:
+            size = new.size
+            ptr = new.ptr
+            j = i - 1
+            k = i + 1
+            if (j < 0 or sizes[j] < size or (sizes[j] == size and blocks[j].ptr < ptr)) and (
+                k == len(sizes) or sizes[k] > size or (sizes[k] == size and blocks[k].ptr > ptr)
+            ):
+                sizes[i] = size
+                blocks[i] = new
+                return
         del sizes[i]
         del blocks[i]
+        if new is not None:
+            self.insert(new)
+
+
+def _index_of(bins: Bins, block: Block, size: int) -> int:
+    """Where ``block``, filed under ``size``, sits in ``bins``. O(log n)."""
+    sizes = bins.sizes
+    blocks = bins.blocks
+    i = bisect_left(sizes, size)  # first entry of this size
+    if blocks[i] is not block:
+        i = tie_index(blocks, block.ptr, i, bisect_right(sizes, size, i))
+    return i
