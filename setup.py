@@ -1,22 +1,65 @@
-"""Build hook: with GRAPHPOOL_COMPILE=1 the allocator policy is compiled by mypyc.
+"""Build hook: compile the allocator's hot path with mypyc, or ship it as plain Python.
 
-The policy is plain, fully typed Python and runs as is; compiling it is optional and
-only changes speed (benchmarks/results/ records both). Needs mypy and a C compiler:
-``GRAPHPOOL_COMPILE=1 pip install --no-build-isolation .`` with mypy installed.
+The policy (``graphpool/policy``) and the allocation call with its handle (``memory.py``,
+``buffer.py``) are plain, fully typed Python that runs as is. Compiled by mypyc the same
+source runs a cached malloc+free about 2.7x faster (benchmarks/NOTES.md), so an install
+compiles them when it can: mypy comes from the build requirements, the C compiler from
+the machine. Without a compiler, or with ``GRAPHPOOL_COMPILE=0``, the install is pure
+Python and behaves identically. ``graphpool.compiled()`` says which one is running.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 from setuptools import setup
+from setuptools.command.build_ext import build_ext
 
-POLICY = ["block", "freelist", "pools", "stats", "private_pools", "allocator"]
+COMPILED = [
+    "src/graphpool/policy/block.py",
+    "src/graphpool/policy/freelist.py",
+    "src/graphpool/policy/pools.py",
+    "src/graphpool/policy/stats.py",
+    "src/graphpool/policy/private_pools.py",
+    "src/graphpool/policy/allocator.py",
+    "src/graphpool/memory.py",
+    "src/graphpool/buffer.py",
+]
 
-ext_modules = []
-if os.environ.get("GRAPHPOOL_COMPILE") == "1":
-    from mypyc.build import mypycify
 
-    ext_modules = mypycify([f"src/graphpool/policy/{m}.py" for m in POLICY], opt_level="3")
+class OptionalBuildExt(build_ext):
+    """Build the compiled modules if possible; on any failure keep the pure-Python install.
 
-setup(ext_modules=ext_modules)
+    All or nothing: the compiled modules share one runtime library, so if any of them
+    fails to build the others are removed and every module stays plain Python.
+    """
+
+    def run(self) -> None:
+        try:
+            super().run()
+            if self.editable_mode:  # `pip install -e`: the source tree is what gets imported
+                self.copy_extensions_to_source()
+            return
+        except Exception as e:  # no compiler, no headers: the .py files serve
+            print(f"graphpool: not compiled ({e}); installing the pure-Python modules", file=sys.stderr)
+        for ext in self.extensions:
+            built = os.path.join(self.build_lib, self.get_ext_filename(ext.name))
+            for path in (self.get_ext_fullpath(ext.name), built):
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+def _ext_modules() -> list:  # type: ignore[type-arg]
+    if os.environ.get("GRAPHPOOL_COMPILE", "1") == "0":
+        return []
+    try:
+        from mypyc.build import mypycify
+
+        return mypycify(COMPILED, opt_level="3", group_name="graphpool._native")
+    except BaseException as e:  # mypy missing, or it refused the source: stay pure Python
+        print(f"graphpool: not compiled ({e!r}); installing the pure-Python modules", file=sys.stderr)
+        return []
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -25,6 +25,11 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 
+def pytest_report_header() -> str:
+    build = "compiled by mypyc" if gp.compiled() else "plain Python"
+    return f"graphpool {build}, from {os.path.dirname(gp.__file__)}"
+
+
 def gpu_available() -> bool:
     if os.environ.get("GRAPHPOOL_NO_GPU"):
         return False

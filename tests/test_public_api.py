@@ -377,6 +377,18 @@ def test_set_backend_and_backend(sim: Any) -> None:
     assert gp.backend() == "sim"
 
 
+def test_compiled_is_all_or_nothing() -> None:
+    """setup.py compiles the hot path as one group or not at; gp.compiled() says which."""
+    import importlib
+
+    names = ["policy.block", "policy.freelist", "policy.pools", "policy.stats", "policy.private_pools"]
+    names += ["policy.allocator", "memory", "buffer"]
+    files = [importlib.import_module(f"graphpool.{n}").__file__ or "" for n in names]
+    kinds = {f.endswith(".py") for f in files}
+    assert len(kinds) == 1, files
+    assert gp.compiled() is (not kinds.pop())
+
+
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     e = dict(os.environ)
     e.pop("GRAPHPOOL_BACKEND", None)

@@ -67,6 +67,13 @@ def backend() -> str:
     return runtime.get().name
 
 
+def compiled() -> bool:
+    """True when the allocator's hot path runs compiled by mypyc (setup.py), else plain Python."""
+    from graphpool.policy import allocator
+
+    return not (allocator.__file__ or "").endswith(".py")
+
+
 def make_graphed_callable(fn: object, sample_args: tuple[object, ...]) -> object:
     """Capture ``fn`` once on static copies of ``sample_args``; see graphpool.graphed."""
     from graphpool.graphed import make_graphed_callable as _make
@@ -90,6 +97,7 @@ __all__ = [
     "alloc",
     "backend",
     "check_invariants",
+    "compiled",
     "current_device",
     "current_stream",
     "default_stream",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class DeviceBuffer:
     """``nbytes`` of device memory at ``ptr`` on ``device``, allocated for ``stream``."""
 
-    __slots__ = ("ptr", "nbytes", "stream", "_alloc", "_live", "__weakref__")
+    __slots__ = ("ptr", "nbytes", "stream", "_alloc", "_live")
 
     ptr: int
     nbytes: int

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, SupportsIndex
 
 from graphpool import runtime
 from graphpool.buffer import DeviceBuffer
@@ -12,21 +12,31 @@ from graphpool.policy.private_pools import PoolId
 from graphpool.streams import Stream, _index, current_stream
 
 
-def alloc(nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
-    """Allocate ``nbytes`` on ``stream``'s device for use on ``stream`` (default: current)."""
+def alloc(nbytes: SupportsIndex, stream: Stream | None = None) -> DeviceBuffer:
+    """Allocate ``nbytes`` on ``stream``'s device for use on ``stream`` (default: current).
+
+    ``nbytes`` is typed SupportsIndex so that, compiled, the call still reaches the
+    allocator's own size check (a bool is refused, a numpy integer accepted).
+    """
     if stream is None:
-        tls = runtime._tls
-        s = tls.streams.get(tls.device) if tls.generation == runtime._generation else None
-        stream = s if s is not None else current_stream()
-    elif not isinstance(stream, Stream):
+        hot = runtime._tls.hot  # the thread's current stream, handle and allocator, if known
+        if hot is not None:
+            s, handle, a = hot
+            ptr = a.malloc(nbytes, stream=handle)  # validates nbytes
+            return DeviceBuffer(ptr, nbytes if type(nbytes) is int else operator.index(nbytes), s, a)
+        s = current_stream()
+        a = runtime.allocator(s.device)
+        runtime._tls.hot = (s, s.handle, a)
+    elif isinstance(stream, Stream):
+        s = stream
+        rt = runtime._runtime
+        index = s.device
+        found = rt.allocators[index] if rt is not None and index < rt.count else None
+        a = found if found is not None else runtime.allocator(index)
+    else:
         raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
-    assert stream is not None
-    rt = runtime._runtime
-    a = rt.allocators[stream.device] if rt is not None and stream.device < rt.count else None
-    if a is None:
-        a = runtime.get().allocator(stream.device)
-    ptr = a.malloc(nbytes, stream=stream.handle)  # validates nbytes
-    return DeviceBuffer(ptr, nbytes if type(nbytes) is int else operator.index(nbytes), stream, a)
+    ptr = a.malloc(nbytes, stream=s.handle)  # validates nbytes
+    return DeviceBuffer(ptr, nbytes if type(nbytes) is int else operator.index(nbytes), s, a)
 
 
 def _alloc_of(device: Any) -> CachingAllocator:

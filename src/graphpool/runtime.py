@@ -54,10 +54,14 @@ class Runtime:
 
 
 class _ThreadState(threading.local):
+    """One thread's current device and streams. ``set_backend`` replaces it for every thread."""
+
     def __init__(self) -> None:
         self.device = 0
         self.streams: dict[int, Stream] = {}  # device index -> current stream
-        self.generation = -1
+        # gp.alloc's fast path: the current stream, its handle and its device's allocator.
+        # None when unknown; every change of device or stream resets it.
+        self.hot: tuple[Stream, int, CachingAllocator] | None = None
 
 
 _tls = _ThreadState()
@@ -105,9 +109,10 @@ def get() -> Runtime:
 
 
 def _install(backend: Backend, sizes: SizeConfig = DEFAULT) -> Runtime:
-    global _runtime, _generation
+    global _runtime, _generation, _tls
     _generation += 1
     _runtime = Runtime(backend, _generation, sizes)
+    _tls = _ThreadState()  # every thread starts over on the new backend: device 0, default streams
     return _runtime
 
 
@@ -127,14 +132,8 @@ def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig 
 
 
 def thread_state() -> _ThreadState:
-    """This thread's current device and streams, reset if the backend changed since."""
-    tls = _tls
-    if tls.generation != _generation:
-        tls.generation = _generation
-        tls.streams = {}
-        if _runtime is None or tls.device >= _runtime.count:
-            tls.device = 0
-    return tls
+    """This thread's current device and streams (fresh since the last ``set_backend``)."""
+    return _tls
 
 
 def current_device_index() -> int:

@@ -146,7 +146,9 @@ def set_device(index: int) -> None:
     """Make ``index`` this thread's current device."""
     rt = runtime.get()
     rt.check_index(index)
-    runtime.thread_state().device = index
+    tls = runtime.thread_state()
+    tls.device = index
+    tls.hot = None
     rt.backend.set_current_device(index)
 
 
@@ -180,7 +182,9 @@ def set_stream(s: Stream) -> None:
     """Make ``s`` the current stream of its device on this thread, and tell listeners."""
     if not isinstance(s, Stream):
         raise TypeError(f"expected a graphpool Stream, not {type(s).__name__}")
-    runtime.thread_state().streams[s.device] = s
+    tls = runtime.thread_state()
+    tls.streams[s.device] = s
+    tls.hot = None
     for listener in runtime.stream_listeners:
         listener(s)
 
