@@ -80,6 +80,9 @@ def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
         def gp_pair(n: int = n) -> None:
             gp.alloc(n, s).free()
 
+        def gp_pair_current(n: int = n) -> None:
+            gp.alloc(n).free()  # on the current stream (the same stream, found per thread)
+
         def gp_collect(n: int = n) -> None:
             gp.alloc(n, s)  # freed by its finalizer, drained by the next call
 
@@ -87,6 +90,7 @@ def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
             alloc.free(alloc.malloc(n, stream=s.handle))
 
         fns["graphpool alloc+free"] = gp_pair
+        fns["graphpool alloc+free, current stream"] = gp_pair_current
         fns["graphpool alloc+drop"] = gp_collect
         fns["policy malloc+free"] = policy_pair
         if cupy_pool is not None:
@@ -100,8 +104,8 @@ def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
         row = {k: v * 1e6 for k, v in med.items()}
         if cupy_pool is not None:
             base = med["cupy MemoryPool malloc+free"]
-            row["ratio alloc+free / cupy"] = med["graphpool alloc+free"] / base
-            row["ratio alloc+drop / cupy"] = med["graphpool alloc+drop"] / base
+            for key in ("alloc+free", "alloc+free, current stream", "alloc+drop"):
+                row[f"ratio {key} / cupy"] = med[f"graphpool {key}"] / base
         results[str(n)] = row
     return results
 
@@ -251,7 +255,11 @@ def run(backend: str | None = None, quick: bool = False, json_path: str | None =
     if backend is not None:
         gp.set_backend(backend)
     number, repeat = (2000, 5) if quick else (20000, 9)
-    results: dict[str, Any] = {"backend": gp.backend(), "device": runtime.get().device(0).name}
+    results: dict[str, Any] = {
+        "backend": gp.backend(),
+        "device": runtime.get().device(0).name,
+        "compiled": gp.compiled(),
+    }
     gc.collect()
     gc.disable()  # keep collector pauses out of the per-call times
     try:
