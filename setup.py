@@ -2,7 +2,7 @@
 
 The policy (``graphpool/policy``) and the allocation call with its handle (``memory.py``,
 ``buffer.py``) are plain, fully typed Python that runs as is. Compiled by mypyc the same
-source runs a cached malloc+free about 2.7x faster (benchmarks/NOTES.md), so an install
+source runs a cached malloc+free about 3.4x faster (benchmarks/NOTES.md), so an install
 compiles them when it can: mypy comes from the build requirements, the C compiler from
 the machine. Without a compiler, or with ``GRAPHPOOL_COMPILE=0``, the install is pure
 Python and behaves identically. ``graphpool.compiled()`` says which one is running.

@@ -3,6 +3,9 @@
 The buffer frees its memory on ``free()``, on leaving a ``with`` block, or when it is
 collected. Its finalizer never raises and never takes the allocator's lock: it queues
 the free, which the allocator's next call carries out.
+
+Compiled (setup.py), ``DeviceBuffer`` is a native class and cannot be weakly referenced;
+the plain-Python build declares no ``__weakref__`` either, so both behave alike.
 """
 
 from __future__ import annotations
