@@ -10,6 +10,7 @@ Python and behaves identically. ``graphpool.compiled()`` says which one is runni
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -28,6 +29,14 @@ COMPILED = [
 ]
 
 
+def _clear_in_tree() -> None:
+    """Remove compiled modules an earlier editable install left next to the sources."""
+    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc"]
+    for stem in stems:
+        for path in glob.glob(f"{stem}.*.so") + glob.glob(f"{stem}.*.pyd"):
+            os.remove(path)
+
+
 class OptionalBuildExt(build_ext):
     """Build the compiled modules if possible; on any failure keep the pure-Python install.
 
@@ -43,6 +52,7 @@ class OptionalBuildExt(build_ext):
             return
         except Exception as e:  # no compiler, no headers: the .py files serve
             print(f"graphpool: not compiled ({e}); installing the pure-Python modules", file=sys.stderr)
+        _clear_in_tree()
         for ext in self.extensions:
             built = os.path.join(self.build_lib, self.get_ext_filename(ext.name))
             for path in (self.get_ext_fullpath(ext.name), built):
@@ -52,6 +62,7 @@ class OptionalBuildExt(build_ext):
 
 def _ext_modules() -> list:  # type: ignore[type-arg]
     if os.environ.get("GRAPHPOOL_COMPILE", "1") == "0":
+        _clear_in_tree()
         return []
     try:
         from mypyc.build import mypycify
@@ -62,6 +73,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
         return mypycify(args, opt_level="3", group_name="graphpool._native")
     except BaseException as e:  # mypy missing, or it refused the source: stay pure Python
         print(f"graphpool: not compiled ({e!r}); installing the pure-Python modules", file=sys.stderr)
+        _clear_in_tree()
         return []
 
 
