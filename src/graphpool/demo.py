@@ -151,7 +151,8 @@ def run(backend: str | None = None) -> int:
             runtime.get().device(st.device).launch_sleep(st.handle, rounds=50)  # type: ignore[attr-defined]
 
         where = "the simulated device (no GPU here); arrays from graphpool.sim.xp"
-    print(f"graphpool demo on {where}\n")
+    build = "compiled by mypyc" if gp.compiled() else "plain Python"
+    print(f"graphpool demo on {where}; allocator {build}\n")
     t0 = time.perf_counter()
     sections = (
         ("1. two_successive: g1 continues g0's work; a shared pool saves memory", lambda: two_successive(xp)),
