@@ -78,3 +78,46 @@ def test_bad_device_index(backend: Any) -> None:
         gp.alloc(16, gp.Stream(gp.device_count()))
     with pytest.raises(ValueError, match="invalid device"):
         gp.memory_stats(-1)
+
+
+def test_alloc_follows_every_change_of_current_stream_and_device(backend: Any) -> None:
+    """gp.alloc caches the thread's current stream and allocator; every switch must reset it."""
+    import threading
+
+    s, t = gp.Stream(), gp.Stream()
+    seen: list[tuple[int, int]] = []
+
+    def where() -> tuple[int, int]:
+        with gp.alloc(512) as b:
+            return (b.device, b.stream.handle)
+
+    seen.append(where())  # fills the cache with the default stream
+    with gp.stream(s):
+        seen.append(where())
+        with gp.stream(t):
+            seen.append(where())
+        seen.append(where())
+    seen.append(where())
+    assert seen == [(0, 0), (0, s.handle), (0, t.handle), (0, s.handle), (0, 0)]
+
+    other: list[tuple[int, int]] = []
+    with gp.stream(s):  # another thread keeps its own current stream
+        th = threading.Thread(target=lambda: other.append(where()))
+        th.start()
+        th.join()
+        assert where() == (0, s.handle)
+    assert other == [(0, 0)]
+
+    if gp.device_count() >= 2:
+        with gp.device(1):
+            d1 = gp.Stream()
+            assert where() == (1, 0)
+            with gp.stream(d1):
+                assert where() == (1, d1.handle)
+            assert where() == (1, 0)
+        assert where() == (0, 0)
+        with gp.stream(d1):  # a stream of device 1 makes device 1 current inside the block
+            assert where() == (1, d1.handle)
+        assert where() == (0, 0)
+        gp.synchronize(1)
+        gp.empty_cache(1)
