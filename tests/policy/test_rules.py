@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from fakedevice import FakeDevice
 
-from graphpool.errors import DoubleFreeError, ForeignPointerError, OutOfMemoryError
+from graphpool.errors import DoubleFreeError, ForeignPointerError, GraphpoolError, OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES
@@ -787,3 +787,57 @@ def test_debug_mode_checks_invariants_after_every_call(monkeypatch: pytest.Monke
     q = b.malloc(512, stream=S1)
     b.stats.small.allocation_cur += 1
     b.free(q)  # not checked without the variable
+
+
+class _ReenteringDevice(FakeDevice):
+    """Runs ``hook`` inside the allocator's next segment allocation, as a finalizer run by
+    garbage collection inside a malloc would."""
+
+    hook: object = None
+
+    def malloc(self, nbytes: int) -> int | None:
+        hook, self.hook = self.hook, None
+        if callable(hook):
+            hook()
+        return super().malloc(nbytes)
+
+
+def test_a_free_that_reenters_malloc_is_queued_not_applied_mid_call() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    first = a.malloc(512, stream=7)
+    dev.hook = lambda: a.free(first)  # re-enters while malloc is mid-call
+    second = a.malloc(2 << 20, stream=7)  # needs a new segment: runs the hook
+    assert a.lookup(first) is not None and a.lookup(first).allocated  # type: ignore[union-attr]
+    a.check_invariants()
+    assert a.memory_stats()["allocation.all.current"] == 1  # the next call did the queued free
+    a.free(second)
+    assert a.memory_stats()["allocation.all.current"] == 0
+    with pytest.raises(DoubleFreeError):
+        a.free(first)
+    a.check_invariants()
+
+
+def test_a_malloc_that_reenters_the_allocator_raises_and_loses_nothing() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    seen: list[BaseException] = []
+
+    def hook() -> None:
+        try:
+            a.malloc(512, stream=7)
+        except GraphpoolError as e:
+            seen.append(e)
+        try:
+            a.memory_stats()
+        except GraphpoolError as e:
+            seen.append(e)
+
+    dev.hook = hook
+    p = a.malloc(4096, stream=7)
+    assert len(seen) == 2 and "re-entered" in str(seen[0])
+    assert a.memory_stats()["allocation.all.current"] == 1
+    a.free(p)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+    a.check_invariants()

@@ -13,6 +13,9 @@ one method that asserts it (``_query_event``, ``_record_event``, ``_synchronize_
 ``_release_segment``).
 
 Finalizers never take the lock: ``defer_free`` queues a pointer that the next call drains.
+The lock is reentrant, so every locked call marks the allocator ``_busy``: a call that
+re-enters on the same thread (user code run by garbage collection inside a call) must not
+see half-updated state. ``free`` then queues the pointer; anything else raises.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, NoReturn, SupportsIndex
 
-from fastrlock.rlock import FastRLock
+try:  # CuPy's lock (see CachingAllocator.__init__)
+    from fastrlock.rlock import FastRLock as _Lock
+except ImportError:  # no fastrlock wheel (PyPy): the stdlib's reentrant lock, slower
+    from threading import RLock as _Lock
 
 from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_NONE, Device
 from graphpool.errors import (
@@ -57,6 +63,39 @@ def fmt_bytes(n: int) -> str:
     return f"{value:.2f} TiB"
 
 
+def _reentered(call: str) -> NoReturn:
+    raise GraphpoolError(
+        f"graphpool: {call} re-entered the allocator while this thread was inside it (a finalizer "
+        "run by garbage collection during an allocator call?). From finalizers only free "
+        "buffers; graphpool queues those frees."
+    )
+
+
+class _Section:
+    """``with allocator._section:`` the lock held and the allocator marked busy (cold paths).
+
+    ``malloc`` and ``free`` write the same steps out (benchmarks/NOTES.md, entry 1).
+    """
+
+    __slots__ = ("_a",)
+
+    def __init__(self, a: CachingAllocator) -> None:
+        self._a = a
+
+    def __enter__(self) -> None:
+        a = self._a
+        a._lock.acquire()
+        if a._busy:
+            a._lock.release()
+            _reentered("a call")
+        a._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        a = self._a
+        a._busy = False
+        a._lock.release()
+
+
 class CachingAllocator:
     """The allocator of one device. Every public method is thread-safe."""
 
@@ -65,7 +104,9 @@ class CachingAllocator:
         self.sizes = sizes
         # CuPy's lock: uncontended, acquire and release make no OS call (a threading.Lock
         # makes two); 0.15 us less per cached pair (benchmarks/NOTES.md, entry 8). Reentrant.
-        self._lock = FastRLock()
+        self._lock = _Lock()
+        self._busy = False  # a locked call is running (see the module docstring)
+        self._section = _Section(self)
         self._small = FreeList(True)
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
@@ -106,6 +147,10 @@ class CachingAllocator:
         # 55 ns slower per call uncompiled, 20 ns compiled (benchmarks/NOTES.md, entry 1).
         lock = self._lock
         lock.acquire()
+        if self._busy:
+            lock.release()
+            _reentered("malloc")
+        self._busy = True
         try:
             if self._pending:
                 self._drain()
@@ -175,6 +220,7 @@ class CachingAllocator:
                 self._check()
             return ptr
         finally:
+            self._busy = False
             lock.release()
 
     @staticmethod
@@ -186,7 +232,7 @@ class CachingAllocator:
     def _reject_size(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        with self._lock:
+        with self._section:
             message = self._oom_message(nbytes, None)
         raise OutOfMemoryError(message)
 
@@ -267,6 +313,11 @@ class CachingAllocator:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError."""
         lock = self._lock  # acquire/release: see malloc
         lock.acquire()
+        if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
+            lock.release()
+            self.defer_free(ptr)
+            return
+        self._busy = True
         try:
             if self._pending:
                 self._drain()
@@ -282,6 +333,7 @@ class CachingAllocator:
             if self._debug:
                 self._check()
         finally:
+            self._busy = False
             lock.release()
 
     def defer_free(self, ptr: int) -> None:
@@ -475,7 +527,7 @@ class CachingAllocator:
     # ------------------------------------------------------------ stream uses
     def record_stream(self, ptr: int, stream: int) -> None:
         """Mark ``stream`` as a user of the allocation at ``ptr`` (see SPEC 2, Streams)."""
-        with self._lock:
+        with self._section:
             if self._pending:
                 self._drain()
             block = self._active.get(ptr)
@@ -543,7 +595,7 @@ class CachingAllocator:
     # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
         """Return every unsplit free segment of the ordinary and freeable pools to the driver."""
-        with self._lock:
+        with self._section:
             if self._pending:
                 self._drain()
             if self._capturing:
@@ -627,7 +679,7 @@ class CachingAllocator:
         after the allocator stops querying events and before anything is routed. If it
         raises, nothing changes.
         """
-        with self._lock:
+        with self._section:
             if self._pending:
                 self._drain()
             pool = self._pools.get(pool_id)
@@ -665,20 +717,20 @@ class CachingAllocator:
 
     def end_capture(self, rec: CaptureRecord) -> None:
         """Stop routing to ``rec``'s pool after its device capture ended successfully."""
-        with self._lock:
+        with self._section:
             self._unregister(rec)
             rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
 
     def abort_capture(self, rec: CaptureRecord) -> None:
         """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
-        with self._lock:
+        with self._section:
             rec.failed = True
             self._unregister(rec)
             self._release(rec)
 
     def release_capture(self, rec: CaptureRecord) -> None:
         """The graph of ``rec`` is gone: return its kept blocks and lower the pool's use count."""
-        with self._lock:
+        with self._section:
             if self._pending:
                 self._drain()
             self._release(rec)
@@ -750,7 +802,7 @@ class CachingAllocator:
     # -------------------------------------------------------------- queries
     def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:
         """The flattened statistics of the device, or of one private pool."""
-        with self._lock:
+        with self._section:
             if self._pending:
                 self._drain()
             if pool is None:
@@ -764,13 +816,13 @@ class CachingAllocator:
 
     def reset_peak(self) -> None:
         """Set every peak (device and private pools) to its current level."""
-        with self._lock:
+        with self._section:
             for st in [self.stats] + [p.stats for p in self._pools.values()]:
                 st.reset_peak()
 
     def reset_accumulated(self) -> None:
         """Zero accumulated counters (device and private pools)."""
-        with self._lock:
+        with self._section:
             for st in [self.stats] + [p.stats for p in self._pools.values()]:
                 st.reset_accumulated()
 
@@ -780,12 +832,12 @@ class CachingAllocator:
 
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
-        with self._lock:
+        with self._section:
             return list(self._pools.values())
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Segments with their blocks, streams, owning pool and owning graph."""
-        with self._lock:
+        with self._section:
             if self._pending:
                 self._drain()
             out = []
@@ -825,7 +877,7 @@ class CachingAllocator:
 
     def check_invariants(self) -> None:
         """Verify every invariant (policy/check.py); raises AssertionError on the first broken one."""
-        with self._lock:
+        with self._section:
             self._check()
 
     def _check(self) -> None:
