@@ -5,7 +5,8 @@ The policy (``graphpool/policy``) and the allocation call with its handle (``mem
 source runs a cached malloc+free about 3.4x faster (benchmarks/NOTES.md), so an install
 compiles them when it can: mypy comes from the build requirements, the C compiler from
 the machine. Without a compiler, or with ``GRAPHPOOL_COMPILE=0``, the install is pure
-Python and behaves identically. ``graphpool.compiled()`` says which one is running.
+Python and behaves identically. ``graphpool.compiled()`` says which one runs;
+``graphpool.build.COMPILED`` names the same modules as ``COMPILED`` here (a test checks).
 """
 
 from __future__ import annotations

@@ -381,12 +381,52 @@ def test_compiled_is_all_or_nothing() -> None:
     """setup.py compiles the hot path as one group or not at; gp.compiled() says which."""
     import importlib
 
-    names = ["policy.block", "policy.freelist", "policy.pools", "policy.stats", "policy.private_pools"]
-    names += ["policy.allocator", "memory", "buffer"]
-    files = [importlib.import_module(f"graphpool.{n}").__file__ or "" for n in names]
+    from graphpool import build
+
+    modules = [importlib.import_module("graphpool." + n.replace("/", ".")) for n in build.COMPILED]
+    files = [m.__file__ or "" for m in modules]
     kinds = {f.endswith(".py") for f in files}
     assert len(kinds) == 1, files
     assert gp.compiled() is (not kinds.pop())
+
+
+def test_setup_compiles_exactly_the_modules_build_names() -> None:
+    import ast
+
+    from graphpool import build
+
+    tree = ast.parse((Path(SRC).parent / "setup.py").read_text())
+    listed = next(
+        ast.literal_eval(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "COMPILED"
+    )
+    assert [p.removeprefix("src/graphpool/").removesuffix(".py") for p in listed] == list(build.COMPILED)
+
+
+def test_stale_compiled_modules_are_found(tmp_path: Path) -> None:
+    """In a source tree, a source edited after its compiled module was built is reported."""
+    import importlib.util
+    import os
+    import shutil
+
+    from graphpool import build
+
+    pkg = tmp_path / "src" / "graphpool"
+    shutil.copytree(Path(build.__file__).parent, pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    spec = importlib.util.spec_from_file_location("copied_build", pkg / "build.py")
+    assert spec is not None and spec.loader is not None
+    copied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copied)
+    source, so = pkg / "policy" / "freelist.py", pkg / "policy" / "freelist.cpython-311-x86_64-linux-gnu.so"
+    so.write_bytes(b"")
+    os.utime(source, (1_000_000_000, 1_000_000_000))
+    os.utime(so, (1_000_000_100, 1_000_000_100))
+    assert copied.stale() == []  # no setup.py above: an installed package, never stale
+    (tmp_path / "setup.py").write_text("")
+    assert copied.stale() == []
+    os.utime(source, (1_000_000_200, 1_000_000_200))
+    assert copied.stale() == ["policy/freelist.py"]
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:

@@ -301,3 +301,57 @@ def test_graph_collected_mid_capture_is_ended_when_another_thread_drains(small_s
             except gp.GraphpoolError:
                 sim_capture.finish(cap)
         gc.collect()
+
+
+def test_set_backend_racing_an_alloc_never_leaves_a_thread_on_the_old_allocator(sim: Any) -> None:
+    """gp.alloc caches (stream, allocator) per thread; a set_backend from another thread in the
+    middle of filling that cache must not leave the old backend's allocator in it."""
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    stale = 0
+    try:
+        for _ in range(300):
+            go, done = threading.Event(), threading.Event()
+            out: dict[str, bool] = {}
+
+            def worker(go: threading.Event = go, done: threading.Event = done, out: dict = out) -> None:
+                gp.current_stream()
+                go.set()
+                while not done.is_set():
+                    runtime._tls.hot = None  # as after a stream switch: the next alloc refills it
+                    gp.alloc(512).free()
+                b = gp.alloc(512)
+                out["stale"] = b._alloc is not runtime.allocator(0)
+                b.free()
+
+            t = threading.Thread(target=worker)
+            t.start()
+            go.wait()
+            gp.set_backend("sim")
+            done.set()
+            t.join()
+            stale += out["stale"]
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert stale == 0
+
+
+def test_without_fastrlock_the_allocator_uses_the_stdlib_lock() -> None:
+    """fastrlock has no PyPy wheel; the allocator then takes threading.RLock, same behaviour."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['fastrlock'] = None; sys.modules['fastrlock.rlock'] = None\n"
+        "import threading, graphpool as gp\n"
+        "from graphpool import runtime\n"
+        "gp.set_backend('sim')\n"
+        "bufs = [gp.alloc(n) for n in (1, 600, 1 << 20, 3 << 20)]\n"
+        "[b.free() for b in bufs]\n"
+        "gp.check_invariants()\n"
+        "print(type(runtime.allocator()._lock) is type(threading.RLock()))\n"
+    )
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {"PYTHONPATH": src + ":" + ":".join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "True"

@@ -5,7 +5,9 @@ The public API of SPEC section 1, re-exported explicitly. See README.md for a to
 
 from __future__ import annotations
 
+from graphpool import build as _build
 from graphpool.buffer import DeviceBuffer
+from graphpool.build import compiled
 from graphpool.errors import (
     CaptureError,
     CUDAError,
@@ -67,19 +69,27 @@ def backend() -> str:
     return runtime.get().name
 
 
-def compiled() -> bool:
-    """True when the allocator's hot path runs compiled by mypyc (setup.py), else plain Python."""
-    from graphpool.policy import allocator
-
-    return not (allocator.__file__ or "").endswith(".py")
-
-
 def make_graphed_callable(fn: object, sample_args: tuple[object, ...]) -> object:
     """Capture ``fn`` once on static copies of ``sample_args``; see graphpool.graphed."""
     from graphpool.graphed import make_graphed_callable as _make
 
     return _make(fn, sample_args)  # type: ignore[arg-type]
 
+
+def _warn_if_stale() -> None:
+    names = _build.stale()
+    if names:
+        import warnings
+
+        warnings.warn(
+            f"graphpool: {', '.join(names)} changed after they were compiled, and the compiled "
+            "modules run instead. Reinstall (pip install -e .), or go pure Python with "
+            "GRAPHPOOL_COMPILE=0 pip install -e .",
+            stacklevel=2,
+        )
+
+
+_warn_if_stale()
 
 __all__ = [
     "CUDAError",

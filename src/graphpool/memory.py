@@ -19,14 +19,17 @@ def alloc(nbytes: SupportsIndex, stream: Stream | None = None) -> DeviceBuffer:
     allocator's own size check (a bool is refused, a numpy integer accepted).
     """
     if stream is None:
-        hot = runtime._tls.hot  # the thread's current stream, handle and allocator, if known
+        tls = runtime._tls
+        hot = tls.hot  # the thread's current stream, handle and allocator, if known
         if hot is not None:
-            s, handle, a = hot
-            ptr = a.malloc(nbytes, stream=handle)  # validates nbytes
-            return DeviceBuffer(ptr, nbytes if type(nbytes) is int else operator.index(nbytes), s, a)
+            s, handle, a, generation = hot
+            if generation == runtime._generation:  # else set_backend ran since
+                ptr = a.malloc(nbytes, stream=handle)  # validates nbytes
+                return DeviceBuffer(ptr, nbytes if type(nbytes) is int else operator.index(nbytes), s, a)
+        generation = runtime._generation  # read first: a set_backend from now on makes it stale
         s = current_stream()
         a = runtime.allocator(s.device)
-        runtime._tls.hot = (s, s.handle, a)
+        tls.hot = (s, s.handle, a, generation)
     elif isinstance(stream, Stream):
         s = stream
         rt = runtime._runtime

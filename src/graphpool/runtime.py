@@ -54,14 +54,16 @@ class Runtime:
 
 
 class _ThreadState(threading.local):
-    """One thread's current device and streams. ``set_backend`` replaces it for every thread."""
+    """One thread's current device and streams, valid for runtime ``generation``."""
 
     def __init__(self) -> None:
         self.device = 0
         self.streams: dict[int, Stream] = {}  # device index -> current stream
-        # gp.alloc's fast path: the current stream, its handle and its device's allocator.
-        # None when unknown; every change of device or stream resets it.
-        self.hot: tuple[Stream, int, CachingAllocator] | None = None
+        self.generation = -1
+        # gp.alloc's fast path: the current stream, its handle, its device's allocator and
+        # the runtime generation they belong to. None when unknown; every change of device
+        # or stream resets it.
+        self.hot: tuple[Stream, int, CachingAllocator, int] | None = None
 
 
 _tls = _ThreadState()
@@ -109,11 +111,11 @@ def get() -> Runtime:
 
 
 def _install(backend: Backend, sizes: SizeConfig = DEFAULT) -> Runtime:
-    global _runtime, _generation, _tls
-    _generation += 1
-    _runtime = Runtime(backend, _generation, sizes)
-    _tls = _ThreadState()  # every thread starts over on the new backend: device 0, default streams
-    return _runtime
+    global _runtime, _generation
+    rt = Runtime(backend, _generation + 1, sizes)
+    _runtime = rt
+    _generation = rt.generation  # after _runtime: whoever sees the new number sees the new runtime
+    return rt
 
 
 def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig | None = None) -> None:
@@ -132,8 +134,19 @@ def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig 
 
 
 def thread_state() -> _ThreadState:
-    """This thread's current device and streams (fresh since the last ``set_backend``)."""
-    return _tls
+    """This thread's current device and streams, reset if the backend changed since.
+
+    A new backend keeps the thread's device when it has one of that index (as the CUDA
+    runtime keeps its per-thread current device) and starts on default streams.
+    """
+    tls = _tls
+    if tls.generation != _generation:
+        tls.generation = _generation
+        tls.streams = {}
+        tls.hot = None
+        if _runtime is None or tls.device >= _runtime.count:
+            tls.device = 0
+    return tls
 
 
 def current_device_index() -> int:

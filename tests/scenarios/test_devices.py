@@ -121,3 +121,22 @@ def test_alloc_follows_every_change_of_current_stream_and_device(backend: Any) -
         assert where() == (0, 0)
         gp.synchronize(1)
         gp.empty_cache(1)
+
+
+def test_set_backend_keeps_the_device_and_drops_the_cached_stream(sim: Any) -> None:
+    from graphpool.sim import SimBackend
+
+    runtime.set_backend("sim", backend=SimBackend(device_count=2))
+    with gp.device(1):
+        s = gp.Stream()
+        with gp.stream(s):
+            old = gp.alloc(512)  # caches (s, allocator of the first backend)
+            runtime.set_backend("sim", backend=SimBackend(device_count=2))
+            assert gp.current_device() == 1  # kept, as CUDA keeps a thread's device
+            assert gp.current_stream() == gp.default_stream()  # streams start over
+            new = gp.alloc(512)
+            assert new.device == 1 and new.stream.handle == 0
+            assert runtime.allocator(1).lookup(new.ptr) is not None
+            assert runtime.allocator(1) is not old._alloc
+        new.free()
+    old.free()
