@@ -841,3 +841,40 @@ def test_a_malloc_that_reenters_the_allocator_raises_and_loses_nothing() -> None
     a.empty_cache()
     assert a.memory_stats()["reserved_bytes.all.current"] == 0
     a.check_invariants()
+
+
+def _corrupt_unfiled(a: CachingAllocator, p: int) -> None:
+    a._small.remove(a.lookup(p).next)  # type: ignore[union-attr]
+
+
+def _corrupt_gap(a: CachingAllocator, p: int) -> None:
+    a.lookup(p).size -= 512  # type: ignore[union-attr]
+
+
+def _corrupt_spare(a: CachingAllocator, p: int) -> None:
+    a._spare1 = a.lookup(p)
+
+
+def _corrupt_stats(a: CachingAllocator, p: int) -> None:
+    a.stats.small.allocation_cur += 1
+
+
+def _corrupt_untracked(a: CachingAllocator, p: int) -> None:
+    del a._active[p]
+
+
+def _corrupt_sizes(a: CachingAllocator, p: int) -> None:
+    a._small.bins[0].sizes[0] += 512
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    [_corrupt_unfiled, _corrupt_gap, _corrupt_spare, _corrupt_stats, _corrupt_untracked, _corrupt_sizes],
+)
+def test_check_invariants_notices_each_kind_of_corruption(corrupt: object) -> None:
+    a = CachingAllocator(FakeDevice())
+    p = a.malloc(4096, stream=0)
+    a.check_invariants()
+    corrupt(a, p)  # type: ignore[operator]
+    with pytest.raises(AssertionError):
+        a.check_invariants()

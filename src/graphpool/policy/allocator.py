@@ -112,7 +112,11 @@ class CachingAllocator:
         self._small_limit = sizes.small_size
         self._active: dict[int, Block] = {}
         self.stats = PoolStats()
-        self._spare: list[Block] = []  # absorbed blocks, reused by splits
+        # Block objects absorbed by merges, reused by splits. The last one waits apart in
+        # ``_spare1``: the steady cycle (split, merge) then never resizes the list
+        # (benchmarks/NOTES.md, entry 13).
+        self._spare: list[Block] = []
+        self._spare1: Block | None = None
         self._segments: dict[int, Block] = {}  # base address -> first block
         self._seg_bases: list[int] = []  # sorted base addresses
         self._pending: deque[Any] = deque()  # finalizer frees (int) and releases (CaptureRecord)
@@ -185,7 +189,11 @@ class CachingAllocator:
             remaining = block.size - size
             if (remaining >= m) if small else (remaining > self._small_limit):
                 # split: the front is handed out, the rest stays free (a recycled Block)
-                rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
+                rest = self._spare1
+                if rest is not None:
+                    self._spare1 = None
+                else:
+                    rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
                 rest.ptr = block.ptr + size
                 rest.size = remaining
                 rest.stream = stream
@@ -459,7 +467,10 @@ class CachingAllocator:
             if after is not None:
                 after.prev = block
             nxt.prev = nxt.next = None
-            self._spare.append(nxt)
+            if self._spare1 is None:
+                self._spare1 = nxt
+            else:
+                self._spare.append(nxt)
         prev = block.prev
         if prev is not None and not prev.allocated and prev.holds == 0:
             # the free block before absorbs this one
@@ -474,7 +485,10 @@ class CachingAllocator:
             if after is not None:
                 after.prev = prev
             block.prev = block.next = None
-            self._spare.append(block)
+            if self._spare1 is None:
+                self._spare1 = block
+            else:
+                self._spare.append(block)
             block = prev
         if old is None:
             fl.insert(block)

@@ -118,6 +118,12 @@ def check_invariants(a: CachingAllocator) -> None:
         if b.allocated:
             _expect(a._active.get(b.ptr) is b, f"{b} allocated but not tracked")
         _expect(b.holds >= 0, "negative hold count")
+    live = {id(b) for b in all_blocks}
+    spares = a._spare + ([a._spare1] if a._spare1 is not None else [])
+    for b in spares:
+        _expect(b.prev is None and b.next is None and id(b) not in live, f"spare {b} still in use")
+        _expect(id(b) not in in_fl, f"spare {b} still filed as free")
+    _expect(len({id(b) for b in spares}) == len(spares), "a spare block listed twice")
     n_allocated = sum(1 for b in all_blocks if b.allocated)
     _expect(len(a._active) == n_allocated, "tracked allocations != allocated blocks")
 
