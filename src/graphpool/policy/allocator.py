@@ -664,24 +664,24 @@ class CachingAllocator:
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
-        me = threading.get_ident()
-        later: list[Any] = []
+        later: list[Any] = []  # records to retry at a later call
         try:
             while pending:
                 item = pending.popleft()
                 try:
-                    if type(item) is int:
-                        self._free(item, me)
+                    if type(item) is int:  # queued with no capture underway (defer_free)
+                        self._free(item, threading.get_ident() if self._capturing else 0)
                     elif type(item) is tuple:
                         self._free(item[0], item[1])
-                    elif item.active and item.thread != me and _thread_alive(item.thread):
+                    elif item.active and item.thread != threading.get_ident() and _thread_alive(item.thread):
                         later.append(item)  # only the capturing thread can end its capture
                     elif not self._release(item):
                         later.append(item)  # its capture could not be ended: it goes on
                 except Exception as exc:  # a finalizer's work must not fail an unrelated call
                     warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning, stacklevel=3)
         finally:
-            pending.extend(later)
+            if later:
+                pending.extend(later)
 
     # --------------------------------------------------------------- capture
     def begin_capture(
