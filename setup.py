@@ -12,6 +12,8 @@ Python and behaves identically. ``graphpool.compiled()`` says which one runs;
 from __future__ import annotations
 
 import glob
+import hashlib
+import json
 import os
 import sys
 
@@ -30,12 +32,28 @@ COMPILED = [
 ]
 
 
+RECORD = "src/graphpool/_compiled_sources.json"  # read by graphpool.build.stale()
+
+
 def _clear_in_tree() -> None:
     """Remove compiled modules an earlier editable install left next to the sources."""
     stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc"]
     for stem in stems:
         for path in glob.glob(f"{stem}.*.so") + glob.glob(f"{stem}.*.pyd"):
             os.remove(path)
+    if os.path.exists(RECORD):
+        os.remove(RECORD)
+
+
+def _record_sources() -> None:
+    """Compiled modules now sit next to their sources: note what they were built from."""
+    digests = {}
+    for path in COMPILED:
+        with open(path, "rb") as fh:
+            name = path.removeprefix("src/graphpool/").removesuffix(".py")
+            digests[name] = hashlib.sha256(fh.read()).hexdigest()
+    with open(RECORD, "w") as fh:
+        json.dump(digests, fh, indent=1, sort_keys=True)
 
 
 class OptionalBuildExt(build_ext):
@@ -46,10 +64,13 @@ class OptionalBuildExt(build_ext):
     """
 
     def run(self) -> None:
+        in_tree = self.inplace or self.editable_mode
         try:
             super().run()
             if self.editable_mode:  # `pip install -e`: the source tree is what gets imported
                 self.copy_extensions_to_source()
+            if in_tree and self.extensions:
+                _record_sources()
             return
         except Exception as e:  # no compiler, no headers: the .py files serve
             print(f"graphpool: not compiled ({e}); installing the pure-Python modules", file=sys.stderr)

@@ -404,29 +404,32 @@ def test_setup_compiles_exactly_the_modules_build_names() -> None:
     assert [p.removeprefix("src/graphpool/").removesuffix(".py") for p in listed] == list(build.COMPILED)
 
 
-def test_stale_compiled_modules_are_found(tmp_path: Path) -> None:
-    """In a source tree, a source edited after its compiled module was built is reported."""
+def test_stale_compiled_modules_are_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Built in a source tree, a compiled module whose source changed since is reported."""
+    import hashlib
     import importlib.util
-    import os
+    import json
     import shutil
 
     from graphpool import build
 
-    pkg = tmp_path / "src" / "graphpool"
+    pkg = tmp_path / "graphpool"
     shutil.copytree(Path(build.__file__).parent, pkg, ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     spec = importlib.util.spec_from_file_location("copied_build", pkg / "build.py")
     assert spec is not None and spec.loader is not None
     copied = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(copied)
-    source, so = pkg / "policy" / "freelist.py", pkg / "policy" / "freelist.cpython-311-x86_64-linux-gnu.so"
-    so.write_bytes(b"")
-    os.utime(source, (1_000_000_000, 1_000_000_000))
-    os.utime(so, (1_000_000_100, 1_000_000_100))
-    assert copied.stale() == []  # no setup.py above: an installed package, never stale
-    (tmp_path / "setup.py").write_text("")
+    monkeypatch.setattr(copied, "compiled", lambda: True)
+    (pkg / "_compiled_sources.json").unlink(missing_ok=True)
+    assert copied.stale() == []  # no record: a wheel install, or plain Python
+    digests = {n: hashlib.sha256((pkg / (n + ".py")).read_bytes()).hexdigest() for n in build.COMPILED}
+    (pkg / "_compiled_sources.json").write_text(json.dumps(digests))
     assert copied.stale() == []
-    os.utime(source, (1_000_000_200, 1_000_000_200))
+    source = pkg / "policy" / "freelist.py"
+    source.write_text(source.read_text() + "\n# edited\n")
     assert copied.stale() == ["policy/freelist.py"]
+    monkeypatch.setattr(copied, "compiled", lambda: False)
+    assert copied.stale() == []  # plain Python runs the edited source: nothing to warn about
 
 
 def _run(code: str, **env: str) -> subprocess.CompletedProcess[str]:

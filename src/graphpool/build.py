@@ -1,13 +1,16 @@
 """Which build runs: the hot path compiled by mypyc (setup.py) or plain Python.
 
-An install compiles the modules of ``COMPILED`` when it can. In a source tree (an editable
-install) the compiled modules sit next to their sources and are imported instead of them,
-so an edit to a source has no effect until the next install: ``stale()`` finds those, and
-importing graphpool warns about them.
+An install compiles the modules of ``COMPILED`` when it can. Built in a source tree (an
+editable install, ``setup.py build_ext --inplace``) the compiled modules sit next to their
+sources and are imported instead of them, so an edit to a source has no effect until the
+next build. setup.py then records each source's hash in ``_compiled_sources.json``;
+``stale()`` compares, and importing graphpool warns about sources that changed.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 
 COMPILED = (
@@ -33,18 +36,21 @@ def compiled() -> bool:
 
 
 def stale() -> list[str]:
-    """Sources in a source tree edited after their compiled module was built. O(files)."""
-    if not os.path.exists(os.path.join(_ROOT, os.pardir, os.pardir, "setup.py")):
-        return []  # an installed package: sources and compiled modules come together
+    """Compiled sources edited since they were built in this source tree. O(their size)."""
+    if not compiled():
+        return []
+    try:
+        with open(os.path.join(_ROOT, "_compiled_sources.json")) as fh:
+            recorded = json.load(fh)
+    except (OSError, ValueError):
+        return []  # not built in a source tree (a wheel install, or plain Python)
     out = []
     for name in COMPILED:
-        source = os.path.join(_ROOT, name + ".py")
-        folder, stem = os.path.split(source[: -len(".py")])
         try:
-            prefix = stem + "."
-            built = [e.path for e in os.scandir(folder) if e.name.startswith(prefix) and e.name[-3:] == ".so"]
-            if built and os.path.getmtime(source) > max(os.path.getmtime(p) for p in built):
-                out.append(name + ".py")
+            with open(os.path.join(_ROOT, name + ".py"), "rb") as fh:
+                digest = hashlib.sha256(fh.read()).hexdigest()
         except OSError:
             continue
+        if recorded.get(name) != digest:
+            out.append(name + ".py")
     return out

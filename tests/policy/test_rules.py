@@ -818,6 +818,27 @@ def test_a_free_that_reenters_malloc_is_queued_not_applied_mid_call() -> None:
     a.check_invariants()
 
 
+def test_a_reentering_free_of_a_bad_pointer_still_raises_at_once() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    gone = a.malloc(512, stream=7)
+    a.free(gone)
+    seen: list[BaseException] = []
+
+    def hook() -> None:
+        for ptr in (gone, 12345):
+            try:
+                a.free(ptr)
+            except (DoubleFreeError, ForeignPointerError) as e:
+                seen.append(e)
+
+    dev.hook = hook
+    p = a.malloc(4 << 20, stream=7)  # a new segment: runs the hook mid-call
+    assert [type(e) for e in seen] == [DoubleFreeError, ForeignPointerError]
+    a.free(p)
+    a.check_invariants()
+
+
 def test_a_malloc_that_reenters_the_allocator_raises_and_loses_nothing() -> None:
     dev = _ReenteringDevice()
     a = CachingAllocator(dev)

@@ -26,7 +26,7 @@ import warnings
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NoReturn, SupportsIndex
+from typing import Any, NoReturn, SupportsIndex, TypeVar
 
 try:  # CuPy's lock (see CachingAllocator.__init__)
     from fastrlock.rlock import FastRLock as _Lock
@@ -63,37 +63,15 @@ def fmt_bytes(n: int) -> str:
     return f"{value:.2f} TiB"
 
 
+T = TypeVar("T")
+
+
 def _reentered(call: str) -> NoReturn:
     raise GraphpoolError(
         f"graphpool: {call} re-entered the allocator while this thread was inside it (a finalizer "
         "run by garbage collection during an allocator call?). From finalizers only free "
         "buffers; graphpool queues those frees."
     )
-
-
-class _Section:
-    """``with allocator._section:`` the lock held and the allocator marked busy (cold paths).
-
-    ``malloc`` and ``free`` write the same steps out (benchmarks/NOTES.md, entry 1).
-    """
-
-    __slots__ = ("_a",)
-
-    def __init__(self, a: CachingAllocator) -> None:
-        self._a = a
-
-    def __enter__(self) -> None:
-        a = self._a
-        a._lock.acquire()
-        if a._busy:
-            a._lock.release()
-            _reentered("a call")
-        a._busy = True
-
-    def __exit__(self, *exc: object) -> None:
-        a = self._a
-        a._busy = False
-        a._lock.release()
 
 
 class CachingAllocator:
@@ -106,7 +84,6 @@ class CachingAllocator:
         # makes two); 0.15 us less per cached pair (benchmarks/NOTES.md, entry 8). Reentrant.
         self._lock = _Lock()
         self._busy = False  # a locked call is running (see the module docstring)
-        self._section = _Section(self)
         self._small = FreeList(True)
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
@@ -132,6 +109,23 @@ class CachingAllocator:
         self._total = device.mem_info()[1]
         self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
 
+    def _run_locked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` with the lock held and the allocator marked busy: every call but malloc and
+        free (which write the same steps out) goes through here.
+
+        ``with`` on the lock (its enter and exit are C code) and no call between setting
+        ``_busy`` and the ``try``: a KeyboardInterrupt can neither keep the lock nor leave
+        the allocator marked busy.
+        """
+        with self._lock:
+            if self._busy:
+                _reentered(getattr(fn, "__name__", "a call"))
+            self._busy = True
+            try:
+                return fn()
+            finally:
+                self._busy = False
+
     # ------------------------------------------------------------------ malloc
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
         """Hand out at least ``nbytes`` for work on ``stream``; return the address.
@@ -147,89 +141,84 @@ class CachingAllocator:
         m = self.sizes.min_block
         size = m if requested < m else (requested + m - 1) & -m
         small = size <= self._small_limit
-        # acquire/release rather than `with`: `with` calls __enter__ and __exit__(None, None, None),
-        # 55 ns slower per call uncompiled, 20 ns compiled (benchmarks/NOTES.md, entry 1).
-        lock = self._lock
-        lock.acquire()
-        if self._busy:
-            lock.release()
-            _reentered("malloc")
-        self._busy = True
-        try:
-            if self._pending:
-                self._drain()
-            rec = None
-            if self._capturing:
-                rec = self._route(stream)
-            elif self._waiting:
-                self._process_events()
-            if rec is None:
-                fl = self._small if small else self._large
-            else:
-                fl = rec.pool.small if small else rec.pool.large
-            # Best fit: the first block of this stream sorted by (size, address) with room
-            # (freelist.py). Written out here: a call would cost more than the bisect.
-            block: Block | None = None
-            bins = fl.bins.get(stream)
-            hit: Bins | None = None  # the bins still holding ``block`` at ``i``
-            i = 0
-            if bins is not None:
-                sizes = bins.sizes
-                i = bisect_left(sizes, size)
-                if i < len(sizes):
-                    block = bins.blocks[i]
-                    hit = bins
-            d_cnt = d_bytes = 0
-            rest: Block | None = None
-            if block is None:
-                block = self._new_segment(fl, size, stream, requested, rec)
-            elif block.prev is not None or block.next is not None:
-                d_cnt = -1
-                d_bytes = -block.size
-            remaining = block.size - size
-            if (remaining >= m) if small else (remaining > self._small_limit):
-                # split: the front is handed out, the rest stays free (a recycled Block)
-                rest = self._spare1
-                if rest is not None:
-                    self._spare1 = None
+        with self._lock:  # `with`: see _run_locked
+            if self._busy:
+                _reentered("malloc")
+            self._busy = True
+            try:
+                if self._pending:
+                    self._drain()
+                rec = None
+                if self._capturing:
+                    rec = self._route(stream)
+                elif self._waiting:
+                    self._process_events()
+                if rec is None:
+                    fl = self._small if small else self._large
                 else:
-                    rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
-                rest.ptr = block.ptr + size
-                rest.size = remaining
-                rest.stream = stream
-                rest.pool = fl
-                nxt = rest.next = block.next
-                if nxt is not None:
-                    nxt.prev = rest
-                rest.prev = block
-                block.next = rest
-                block.size = size
-                d_cnt += 1
-                d_bytes += remaining
-            if hit is not None:
-                fl.place(hit, i, rest)  # the remainder usually takes the block's entry
-            elif rest is not None:
-                fl.insert(rest)
-            block.allocated = True
-            block.requested = requested
-            ptr = block.ptr
-            self._active[ptr] = block
-            self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
-            owner = fl.owner
-            if owner is not None:
-                owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
-                if rec is not None:
-                    self._claim(block, rec)
-                    self._serial += 1
-                    block.serial = self._serial
-                    block.owner = rec
-                    rec.written.append((ptr, block.size, block, self._serial))
-            if self._debug:
-                self._check()
-            return ptr
-        finally:
-            self._busy = False
-            lock.release()
+                    fl = rec.pool.small if small else rec.pool.large
+                # Best fit: the first block of this stream sorted by (size, address) with room
+                # (freelist.py). Written out here: a call would cost more than the bisect.
+                block: Block | None = None
+                bins = fl.bins.get(stream)
+                hit: Bins | None = None  # the bins still holding ``block`` at ``i``
+                i = 0
+                if bins is not None:
+                    sizes = bins.sizes
+                    i = bisect_left(sizes, size)
+                    if i < len(sizes):
+                        block = bins.blocks[i]
+                        hit = bins
+                d_cnt = d_bytes = 0
+                rest: Block | None = None
+                if block is None:
+                    block = self._new_segment(fl, size, stream, requested, rec)
+                elif block.prev is not None or block.next is not None:
+                    d_cnt = -1
+                    d_bytes = -block.size
+                remaining = block.size - size
+                if (remaining >= m) if small else (remaining > self._small_limit):
+                    # split: the front is handed out, the rest stays free (a recycled Block)
+                    rest = self._spare1
+                    if rest is not None:
+                        self._spare1 = None
+                    else:
+                        rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
+                    rest.ptr = block.ptr + size
+                    rest.size = remaining
+                    rest.stream = stream
+                    rest.pool = fl
+                    nxt = rest.next = block.next
+                    if nxt is not None:
+                        nxt.prev = rest
+                    rest.prev = block
+                    block.next = rest
+                    block.size = size
+                    d_cnt += 1
+                    d_bytes += remaining
+                if hit is not None:
+                    fl.place(hit, i, rest)  # the remainder usually takes the block's entry
+                elif rest is not None:
+                    fl.insert(rest)
+                block.allocated = True
+                block.requested = requested
+                ptr = block.ptr
+                self._active[ptr] = block
+                self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                owner = fl.owner
+                if owner is not None:
+                    owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                    if rec is not None:
+                        self._claim(block, rec)
+                        self._serial += 1
+                        block.serial = self._serial
+                        block.owner = rec
+                        rec.written.append((ptr, block.size, block, self._serial))
+                if self._debug:
+                    self._check()
+                return ptr
+            finally:
+                self._busy = False
 
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
@@ -240,9 +229,7 @@ class CachingAllocator:
     def _reject_size(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        with self._section:
-            message = self._oom_message(nbytes, None)
-        raise OutOfMemoryError(message)
+        raise OutOfMemoryError(self._run_locked(lambda: self._oom_message(nbytes, None)))
 
     def _route(self, stream: int) -> CaptureRecord | None:
         """The registered capture ``stream`` belongs to, if any (one driver query)."""
@@ -319,30 +306,28 @@ class CachingAllocator:
     # -------------------------------------------------------------------- free
     def free(self, ptr: int) -> None:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError."""
-        lock = self._lock  # acquire/release: see malloc
-        lock.acquire()
-        if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
-            lock.release()
-            self.defer_free(ptr)
-            return
-        self._busy = True
-        try:
-            if self._pending:
-                self._drain()
-            # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
-            block = self._active.pop(ptr, None) if type(ptr) is int else None
-            if block is None:
-                self._bad_pointer(ptr, "free")
-            block.allocated = False
-            if self._capturing or block.stream_uses:
-                self._free_held(block, threading.get_ident())
-            else:
-                self._free_block(block, True)
-            if self._debug:
-                self._check()
-        finally:
-            self._busy = False
-            lock.release()
+        with self._lock:
+            if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
+                self._check_pointer(ptr, "free")
+                self.defer_free(ptr)
+                return
+            self._busy = True
+            try:
+                if self._pending:
+                    self._drain()
+                # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
+                block = self._active.pop(ptr, None) if type(ptr) is int else None
+                if block is None:
+                    self._bad_pointer(ptr, "free")
+                block.allocated = False
+                if self._capturing or block.stream_uses:
+                    self._free_held(block, threading.get_ident())
+                else:
+                    self._free_block(block, True)
+                if self._debug:
+                    self._check()
+            finally:
+                self._busy = False
 
     def defer_free(self, ptr: int) -> None:
         """Queue a free for the next allocator call. Lock-free: for finalizers.
@@ -516,6 +501,11 @@ class CachingAllocator:
                 st.hold(block.pool.is_small, block.size, -1)
             self._free_block(block, False)
 
+    def _check_pointer(self, ptr: Any, what: str) -> None:
+        """Raise the right error unless ``ptr`` is a live allocation. Changes nothing."""
+        if type(ptr) is not int or ptr not in self._active:
+            self._bad_pointer(ptr, what)
+
     def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
         if type(ptr) is not int:
@@ -541,18 +531,20 @@ class CachingAllocator:
     # ------------------------------------------------------------ stream uses
     def record_stream(self, ptr: int, stream: int) -> None:
         """Mark ``stream`` as a user of the allocation at ``ptr`` (see SPEC 2, Streams)."""
-        with self._section:
-            if self._pending:
-                self._drain()
-            block = self._active.get(ptr)
-            if block is None:
-                self._bad_pointer(ptr, "record_stream")
-            if stream == block.stream:
-                return
-            if block.stream_uses is None:
-                block.stream_uses = {stream}
-            else:
-                block.stream_uses.add(stream)
+        self._run_locked(lambda: self._record_stream(ptr, stream))
+
+    def _record_stream(self, ptr: int, stream: int) -> None:
+        if self._pending:
+            self._drain()
+        block = self._active.get(ptr)
+        if block is None:
+            self._bad_pointer(ptr, "record_stream")
+        if stream == block.stream:
+            return
+        if block.stream_uses is None:
+            block.stream_uses = {stream}
+        else:
+            block.stream_uses.add(stream)
 
     def _insert_events(self, block: Block) -> None:
         """Record an event on each extra user stream; each holds the block until it completes.
@@ -609,16 +601,18 @@ class CachingAllocator:
     # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
         """Return every unsplit free segment of the ordinary and freeable pools to the driver."""
-        with self._section:
-            if self._pending:
-                self._drain()
-            if self._capturing:
-                raise CaptureError(
-                    "empty_cache() cannot run while a graph capture is underway on device "
-                    f"{self.device.index}: it would free memory the capture may use. "
-                    "Call it before capture_begin() or after capture_end()."
-                )
-            self._release_cached()
+        self._run_locked(self._empty_cache)
+
+    def _empty_cache(self) -> None:
+        if self._pending:
+            self._drain()
+        if self._capturing:
+            raise CaptureError(
+                "empty_cache() cannot run while a graph capture is underway on device "
+                f"{self.device.index}: it would free memory the capture may use. "
+                "Call it before capture_begin() or after capture_end()."
+            )
+        self._release_cached()
 
     def _release_cached(self) -> None:
         self._synchronize_events()
@@ -693,61 +687,71 @@ class CachingAllocator:
         after the allocator stops querying events and before anything is routed. If it
         raises, nothing changes.
         """
-        with self._section:
-            if self._pending:
-                self._drain()
-            pool = self._pools.get(pool_id)
-            if pool is None:
-                pool = PrivatePool(pool_id)
-                self._pools[pool_id] = pool
-            self._freeable.pop(pool_id, None)
-            pool.use_count += 1
-            self._capture_seq += 1
-            rec = CaptureRecord(pool, label, threading.get_ident(), self._capture_seq)
-            rec.stream = stream
-            # What this capture may read from its pool: outputs of earlier captures still
-            # alive. O(live allocations), once per capture.
-            rec.inputs = [
-                (b.ptr, b.size, b.owner, b, b.serial)
-                for b in self._active.values()
-                if b.pool.owner is pool and b.owner is not None
-            ]
-            for _, _, _, b, _ in rec.inputs:
-                self._claim(b, rec)
-            self._capturing += 1
-            try:
-                cid = begin()
-            except BaseException:
-                self._capturing -= 1
-                self._drop_use(pool)
-                raise
-            if cid in self._captures:  # pragma: no cover - the device promises unique ids
-                self._capturing -= 1
-                self._drop_use(pool)
-                raise CaptureError(f"capture id {cid} is already registered")
-            rec.capture_id = cid
-            self._captures[cid] = rec
-            return rec
+        return self._run_locked(lambda: self._begin_capture(pool_id, begin, stream, label))
+
+    def _begin_capture(
+        self, pool_id: PoolId, begin: Callable[[], int], stream: int, label: str
+    ) -> CaptureRecord:
+        if self._pending:
+            self._drain()
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            pool = PrivatePool(pool_id)
+            self._pools[pool_id] = pool
+        self._freeable.pop(pool_id, None)
+        pool.use_count += 1
+        self._capture_seq += 1
+        rec = CaptureRecord(pool, label, threading.get_ident(), self._capture_seq)
+        rec.stream = stream
+        # What this capture may read from its pool: outputs of earlier captures still
+        # alive. O(live allocations), once per capture.
+        rec.inputs = [
+            (b.ptr, b.size, b.owner, b, b.serial)
+            for b in self._active.values()
+            if b.pool.owner is pool and b.owner is not None
+        ]
+        for _, _, _, b, _ in rec.inputs:
+            self._claim(b, rec)
+        self._capturing += 1
+        try:
+            cid = begin()
+        except BaseException:
+            self._capturing -= 1
+            self._drop_use(pool)
+            raise
+        if cid in self._captures:  # pragma: no cover - the device promises unique ids
+            self._capturing -= 1
+            self._drop_use(pool)
+            raise CaptureError(f"capture id {cid} is already registered")
+        rec.capture_id = cid
+        self._captures[cid] = rec
+        return rec
 
     def end_capture(self, rec: CaptureRecord) -> None:
         """Stop routing to ``rec``'s pool after its device capture ended successfully."""
-        with self._section:
-            self._unregister(rec)
-            rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
+        self._run_locked(lambda: self._end_capture(rec))
+
+    def _end_capture(self, rec: CaptureRecord) -> None:
+        self._unregister(rec)
+        rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
 
     def abort_capture(self, rec: CaptureRecord) -> None:
         """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
-        with self._section:
-            rec.failed = True
-            self._unregister(rec)
-            self._release(rec)
+        self._run_locked(lambda: self._abort_capture(rec))
+
+    def _abort_capture(self, rec: CaptureRecord) -> None:
+        rec.failed = True
+        self._unregister(rec)
+        self._release(rec)
 
     def release_capture(self, rec: CaptureRecord) -> None:
         """The graph of ``rec`` is gone: return its kept blocks and lower the pool's use count."""
-        with self._section:
-            if self._pending:
-                self._drain()
-            self._release(rec)
+        self._run_locked(lambda: self._release_capture(rec))
+
+    def _release_capture(self, rec: CaptureRecord) -> None:
+        if self._pending:
+            self._drain()
+        self._release(rec)
 
     def _unregister(self, rec: CaptureRecord) -> None:
         if self._pending:
@@ -816,29 +820,35 @@ class CachingAllocator:
     # -------------------------------------------------------------- queries
     def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:
         """The flattened statistics of the device, or of one private pool."""
-        with self._section:
-            if self._pending:
-                self._drain()
-            if pool is None:
-                return self.stats.as_dict()
-            p = self._pools.get(pool)
-            if p is None:
-                raise ValueError(f"no private pool {tuple(pool)} on device {self.device.index}")
-            out = p.stats.as_dict()
-            out["use_count"] = p.use_count
-            return out
+        return self._run_locked(lambda: self._memory_stats(pool))
+
+    def _memory_stats(self, pool: PoolId | None) -> dict[str, int]:
+        if self._pending:
+            self._drain()
+        if pool is None:
+            return self.stats.as_dict()
+        p = self._pools.get(pool)
+        if p is None:
+            raise ValueError(f"no private pool {tuple(pool)} on device {self.device.index}")
+        out = p.stats.as_dict()
+        out["use_count"] = p.use_count
+        return out
 
     def reset_peak(self) -> None:
         """Set every peak (device and private pools) to its current level."""
-        with self._section:
-            for st in [self.stats] + [p.stats for p in self._pools.values()]:
-                st.reset_peak()
+        self._run_locked(self._reset_peak)
+
+    def _reset_peak(self) -> None:
+        for st in [self.stats] + [p.stats for p in self._pools.values()]:
+            st.reset_peak()
 
     def reset_accumulated(self) -> None:
         """Zero accumulated counters (device and private pools)."""
-        with self._section:
-            for st in [self.stats] + [p.stats for p in self._pools.values()]:
-                st.reset_accumulated()
+        self._run_locked(self._reset_accumulated)
+
+    def _reset_accumulated(self) -> None:
+        for st in [self.stats] + [p.stats for p in self._pools.values()]:
+            st.reset_accumulated()
 
     def lookup(self, ptr: int) -> Block | None:
         """The live allocation that starts at ``ptr``, if any."""
@@ -846,53 +856,56 @@ class CachingAllocator:
 
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
-        with self._section:
-            return list(self._pools.values())
+        return self._run_locked(self._private_pools)
+
+    def _private_pools(self) -> list[PrivatePool]:
+        return list(self._pools.values())
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Segments with their blocks, streams, owning pool and owning graph."""
-        with self._section:
-            if self._pending:
-                self._drain()
-            out = []
-            for base in self._seg_bases:
-                head = self._segments[base]
-                blocks = iter_segment(head)
-                owner = head.pool.owner
-                seg: dict[str, Any] = {
-                    "device": self.device.index,
-                    "address": base,
-                    "total_size": sum(b.size for b in blocks),
-                    "allocated_size": sum(b.size for b in blocks if b.allocated),
-                    "active_size": sum(b.size for b in blocks if b.allocated or b.holds),
-                    "requested_size": sum(b.requested for b in blocks if b.allocated or b.holds),
-                    "stream": head.stream,
-                    "segment_type": "small" if head.pool.is_small else "large",
-                    "segment_pool_id": tuple(owner.id) if owner is not None else None,
-                    "blocks": [
-                        {
-                            "address": b.ptr,
-                            "size": b.size,
-                            "requested_size": b.requested,
-                            "state": (
-                                "active_allocated"
-                                if b.allocated
-                                else "active_pending_free"
-                                if b.holds
-                                else "inactive"
-                            ),
-                            "owner_graph": b.owner.label if b.owner is not None else None,
-                        }
-                        for b in blocks
-                    ],
-                }
-                out.append(seg)
-            return out
+        return self._run_locked(self._snapshot)
+
+    def _snapshot(self) -> list[dict[str, Any]]:
+        if self._pending:
+            self._drain()
+        out = []
+        for base in self._seg_bases:
+            head = self._segments[base]
+            blocks = iter_segment(head)
+            owner = head.pool.owner
+            seg: dict[str, Any] = {
+                "device": self.device.index,
+                "address": base,
+                "total_size": sum(b.size for b in blocks),
+                "allocated_size": sum(b.size for b in blocks if b.allocated),
+                "active_size": sum(b.size for b in blocks if b.allocated or b.holds),
+                "requested_size": sum(b.requested for b in blocks if b.allocated or b.holds),
+                "stream": head.stream,
+                "segment_type": "small" if head.pool.is_small else "large",
+                "segment_pool_id": tuple(owner.id) if owner is not None else None,
+                "blocks": [
+                    {
+                        "address": b.ptr,
+                        "size": b.size,
+                        "requested_size": b.requested,
+                        "state": (
+                            "active_allocated"
+                            if b.allocated
+                            else "active_pending_free"
+                            if b.holds
+                            else "inactive"
+                        ),
+                        "owner_graph": b.owner.label if b.owner is not None else None,
+                    }
+                    for b in blocks
+                ],
+            }
+            out.append(seg)
+        return out
 
     def check_invariants(self) -> None:
         """Verify every invariant (policy/check.py); raises AssertionError on the first broken one."""
-        with self._section:
-            self._check()
+        self._run_locked(self._check)
 
     def _check(self) -> None:
         """check_invariants under the caller's lock; after every malloc and free when
