@@ -49,15 +49,21 @@ def _per_call(fn: Callable[[], None], number: int, repeat: int) -> list[float]:
     return out
 
 
-def _interleaved(fns: dict[str, Callable[[], None]], number: int, repeat: int) -> dict[str, float]:
-    """Median seconds per call of each fn, the runs of the fns interleaved to share drift."""
+def _runs(fns: dict[str, Callable[[], None]], number: int, repeat: int) -> dict[str, list[float]]:
+    """Seconds per call of each fn in each of ``repeat`` runs, the fns' runs interleaved so
+    that they share the host's drift."""
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm up
         _per_call(fn, max(1, number // 10), 1)
     for _ in range(repeat):
         for k, fn in fns.items():
             runs[k] += _per_call(fn, number, 1)
-    return {k: statistics.median(v) for k, v in runs.items()}
+    return runs
+
+
+def _interleaved(fns: dict[str, Callable[[], None]], number: int, repeat: int) -> dict[str, float]:
+    """Median seconds per call of each fn (see ``_runs``)."""
+    return {k: statistics.median(v) for k, v in _runs(fns, number, repeat).items()}
 
 
 def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
@@ -100,12 +106,16 @@ def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
                 del p
 
             fns["cupy MemoryPool malloc+free"] = cupy_pair
-        med = _interleaved(fns, number, repeat)
+        runs = _runs(fns, number, repeat)
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        best = {k: min(v) for k, v in runs.items()}  # the least disturbed run of each
         row = {k: v * 1e6 for k, v in med.items()}
         if cupy_pool is not None:
-            base = med["cupy MemoryPool malloc+free"]
             for key in ("alloc+free", "alloc+free, current stream", "alloc+drop"):
-                row[f"ratio {key} / cupy"] = med[f"graphpool {key}"] / base
+                for name, stat in (("", med), (" (min)", best)):
+                    row[f"ratio {key} / cupy{name}"] = (
+                        stat[f"graphpool {key}"] / stat["cupy MemoryPool malloc+free"]
+                    )
         results[str(n)] = row
     return results
 
@@ -254,7 +264,7 @@ def run(backend: str | None = None, quick: bool = False, json_path: str | None =
     """Run the benchmarks for this backend and print a table of the results."""
     if backend is not None:
         gp.set_backend(backend)
-    number, repeat = (2000, 5) if quick else (20000, 9)
+    number, repeat = (2000, 5) if quick else (20000, 15)
     results: dict[str, Any] = {
         "backend": gp.backend(),
         "device": runtime.get().device(0).name,
