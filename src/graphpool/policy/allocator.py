@@ -109,7 +109,7 @@ class CachingAllocator:
         self._total = device.mem_info()[1]
         self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
 
-    def _run_locked(self, fn: Callable[[], T]) -> T:
+    def _run_locked(self, name: str, fn: Callable[[], T]) -> T:
         """``fn()`` with the lock held and the allocator marked busy: every call but malloc and
         free (which write the same steps out) goes through here.
 
@@ -119,7 +119,7 @@ class CachingAllocator:
         """
         with self._lock:
             if self._busy:
-                _reentered(getattr(fn, "__name__", "a call"))
+                _reentered(name)
             self._busy = True
             try:
                 return fn()
@@ -229,7 +229,7 @@ class CachingAllocator:
     def _reject_size(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        raise OutOfMemoryError(self._run_locked(lambda: self._oom_message(nbytes, None)))
+        raise OutOfMemoryError(self._run_locked("malloc", lambda: self._oom_message(nbytes, None)))
 
     def _route(self, stream: int) -> CaptureRecord | None:
         """The registered capture ``stream`` belongs to, if any (one driver query)."""
@@ -502,9 +502,15 @@ class CachingAllocator:
             self._free_block(block, False)
 
     def _check_pointer(self, ptr: Any, what: str) -> None:
-        """Raise the right error unless ``ptr`` is a live allocation. Changes nothing."""
+        """Raise the right error unless ``ptr`` is a live allocation not yet queued for a free.
+
+        Changes nothing. O(queued frees): only a re-entered ``free`` asks.
+        """
         if type(ptr) is not int or ptr not in self._active:
             self._bad_pointer(ptr, what)
+        for item in self._pending:
+            if item == ptr or (type(item) is tuple and item[0] == ptr):
+                raise DoubleFreeError(f"{what}: 0x{ptr:x} is already queued to be freed")
 
     def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
@@ -531,7 +537,7 @@ class CachingAllocator:
     # ------------------------------------------------------------ stream uses
     def record_stream(self, ptr: int, stream: int) -> None:
         """Mark ``stream`` as a user of the allocation at ``ptr`` (see SPEC 2, Streams)."""
-        self._run_locked(lambda: self._record_stream(ptr, stream))
+        self._run_locked("record_stream", lambda: self._record_stream(ptr, stream))
 
     def _record_stream(self, ptr: int, stream: int) -> None:
         if self._pending:
@@ -601,7 +607,7 @@ class CachingAllocator:
     # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
         """Return every unsplit free segment of the ordinary and freeable pools to the driver."""
-        self._run_locked(self._empty_cache)
+        self._run_locked("empty_cache", self._empty_cache)
 
     def _empty_cache(self) -> None:
         if self._pending:
@@ -687,7 +693,7 @@ class CachingAllocator:
         after the allocator stops querying events and before anything is routed. If it
         raises, nothing changes.
         """
-        return self._run_locked(lambda: self._begin_capture(pool_id, begin, stream, label))
+        return self._run_locked("begin_capture", lambda: self._begin_capture(pool_id, begin, stream, label))
 
     def _begin_capture(
         self, pool_id: PoolId, begin: Callable[[], int], stream: int, label: str
@@ -729,7 +735,7 @@ class CachingAllocator:
 
     def end_capture(self, rec: CaptureRecord) -> None:
         """Stop routing to ``rec``'s pool after its device capture ended successfully."""
-        self._run_locked(lambda: self._end_capture(rec))
+        self._run_locked("end_capture", lambda: self._end_capture(rec))
 
     def _end_capture(self, rec: CaptureRecord) -> None:
         self._unregister(rec)
@@ -737,7 +743,7 @@ class CachingAllocator:
 
     def abort_capture(self, rec: CaptureRecord) -> None:
         """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
-        self._run_locked(lambda: self._abort_capture(rec))
+        self._run_locked("abort_capture", lambda: self._abort_capture(rec))
 
     def _abort_capture(self, rec: CaptureRecord) -> None:
         rec.failed = True
@@ -746,7 +752,7 @@ class CachingAllocator:
 
     def release_capture(self, rec: CaptureRecord) -> None:
         """The graph of ``rec`` is gone: return its kept blocks and lower the pool's use count."""
-        self._run_locked(lambda: self._release_capture(rec))
+        self._run_locked("release_capture", lambda: self._release_capture(rec))
 
     def _release_capture(self, rec: CaptureRecord) -> None:
         if self._pending:
@@ -820,7 +826,7 @@ class CachingAllocator:
     # -------------------------------------------------------------- queries
     def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:
         """The flattened statistics of the device, or of one private pool."""
-        return self._run_locked(lambda: self._memory_stats(pool))
+        return self._run_locked("memory_stats", lambda: self._memory_stats(pool))
 
     def _memory_stats(self, pool: PoolId | None) -> dict[str, int]:
         if self._pending:
@@ -836,7 +842,7 @@ class CachingAllocator:
 
     def reset_peak(self) -> None:
         """Set every peak (device and private pools) to its current level."""
-        self._run_locked(self._reset_peak)
+        self._run_locked("reset_peak", self._reset_peak)
 
     def _reset_peak(self) -> None:
         for st in [self.stats] + [p.stats for p in self._pools.values()]:
@@ -844,7 +850,7 @@ class CachingAllocator:
 
     def reset_accumulated(self) -> None:
         """Zero accumulated counters (device and private pools)."""
-        self._run_locked(self._reset_accumulated)
+        self._run_locked("reset_accumulated", self._reset_accumulated)
 
     def _reset_accumulated(self) -> None:
         for st in [self.stats] + [p.stats for p in self._pools.values()]:
@@ -856,14 +862,14 @@ class CachingAllocator:
 
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
-        return self._run_locked(self._private_pools)
+        return self._run_locked("private_pools", self._private_pools)
 
     def _private_pools(self) -> list[PrivatePool]:
         return list(self._pools.values())
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Segments with their blocks, streams, owning pool and owning graph."""
-        return self._run_locked(self._snapshot)
+        return self._run_locked("snapshot", self._snapshot)
 
     def _snapshot(self) -> list[dict[str, Any]]:
         if self._pending:
@@ -905,7 +911,7 @@ class CachingAllocator:
 
     def check_invariants(self) -> None:
         """Verify every invariant (policy/check.py); raises AssertionError on the first broken one."""
-        self._run_locked(self._check)
+        self._run_locked("check_invariants", self._check)
 
     def _check(self) -> None:
         """check_invariants under the caller's lock; after every malloc and free when
