@@ -20,20 +20,11 @@ import pytest
 import graphpool as gp
 from graphpool import runtime
 from graphpool.policy.allocator import CachingAllocator
-from graphpool.policy.pools import SizeConfig
 from graphpool.sim import SimBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "policy"))
-from fakedevice import FakeDevice
+from fakedevice import SHRUNK, FakeDevice
 
-SHRUNK = SizeConfig(
-    min_block=512,
-    small_size=4096,
-    small_segment=8192,
-    large_segment=40960,
-    min_large_alloc=20480,
-    round_large=8192,
-)
 THREADS = 8
 OPS = 400
 

@@ -6,6 +6,17 @@ from __future__ import annotations
 import itertools
 
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL, CAPTURE_STATUS_ACTIVE, CAPTURE_STATUS_NONE
+from graphpool.policy.pools import SizeConfig
+
+# Shrunken tunables: splitting, merging, growth and out-of-memory happen in every test.
+SHRUNK = SizeConfig(
+    min_block=512,
+    small_size=4096,
+    small_segment=8192,
+    large_segment=40960,
+    min_large_alloc=20480,
+    round_large=8192,
+)
 
 
 class FakeDevice:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from fakedevice import FakeDevice
+from fakedevice import SHRUNK, FakeDevice
 
 from graphpool.errors import DoubleFreeError, ForeignPointerError, GraphpoolError, OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
@@ -19,14 +19,6 @@ from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES
 KiB = 1024
 MiB = 1024 * KiB
 
-SHRUNK = SizeConfig(
-    min_block=512,
-    small_size=4096,
-    small_segment=8192,
-    large_segment=40960,
-    min_large_alloc=20480,
-    round_large=8192,
-)
 
 S1, S2, S3 = 1, 2, 3  # stream handles (any ints but 0 work for the policy)
 

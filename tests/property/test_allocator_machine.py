@@ -38,22 +38,13 @@ from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
 from graphpool.errors import CaptureError, OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
-from graphpool.policy.pools import SizeConfig
 from graphpool.policy.private_pools import CaptureRecord, PoolId
 from graphpool.sim import SimBackend, xp
 from graphpool.sim import capture as sim_capture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy"))
-from fakedevice import FakeDevice
+from fakedevice import SHRUNK, FakeDevice
 
-SIZES = SizeConfig(
-    min_block=512,
-    small_size=4096,
-    small_segment=8192,
-    large_segment=40960,
-    min_large_alloc=20480,
-    round_large=8192,
-)
 BUDGET = 200_000
 STREAMS = (1, 2, 3)
 UNSAFE = {"record", "query", "sync", "free"}
@@ -78,7 +69,7 @@ SETTINGS = settings(
 
 
 def rounded(n: int) -> int:
-    return SIZES.round_size(n)
+    return SHRUNK.round_size(n)
 
 
 def overlaps(lo: int, hi: int, ranges: Any) -> bool:
@@ -116,7 +107,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dev = FakeDevice(BUDGET)
-        self.a = CachingAllocator(self.dev, sizes=SIZES)
+        self.a = CachingAllocator(self.dev, sizes=SHRUNK)
         self.live: dict[int, Live] = {}
         self.active: dict[int, Cap] = {}  # capture id -> active capture
         self.graphs: list[Cap] = []  # captured, not released
@@ -195,10 +186,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         blk = self.a.lookup(ptr)
         assert blk is not None and blk.ptr == ptr and blk.stream == stream
         want = rounded(nbytes)
-        if SIZES.is_small(want):
+        if SHRUNK.is_small(want):
             assert blk.size == want
         else:
-            assert want <= blk.size <= want + SIZES.small_size  # an unsplit rest stays attached
+            assert want <= blk.size <= want + SHRUNK.small_size  # an unsplit rest stays attached
         got = None if blk.pool.owner is None else blk.pool.owner.id
         if cap is None:
             assert got is None, "eager request served from a private pool"
@@ -458,7 +449,7 @@ class PublicApiMachine(RuleBasedStateMachine):
 
     @initialize()
     def setup(self) -> None:
-        runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=SIM_MEMORY), sizes=SIZES)
+        runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=SIM_MEMORY), sizes=SHRUNK)
         self.dev = runtime.get().device(0)
         self.streams = [gp.default_stream(), gp.Stream(), gp.Stream()]
         self.handles = [gp.graph_pool_handle()]

@@ -452,10 +452,7 @@ class CachingAllocator:
             if after is not None:
                 after.prev = block
             nxt.prev = nxt.next = None
-            if self._spare1 is None:
-                self._spare1 = nxt
-            else:
-                self._spare.append(nxt)
+            self._keep_spare(nxt)
         prev = block.prev
         if prev is not None and not prev.allocated and prev.holds == 0:
             # the free block before absorbs this one
@@ -470,10 +467,7 @@ class CachingAllocator:
             if after is not None:
                 after.prev = prev
             block.prev = block.next = None
-            if self._spare1 is None:
-                self._spare1 = block
-            else:
-                self._spare.append(block)
+            self._keep_spare(block)
             block = prev
         if old is None:
             fl.insert(block)
@@ -485,6 +479,13 @@ class CachingAllocator:
         self.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
         if fl.owner is not None:
             fl.owner.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
+
+    def _keep_spare(self, block: Block) -> None:
+        """Keep a Block object a merge absorbed, for a later split (``_spare1`` first)."""
+        if self._spare1 is None:
+            self._spare1 = block
+        else:
+            self._spare.append(block)
 
     def _hold(self, block: Block) -> None:
         """Keep a freed block out of its free list (an event, a graph, a deferral)."""
