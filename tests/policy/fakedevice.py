@@ -34,6 +34,9 @@ class FakeDevice:
         self.capturing: dict[int, int] = {}  # stream -> capture id
         self.mode = CAPTURE_MODE_GLOBAL
         self.mode_log: list[int] = []
+        self.id_calls = 0
+        self.attached: dict[int, int] = {}  # token -> stream
+        self.released: list[int] = []
 
     # memory
     def malloc(self, nbytes: int) -> int | None:
@@ -92,3 +95,25 @@ class FakeDevice:
 
     def end(self, stream: int) -> None:
         self.capturing.pop(stream, None)
+
+    def capture_id(self, stream: int) -> int:
+        self.id_calls += 1
+        return self.capturing.get(stream, 0)
+
+    # user objects: the test releases tokens by hand (release()), as a destroyed graph would
+    def attach_release(self, stream: int, token: int) -> None:
+        if stream not in self.capturing:
+            raise AssertionError(f"attach_release on stream {stream}, which is not capturing")
+        self.attached[token] = stream
+
+    def release(self, token: int) -> None:
+        del self.attached[token]
+        self.released.append(token)
+
+    def take_released(self) -> list[int]:
+        out, self.released = self.released, []
+        return out
+
+    def device_synchronize(self) -> None:
+        self.calls.append("device_sync")
+        self.complete_all()

@@ -340,7 +340,9 @@ def test_capture_lifecycle_and_replay(dev: SimDevice) -> None:
     x = dev.instantiate(g)
     dev.launch(x, s)
     dev.launch(x, other)  # any stream
-    assert dev.pending_ops(s) == 3 and dev.pending_ops(other) == 3  # one op per node
+    # one op per node, plus the launch's end mark; the second launch first waits for the first
+    # (CUDA orders launches of one exec, whatever their streams)
+    assert dev.pending_ops(s) == 4 and dev.pending_ops(other) == 5
     dev.device_synchronize()
     assert dev.view(p, 4).view(np.int32)[0] == 4
     dev.destroy_graph(g)

@@ -15,7 +15,7 @@ Preconditions, stated once for every method below:
   synchronize) follow CUDA's capture-mode rules: in a prohibited mode they fail and
   invalidate the capture. The allocator never makes them while a capture is underway,
   except ``malloc`` under ``CAPTURE_MODE_RELAXED``.
-* ``capture_info`` is cheap and legal at any time, on any stream.
+* ``capture_info`` and ``capture_id`` are cheap and legal at any time, on any stream.
 """
 
 from __future__ import annotations
@@ -118,6 +118,28 @@ class Device(Protocol):
         A stream that joined a capture by waiting on an event recorded in it reports that
         capture's id. Ids are unique for the life of the process.
         """
+        ...
+
+    def capture_id(self, stream: int) -> int:
+        """The id of the capture ``stream`` takes part in (active or invalidated), 0 when none.
+
+        The allocator asks this on every allocation while detection of outside captures is
+        on, so it is the cheapest query the device has (on CUDA, one driver call from C).
+        """
+        ...
+
+    def attach_release(self, stream: int, token: int) -> None:
+        """Tie ``token`` to the graph being captured on ``stream`` (a CUDA user object).
+
+        Once that graph and every executable graph instantiated from it are destroyed (or
+        the capture fails and its graph is discarded), ``token`` is reported once by
+        ``take_released``. The report may come from any thread, even a driver thread, so it
+        is only queued there. Raises unless ``stream`` is capturing.
+        """
+        ...
+
+    def take_released(self) -> list[int]:
+        """Tokens of ``attach_release`` whose graphs are gone since the last call (drains them)."""
         ...
 
     def exchange_capture_mode(self, mode: int) -> int:

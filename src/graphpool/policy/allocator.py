@@ -5,12 +5,21 @@ the small (<= 1 MiB) or large pool, and take the best-fitting free block of thei
 stream; what no block fits comes from a new segment. Freed blocks merge with free
 neighbours and return to the pool they came from.
 
-Captures: while one is underway (``_capturing`` > 0, a single integer test on the hot
-path), requests on a stream that belongs to a registered capture are served from that
-capture's private pool. During a capture the allocator never queries or records
-events, never synchronizes and never frees device memory: those acts each go through
-one method that asserts it (``_query_event``, ``_record_event``, ``_synchronize_events``,
-``_release_segment``).
+Captures: while one is underway on this device (``_capturing`` > 0), requests on a
+stream that belongs to a registered capture are served from that capture's private
+pool. Captures begun outside graphpool (CuPy's ``Stream.begin_capture``, a raw
+``cudaStreamBeginCapture``) are *detected*: with detection on (the default) every
+malloc, and every free with no capture registered, asks the device for the stream's
+capture id (one cheap query, from C on the CUDA backend) and adopts an unknown capture
+into a private pool of its own, released when the device reports the graph and all its
+executable instances destroyed (a CUDA user object, see ``Device.attach_release``).
+
+CUDA's capture rules are process-wide, so the captures of every allocator of a runtime
+are counted in one shared ``CaptureWorld``. While any is underway the allocator never
+queries events, never synchronizes and never frees device memory: those acts each go
+through one method that checks it (``_query_event``, ``_synchronize_events``,
+``_release_segment``); driver allocations and event queries run under the relaxed
+capture mode, so they never invalidate a capture graphpool has not seen yet.
 
 Finalizers never take the lock: ``defer_free`` queues a pointer that the next call drains.
 The lock is reentrant, so every locked call marks the allocator ``_busy``: a call that
@@ -33,7 +42,7 @@ try:  # CuPy's lock (see CachingAllocator.__init__)
 except ImportError:  # no fastrlock wheel (PyPy): the stdlib's reentrant lock, slower
     from threading import RLock as _Lock
 
-from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_NONE, Device
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_ACTIVE, Device
 from graphpool.errors import (
     CaptureError,
     DoubleFreeError,
@@ -44,7 +53,13 @@ from graphpool.errors import (
 from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import Bins, FreeList
 from graphpool.policy.pools import DEFAULT, SizeConfig
-from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
+from graphpool.policy.private_pools import (
+    CaptureRecord,
+    CaptureWorld,
+    PoolId,
+    PrivatePool,
+    new_graph_pool_id,
+)
 from graphpool.policy.stats import PoolStats
 
 
@@ -77,7 +92,14 @@ def _reentered(call: str) -> NoReturn:
 class CachingAllocator:
     """The allocator of one device. Every public method is thread-safe."""
 
-    def __init__(self, device: Device, *, sizes: SizeConfig = DEFAULT) -> None:
+    def __init__(
+        self,
+        device: Device,
+        *,
+        sizes: SizeConfig = DEFAULT,
+        world: CaptureWorld | None = None,
+        detect: bool = True,
+    ) -> None:
         self.device = device
         self.sizes = sizes
         # CuPy's lock: uncontended, acquire and release make no OS call (a threading.Lock
@@ -96,11 +118,19 @@ class CachingAllocator:
         self._spare1: Block | None = None
         self._segments: dict[int, Block] = {}  # base address -> first block
         self._seg_bases: list[int] = []  # sorted base addresses
-        self._pending: deque[Any] = deque()  # finalizer frees (int) and releases (CaptureRecord)
+        # finalizer work: frees (int), frees after a stream use ((ptr, stream)), releases (records)
+        self._pending: deque[Any] = deque()
         self._waiting: dict[int, deque[tuple[int, Block]]] = {}  # stream -> (event, block)
         self._event_pool: list[int] = []
-        self._capturing = 0  # registered captures; the hot path's only capture test
-        self._captures: dict[int, CaptureRecord] = {}  # capture id -> record
+        # Captures. ``_capturing`` counts the registered captures of this device (the hot
+        # path's only capture test); ``_world`` counts those of every device of the runtime.
+        self._world = world if world is not None else CaptureWorld()
+        self._capturing = 0
+        self._captures: dict[int, CaptureRecord] = {}  # capture id -> record, while underway
+        self._records: dict[int, CaptureRecord] = {}  # sequence -> record, until released
+        self._foreign: dict[int, CaptureRecord] = {}  # stream -> underway capture begun outside
+        self._tokens: dict[int, CaptureRecord] = {}  # release token -> record (Device.attach_release)
+        self._dead: set[int] = set()  # ids of captures that can never end (their thread died)
         self._deferred: list[Block] = []  # record_stream frees waiting for all captures to end
         self._pools: dict[PoolId, PrivatePool] = {}
         self._freeable: dict[PoolId, PrivatePool] = {}
@@ -108,6 +138,19 @@ class CachingAllocator:
         self._serial = 0
         self._total = device.mem_info()[1]
         self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
+        # Detection of captures begun outside graphpool: the device's capture-id query,
+        # bound once (on CUDA a C function; benchmarks/NOTES.md).
+        self._detect = bool(detect)
+        self._query: Callable[[int], int] = device.capture_id
+
+    @property
+    def detect(self) -> bool:
+        """Whether every allocation asks the device if its stream is capturing (see the module doc)."""
+        return self._detect
+
+    @detect.setter
+    def detect(self, on: bool) -> None:
+        self._detect = bool(on)
 
     def _run_locked(self, name: str, fn: Callable[[], T]) -> T:
         """``fn()`` with the lock held and the allocator marked busy: every call but malloc and
@@ -130,8 +173,9 @@ class CachingAllocator:
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
         """Hand out at least ``nbytes`` for work on ``stream``; return the address.
 
-        Cached path: one bisect, at most one split, no driver call. Raises ValueError or
-        TypeError for a bad size and OutOfMemoryError when the device is full.
+        Cached path: one bisect, at most one split, no driver call but the capture query
+        (when detection is on). Raises ValueError or TypeError for a bad size and
+        OutOfMemoryError when the device is full.
         """
         # ``nbytes`` is typed SupportsIndex, not int: compiled by mypyc, an ``int`` parameter
         # would admit a bool and refuse numpy integers before the check below could run.
@@ -151,7 +195,9 @@ class CachingAllocator:
                 rec = None
                 if self._capturing:
                     rec = self._route(stream)
-                elif self._waiting:
+                elif self._detect and self._query(stream):
+                    rec = self._adopt_found(stream)
+                if rec is None and self._waiting and not self._world.active:
                     self._process_events()
                 if rec is None:
                     fl = self._small if small else self._large
@@ -172,8 +218,8 @@ class CachingAllocator:
                 d_cnt = d_bytes = 0
                 rest: Block | None = None
                 if block is None:
-                    block = self._new_segment(fl, size, stream, requested, rec)
-                elif block.prev is not None or block.next is not None:
+                    block = self._slow_block(fl, size, stream, requested, rec)
+                if block.prev is not None or block.next is not None:
                     d_cnt = -1
                     d_bytes = -block.size
                 remaining = block.size - size
@@ -204,16 +250,18 @@ class CachingAllocator:
                 block.requested = requested
                 ptr = block.ptr
                 self._active[ptr] = block
+                serial = self._serial + 1  # allocation order: tells allocations apart (captures)
+                self._serial = serial
+                block.serial = serial
                 self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                 owner = fl.owner
                 if owner is not None:
                     owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                     if rec is not None:
-                        self._claim(block, rec)
-                        self._serial += 1
-                        block.serial = self._serial
+                        if owner.fresh:
+                            self._touch(block, rec)
                         block.owner = rec
-                        rec.written.append((ptr, block.size, block, self._serial))
+                        rec.written.append((ptr, block.size, block, serial))
                 if self._debug:
                     self._check()
                 return ptr
@@ -229,33 +277,62 @@ class CachingAllocator:
     def _reject_size(self, nbytes: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        raise OutOfMemoryError(self._run_locked("malloc", lambda: self._oom_message(nbytes, None)))
+        self._run_locked("malloc", lambda: self._raise_oom(nbytes, None, None))
+
+    def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None) -> NoReturn:
+        """Count an out-of-memory (device, and the private pool ``fl`` belongs to) and raise it."""
+        self.stats.num_ooms += 1
+        if fl is not None and fl.owner is not None:
+            fl.owner.stats.num_ooms += 1
+        raise OutOfMemoryError(self._oom_message(nbytes, seg))
 
     def _route(self, stream: int) -> CaptureRecord | None:
-        """The registered capture ``stream`` belongs to, if any (one driver query)."""
-        status, cid = self.device.capture_info(stream)
-        if status == CAPTURE_STATUS_NONE:
+        """The capture ``stream`` belongs to, if any (one driver query); adopts an unknown one."""
+        cid = self._query(stream)
+        if not cid:
+            if self._foreign:
+                rec = self._foreign.get(stream)
+                if rec is not None:  # a capture begun outside ended since: stop routing to it
+                    self._end_capture(rec)
             return None
-        return self._captures.get(cid)
+        rec = self._captures.get(cid)
+        if rec is None and self._detect:
+            rec = self._adopt_found(stream)
+        return rec
 
-    def _new_segment(
-        self, fl: FreeList, size: int, stream: int, nbytes: int, rec: CaptureRecord | None = None
+    def _slow_block(
+        self, fl: FreeList, size: int, stream: int, nbytes: int, rec: CaptureRecord | None
     ) -> Block:
-        """Get a segment for a rounded ``size`` from the driver, releasing the cache once if refused."""
+        """No cached block fits: get a segment from the driver, or a block the retry freed.
+
+        Out of memory and no capture underway: wait for pending stream uses, look in the
+        cache again, release every cached unsplit segment and retry once; then try the
+        smallest segment that holds the request. The returned block is in no free list.
+        """
+        if self._tokens:
+            self._poll_released()
         seg = self.sizes.segment_size(size)
         ptr = self._device_malloc(seg)
-        if ptr is None and not self._capturing:
+        if ptr is None and not self._world.active:
+            self._synchronize_events()
+            block = fl.best_fit(stream, size)
+            if block is not None:  # a stream use that just completed freed a fitting block
+                fl.remove(block)
+                return block
             self._release_cached()
             self.stats.num_alloc_retries += 1
+            if fl.owner is not None:
+                fl.owner.stats.num_alloc_retries += 1
             ptr = self._device_malloc(seg)
         if ptr is None:
-            self.stats.num_ooms += 1
-            if fl.owner is not None:
-                fl.owner.stats.num_ooms += 1
-            raise OutOfMemoryError(self._oom_message(nbytes, seg))
+            least = self.sizes.least_segment(size)
+            if least < seg:
+                ptr = self._device_malloc(least)
+                if ptr is not None:
+                    seg = least
+        if ptr is None:
+            self._raise_oom(nbytes, seg, fl)
         head = Block(ptr, seg, stream, fl)
-        if rec is not None:
-            head.origin = [rec]
         self._segments[ptr] = head
         insort(self._seg_bases, ptr)
         for st in self._scopes(fl):
@@ -263,14 +340,18 @@ class CachingAllocator:
             k = st.kind(fl.is_small)
             k.add("segment", 1)
             k.add("reserved_bytes", seg)
-        if fl.owner is not None:
-            fl.owner.segment_count += 1
+        owner = fl.owner
+        if owner is not None:
+            owner.segment_count += 1
+            if rec is not None:  # may go back with the capture if it fails (see _touch)
+                head.creator = rec
+                owner.fresh.add(head)
+                rec.created.append(head)
         return head
 
     def _device_malloc(self, nbytes: int) -> int | None:
-        """Driver allocation; under a relaxed capture mode while any capture is underway."""
-        if not self._capturing:
-            return self.device.malloc(nbytes)
+        """Driver allocation, always under the relaxed capture mode: a capture underway on any
+        thread (one graphpool may not have seen yet) is never invalidated by it."""
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
             return self.device.malloc(nbytes)
@@ -283,12 +364,13 @@ class CachingAllocator:
         alone is larger than the device."""
         st = self.stats
         private = sum(p.stats.current("reserved_bytes") for p in self._pools.values())
+        kept = self._kept_bytes()
         try:
             free, total = self.device.mem_info()
             dev = f"{fmt_bytes(free)} free of {fmt_bytes(total)} on the device"
         except GraphpoolError:
             dev = "device free memory unknown"
-        during = " during graph capture (the cache cannot be released then)" if self._capturing else ""
+        during = " during graph capture (the cache cannot be released then)" if self._world.active else ""
         return (
             f"out of memory on device {self.device.index}{during}: tried to allocate {fmt_bytes(nbytes)} "
             + (
@@ -298,7 +380,8 @@ class CachingAllocator:
             )
             + f"{fmt_bytes(st.current('allocated_bytes'))} allocated, "
             f"{fmt_bytes(st.current('reserved_bytes'))} reserved "
-            f"({fmt_bytes(private)} of it held in private graph pools), {dev}. "
+            f"({fmt_bytes(private)} of it in private graph pools, and {fmt_bytes(kept)} of ordinary "
+            f"blocks kept for captured graphs that may touch them), {dev}. "
             "Free buffers you no longer need, reset graphs you no longer replay, "
             "then call empty_cache()."
         )
@@ -322,6 +405,8 @@ class CachingAllocator:
                 block.allocated = False
                 if self._capturing or block.stream_uses:
                     self._free_held(block, threading.get_ident())
+                elif self._detect and self._query(block.stream) and self._adopt_found(block.stream):
+                    self._free_held(block, threading.get_ident())  # inside a capture begun outside
                 else:
                     self._free_block(block, True)
                 if self._debug:
@@ -329,44 +414,48 @@ class CachingAllocator:
             finally:
                 self._busy = False
 
-    def defer_free(self, ptr: int) -> None:
+    def defer_free(self, ptr: int, stream: int | None = None) -> None:
         """Queue a free for the next allocator call. Lock-free: for finalizers.
 
-        During a capture the freeing thread is queued too: whichever thread drains the
-        queue, the free counts as made by the thread that dropped the buffer.
+        ``stream``: another stream that used the block (as ``record_stream`` would say); its
+        work queued so far completes before the block is reused.
         """
-        if self._capturing:
-            self._pending.append((ptr, threading.get_ident()))
-        else:
-            self._pending.append(ptr)
+        self._pending.append(ptr if stream is None else (ptr, stream))
 
     def defer_release(self, rec: CaptureRecord) -> None:
         """Queue ``release_capture(rec)`` for the next allocator call. Lock-free: for finalizers."""
         self._pending.append(rec)
 
-    def _free(self, ptr: int, thread: int) -> None:
-        """Free the allocation at ``ptr`` on behalf of ``thread`` (``free`` writes this out)."""
+    def _free(self, ptr: int) -> None:
+        """Free the allocation at ``ptr`` queued by a finalizer (whose thread is unknown)."""
         block = self._active.pop(ptr, None) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
         if self._capturing or block.stream_uses:
-            self._free_held(block, thread)
+            self._free_held(block, 0)
+        elif self._detect and self._query(block.stream) and self._adopt_found(block.stream):
+            self._free_held(block, 0)
         else:
             self._free_block(block, True)
 
     def _free_held(self, block: Block, thread: int) -> None:
-        """A free that may keep the block back: during a capture, or with extra stream users."""
+        """A free that may keep the block back: during a capture, or with extra stream users.
+
+        ``thread``: the thread that freed it, 0 when unknown (a finalizer's queued free)."""
         fl = block.pool
         size = block.size
         owner = fl.owner
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
+        if self._capturing and self._foreign:
+            self._sweep()  # a capture begun outside may have ended: it keeps nothing then
         if self._capturing:
             recs = self._captures_for_free(block, thread)
-            for rec in recs:
-                self._claim(block, rec)
+            if owner is not None and owner.fresh:
+                for rec in recs:
+                    self._touch(block, rec)
             if recs and (len(recs) > 1 or owner is not recs[0].pool):
                 # The graphs' kernels may touch this memory on every replay.
                 for rec in recs:
@@ -392,37 +481,42 @@ class CachingAllocator:
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
     def _captures_for_free(self, block: Block, thread: int) -> list[CaptureRecord]:
-        """The captures a free made now belongs to; no driver query.
+        """The captures a free made now belongs to; no driver query. O(underway captures).
 
-        A free by a thread that began captures (its capture body dropping an array)
-        belongs to the one of them on the block's pool or stream, else to all of them
-        (nested captures may each read the block). A free by another thread belongs to
-        the capture into the block's pool, else to the capture on the block's stream,
-        else to none: an ordinary eager free.
+        A block of a pool that an underway capture allocates from goes back to that pool
+        (reusing it is what pool sharing is for). A block allocated after every underway
+        capture began and freed by a thread that began none of them (``thread`` known) is
+        eager memory of eager code: it goes back at once. Any other block may have been
+        read or written by any underway capture, whoever drops it (a worker thread, a
+        garbage-collection pass): it is kept for all of them (SPEC 3, the cupy#9655 rule).
         """
         owner = block.pool.owner
-        stream = block.stream
         recs = list(self._captures.values())
-        mine = [r for r in recs if r.thread == thread]
-        for group in (mine, recs):
-            for r in reversed(group):
+        if owner is not None:
+            for r in reversed(recs):
                 if r.pool is owner:
                     return [r]
-            for r in reversed(group):
-                if r.stream == stream:
-                    return [r]
-            if mine:
-                return mine
-        return []
+        if thread and all(r.thread != thread and block.serial > r.first_serial for r in recs):
+            return []
+        return recs
 
     @staticmethod
-    def _claim(block: Block, rec: CaptureRecord) -> None:
-        """Note that capture ``rec`` touched ``block``'s segment (see Block.origin)."""
+    def _touch(block: Block, rec: CaptureRecord) -> None:
+        """Capture ``rec`` uses ``block``: its segment no longer goes back with the capture that
+        made it, or, if that capture failed, it goes back with ``rec`` instead (see
+        Block.creator). Called only while the pool has such segments; walks the segment to
+        its head (O(blocks in the segment))."""
         head = block
         while head.prev is not None:
             head = head.prev
-        if head.origin is not None and rec not in head.origin:
-            head.origin.append(rec)
+        creator = head.creator
+        if creator is not None and creator is not rec:
+            if creator.failed:  # the failed capture is gone: the segment goes back with rec now
+                head.creator = rec
+                rec.created.append(head)
+            else:  # two captures use it: it stays whatever either does
+                head.creator = None
+                head.pool.owner.fresh.discard(head)
 
     def _free_block(self, block: Block, freed: bool) -> None:
         """Return a block with no holds to its free list, merging free neighbours.
@@ -556,13 +650,20 @@ class CachingAllocator:
     def _insert_events(self, block: Block) -> None:
         """Record an event on each extra user stream; each holds the block until it completes.
 
-        The caller holds the block across this call and drops its own hold after.
+        The caller holds the block across this call and drops its own hold after. A stream
+        that no longer exists (destroyed since record_stream) takes no event: its queued
+        work may still run, so the device is synchronized once instead.
         """
         uses = block.stream_uses or set()
         block.stream_uses = None
         for s in sorted(uses):
             ev = self._event_pool.pop() if self._event_pool else self.device.create_event()
-            self._record_event(ev, s)
+            try:
+                self._record_event(ev, s)
+            except GraphpoolError:
+                self._event_pool.append(ev)
+                self._synchronize_device()
+                continue
             self._waiting.setdefault(s, deque()).append((ev, block))
             self._hold(block)
 
@@ -571,32 +672,48 @@ class CachingAllocator:
         self.device.record_event(event, stream)
 
     def _query_event(self, event: int) -> bool:
-        assert not self._capturing, "no event is queried during capture"
+        if self._world.active:
+            raise CaptureError("graphpool: no event is queried while a capture is underway")
         return self.device.query_event(event)
 
+    def _synchronize_device(self) -> None:
+        """Wait for all work on the device: the one place the allocator synchronizes it."""
+        if self._world.active:
+            raise CaptureError("graphpool: the device is not synchronized while a capture is underway")
+        self.device.device_synchronize()
+
     def _process_events(self) -> None:
-        """Free blocks whose stream users are done; stop at each stream's first pending event."""
-        for stream in list(self._waiting):
-            q = self._waiting[stream]
-            while q:
-                ev, block = q[0]
-                if not self._query_event(ev):
-                    break
-                q.popleft()
-                self._event_pool.append(ev)
-                self._unhold(block)
-            if not q:
-                del self._waiting[stream]
+        """Free blocks whose stream users are done; stop at each stream's first pending event.
+
+        Under the relaxed capture mode: a query must not invalidate a capture graphpool has
+        not seen (begun outside it on another thread).
+        """
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            for stream in list(self._waiting):
+                q = self._waiting[stream]
+                while q:
+                    ev, block = q[0]
+                    if not self._query_event(ev):
+                        break
+                    q.popleft()
+                    self._event_pool.append(ev)
+                    self._unhold(block)
+                if not q:
+                    del self._waiting[stream]
+        finally:
+            self.device.exchange_capture_mode(prev)
 
     def _synchronize_events(self) -> None:
         """Wait for every pending event and free its block (empty_cache and OOM only)."""
-        assert not self._capturing, "no synchronization during capture"
-        for q in self._waiting.values():
+        if self._world.active:
+            raise CaptureError("graphpool: no event is synchronized while a capture is underway")
+        waiting, self._waiting = self._waiting, {}
+        for q in waiting.values():
             for ev, block in q:
                 self.device.event_synchronize(ev)
                 self._event_pool.append(ev)
                 self._unhold(block)
-        self._waiting.clear()
 
     def _flush_deferred(self) -> None:
         """Once no capture is underway: record the events of frees deferred during capture."""
@@ -613,33 +730,44 @@ class CachingAllocator:
     def _empty_cache(self) -> None:
         if self._pending:
             self._drain()
-        if self._capturing:
+        if self._tokens:
+            self._poll_released()
+        self._sweep()
+        if self._world.active:
+            where = (
+                f"on device {self.device.index}"
+                if self._capturing
+                else "on another device (CUDA's capture rules are process-wide)"
+            )
             raise CaptureError(
-                "empty_cache() cannot run while a graph capture is underway on device "
-                f"{self.device.index}: it would free memory the capture may use. "
-                "Call it before capture_begin() or after capture_end()."
+                f"empty_cache() cannot run while a graph capture is underway {where}: it would "
+                "free memory the capture may use. Call it before the capture begins or after it ends."
             )
         self._release_cached()
 
     def _release_cached(self) -> None:
+        """Synchronize pending stream uses, then give back every segment no graph may use."""
         self._synchronize_events()
-        for fl in (self._small, self._large):
-            self._release_free_segments(fl)
-        for pool in self._pools.values():  # live pools: only segments of failed captures
-            if pool.use_count:
-                for fl in (pool.small, pool.large):
-                    for block in fl:
-                        origin = block.origin
-                        whole = block.prev is None and block.next is None
-                        if whole and origin and all(r.failed for r in origin):
-                            fl.remove(block)
-                            self._release_segment(block)
-        for pid, pool in list(self._freeable.items()):
-            self._release_free_segments(pool.small)
-            self._release_free_segments(pool.large)
-            if pool.segment_count == 0:
-                del self._freeable[pid]
-                del self._pools[pid]
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            for fl in (self._small, self._large):
+                self._release_free_segments(fl)
+            for pool in self._pools.values():  # live pools: only segments of failed captures
+                if pool.use_count and pool.fresh:
+                    for head in list(pool.fresh):
+                        creator = head.creator
+                        whole = head.next is None and not head.allocated and head.holds == 0
+                        if whole and creator is not None and creator.failed:
+                            head.pool.remove(head)
+                            self._release_segment(head)
+            for pid, pool in list(self._freeable.items()):
+                self._release_free_segments(pool.small)
+                self._release_free_segments(pool.large)
+                if pool.segment_count == 0:
+                    del self._freeable[pid]
+                    del self._pools[pid]
+        finally:
+            self.device.exchange_capture_mode(prev)
 
     def _release_free_segments(self, fl: FreeList) -> None:
         for block in fl:
@@ -649,7 +777,8 @@ class CachingAllocator:
 
     def _release_segment(self, block: Block) -> None:
         """Give a whole free segment back to the driver: the one place device memory is freed."""
-        assert not self._capturing, "no device memory is freed during capture"
+        if self._world.active:
+            raise CaptureError("graphpool: no device memory is freed while a capture is underway")
         self.device.free(block.ptr)
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
@@ -659,25 +788,36 @@ class CachingAllocator:
             k = st.kind(fl.is_small)
             k.add("segment", -1)
             k.add("reserved_bytes", -block.size)
-        if fl.owner is not None:
-            fl.owner.segment_count -= 1
+        owner = fl.owner
+        if owner is not None:
+            owner.segment_count -= 1
+            if block.creator is not None:
+                block.creator = None
+                owner.fresh.discard(block)
 
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
         later: list[Any] = []  # records to retry at a later call
+        me = threading.get_ident()
         try:
             while pending:
                 item = pending.popleft()
                 try:
-                    if type(item) is int:  # queued with no capture underway (defer_free)
-                        self._free(item, threading.get_ident() if self._capturing else 0)
-                    elif type(item) is tuple:
-                        self._free(item[0], item[1])
-                    elif item.active and item.thread != threading.get_ident() and _thread_alive(item.thread):
+                    if type(item) is int:
+                        self._free(item)
+                    elif type(item) is tuple:  # a free after a use on another stream
+                        block = self._active.get(item[0])
+                        if block is not None and item[1] != block.stream:
+                            if block.stream_uses is None:
+                                block.stream_uses = {item[1]}
+                            else:
+                                block.stream_uses.add(item[1])
+                        self._free(item[0])
+                    elif item.active and not item.foreign and item.thread != me and _thread_alive(item.thread):
                         later.append(item)  # only the capturing thread can end its capture
-                    elif not self._release(item):
-                        later.append(item)  # its capture could not be ended: it goes on
+                    else:
+                        self._release(item)
                 except Exception as exc:  # a finalizer's work must not fail an unrelated call
                     warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning, stacklevel=3)
         finally:
@@ -701,6 +841,34 @@ class CachingAllocator:
     ) -> CaptureRecord:
         if self._pending:
             self._drain()
+        if self._tokens:
+            self._poll_released()
+        rec = self._new_record(pool_id, stream, label)
+        self._capturing += 1
+        self._world.active += 1
+        try:
+            cid = begin()
+        except BaseException:
+            self._capturing -= 1
+            self._world.active -= 1
+            self._drop_use(rec.pool)
+            raise
+        if cid in self._captures:  # pragma: no cover - the device promises unique ids
+            self._capturing -= 1
+            self._world.active -= 1
+            self._drop_use(rec.pool)
+            raise CaptureError(f"capture id {cid} is already registered")
+        rec.capture_id = cid
+        self._captures[cid] = rec
+        self._records[rec.sequence] = rec
+        return rec
+
+    def _new_record(self, pool_id: PoolId, stream: int, label: str) -> CaptureRecord:
+        """A record for a capture into ``pool_id`` (made or revived), with the pool's use counted.
+
+        Its inputs are the outputs of the pool's unreleased captures still allocated:
+        O(their allocations), not O(every live block).
+        """
         pool = self._pools.get(pool_id)
         if pool is None:
             pool = PrivatePool(pool_id)
@@ -710,45 +878,125 @@ class CachingAllocator:
         self._capture_seq += 1
         rec = CaptureRecord(pool, label, threading.get_ident(), self._capture_seq)
         rec.stream = stream
-        # What this capture may read from its pool: outputs of earlier captures still
-        # alive. O(live allocations), once per capture.
+        rec.first_serial = self._serial
         rec.inputs = [
-            (b.ptr, b.size, b.owner, b, b.serial)
-            for b in self._active.values()
-            if b.pool.owner is pool and b.owner is not None
+            (b.ptr, b.size, r, b, serial)
+            for r in self._records.values()
+            if r.pool is pool
+            for (b, serial) in r.outputs
+            if b.allocated and b.serial == serial
         ]
-        for _, _, _, b, _ in rec.inputs:
-            self._claim(b, rec)
-        self._capturing += 1
-        try:
-            cid = begin()
-        except BaseException:
-            self._capturing -= 1
-            self._drop_use(pool)
-            raise
-        if cid in self._captures:  # pragma: no cover - the device promises unique ids
-            self._capturing -= 1
-            self._drop_use(pool)
-            raise CaptureError(f"capture id {cid} is already registered")
-        rec.capture_id = cid
-        self._captures[cid] = rec
+        if pool.fresh:  # what it may read keeps its segment (see Block.creator)
+            for head in list(pool.fresh):
+                if any(b.allocated for b in iter_segment(head)):
+                    head.creator = None
+                    pool.fresh.discard(head)
         return rec
+
+    def adopt_capture(self, stream: int, *, pool: PoolId | None = None, label: str = "") -> CaptureRecord:
+        """Register the capture underway on ``stream``, begun outside graphpool (a framework's
+        own capture API), and serve its allocations from a private pool: ``pool``'s, or one
+        of its own. The pool is released when the device reports the capture's graph and
+        all its executable instances destroyed. Raises CaptureError unless ``stream`` is
+        capturing. Returns the registered record (the same one if already registered).
+        """
+        return self._run_locked("adopt_capture", lambda: self._adopt_capture(stream, pool, label))
+
+    def _adopt_capture(self, stream: int, pool: PoolId | None, label: str) -> CaptureRecord:
+        if self._pending:
+            self._drain()
+        status, cid = self.device.capture_info(stream)
+        if status != CAPTURE_STATUS_ACTIVE:
+            raise CaptureError(f"stream 0x{stream:x} is not capturing (status {status}): nothing to adopt")
+        rec = self._captures.get(cid)
+        if rec is not None:
+            return rec
+        return self._register_foreign(stream, cid, pool, label)
+
+    def end_adopted(self, rec: CaptureRecord) -> None:
+        """The capture of an adopted record ended (its framework's end-capture call returned):
+        stop routing to its pool. The pool stays until the graph is destroyed."""
+        self._run_locked("end_adopted", lambda: self._end_capture(rec))
+
+    def _adopt_found(self, stream: int) -> CaptureRecord | None:
+        """Detection found ``stream`` capturing under an id it does not know: adopt that capture
+        unless it is invalidated or dead (its work never runs, so any memory will do)."""
+        status, cid = self.device.capture_info(stream)
+        if status != CAPTURE_STATUS_ACTIVE or cid in self._dead:
+            return None
+        rec = self._captures.get(cid)
+        if rec is not None:
+            return rec
+        return self._register_foreign(stream, cid, None, "")
+
+    def _register_foreign(self, stream: int, cid: int, pool: PoolId | None, label: str) -> CaptureRecord:
+        self._sweep()
+        if self._tokens:
+            self._poll_released()
+        rec = self._new_record(pool if pool is not None else new_graph_pool_id(), stream, "")
+        rec.label = label or f"capture {cid} on stream 0x{stream:x}"
+        rec.foreign = True
+        rec.capture_id = cid
+        token = rec.sequence
+        try:
+            self.device.attach_release(stream, token)
+        except BaseException:
+            self._drop_use(rec.pool)
+            raise
+        rec.token = token
+        self._tokens[token] = rec
+        self._captures[cid] = rec
+        self._records[rec.sequence] = rec
+        self._foreign[stream] = rec
+        self._capturing += 1
+        self._world.active += 1
+        return rec
+
+    def _sweep(self) -> None:
+        """Stop routing to captures begun outside graphpool that have ended (one query each)."""
+        if not self._foreign:
+            return
+        for stream, rec in list(self._foreign.items()):
+            if self._query(stream) != rec.capture_id:
+                self._end_capture(rec)
+
+    def _poll_released(self) -> None:
+        """Release the records whose graphs the device reports destroyed (Device.attach_release)."""
+        for token in self.device.take_released():
+            rec = self._tokens.pop(token, None)
+            if rec is not None:
+                if rec.active:  # destroyed before it ended: an invalidated or abandoned capture
+                    rec.failed = True
+                    self._stop_routing(rec)
+                self._release(rec)
 
     def end_capture(self, rec: CaptureRecord) -> None:
         """Stop routing to ``rec``'s pool after its device capture ended successfully."""
         self._run_locked("end_capture", lambda: self._end_capture(rec))
 
     def _end_capture(self, rec: CaptureRecord) -> None:
-        self._unregister(rec)
+        if self._pending:
+            self._drain()  # frees queued during the capture still count as made during it
+        if not rec.active:
+            return
+        self._stop_routing(rec)
         rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
+        pool = rec.pool
+        for head in rec.created:  # the graph lives: its segments stay with the pool
+            if head.creator is rec:
+                head.creator = None
+                pool.fresh.discard(head)
+        rec.created = []
 
     def abort_capture(self, rec: CaptureRecord) -> None:
         """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
         self._run_locked("abort_capture", lambda: self._abort_capture(rec))
 
     def _abort_capture(self, rec: CaptureRecord) -> None:
+        if self._pending:
+            self._drain()
         rec.failed = True
-        self._unregister(rec)
+        self._stop_routing(rec)
         self._release(rec)
 
     def release_capture(self, rec: CaptureRecord) -> None:
@@ -760,31 +1008,38 @@ class CachingAllocator:
             self._drain()
         self._release(rec)
 
-    def _unregister(self, rec: CaptureRecord) -> None:
-        if self._pending:
-            self._drain()  # frees queued during the capture still count as made during it
+    def _stop_routing(self, rec: CaptureRecord) -> None:
+        """``rec``'s capture is over (ended, failed or dead): route nothing more to its pool."""
         if not rec.active:
             return
         rec.active = False
         del self._captures[rec.capture_id]
+        if rec.foreign and self._foreign.get(rec.stream) is rec:
+            del self._foreign[rec.stream]
         self._capturing -= 1
+        self._world.active -= 1
         if not self._capturing:
             self._flush_deferred()
 
-    def _release(self, rec: CaptureRecord) -> bool:
-        """Give back what ``rec`` holds; False (nothing done) while its capture cannot be ended."""
+    def _release(self, rec: CaptureRecord) -> None:
+        """Give back what ``rec`` holds. A graph collected mid-capture: end its device capture
+        first; a capture that can never be ended (its thread is gone and its mode binds it
+        to that thread) is marked dead, so nothing waits for it."""
         if rec.released:
-            return True
-        if rec.active:  # a graph collected mid-capture: end the device capture, discard it
-            try:
-                rec.handles.append(("graph", self.device.end_capture(rec.stream)))
-            except GraphpoolError:
-                if self.device.capture_info(rec.stream)[0] != CAPTURE_STATUS_NONE:
-                    return False  # e.g. its thread is gone and the mode binds it to that thread
-            rec.active = False
-            del self._captures[rec.capture_id]
-            self._capturing -= 1
+            return
+        if rec.active:
+            rec.failed = True
+            if not rec.foreign:
+                try:
+                    rec.handles.append(("graph", self.device.end_capture(rec.stream)))
+                except GraphpoolError:
+                    if self._query(rec.stream) == rec.capture_id:
+                        self._dead.add(rec.capture_id)
+            self._stop_routing(rec)
         rec.released = True
+        self._records.pop(rec.sequence, None)
+        if rec.token:
+            self._tokens.pop(rec.token, None)
         handles, rec.handles = rec.handles, []
         for kind, handle in handles:
             try:
@@ -814,7 +1069,6 @@ class CachingAllocator:
         self._drop_use(rec.pool)
         if not self._capturing and self._deferred:
             self._flush_deferred()
-        return True
 
     def _drop_use(self, pool: PrivatePool) -> None:
         pool.use_count -= 1
@@ -830,8 +1084,7 @@ class CachingAllocator:
         return self._run_locked("memory_stats", lambda: self._memory_stats(pool))
 
     def _memory_stats(self, pool: PoolId | None) -> dict[str, int]:
-        if self._pending:
-            self._drain()
+        self._settle()
         if pool is None:
             return self.stats.as_dict()
         p = self._pools.get(pool)
@@ -866,15 +1119,41 @@ class CachingAllocator:
         return self._run_locked("private_pools", self._private_pools)
 
     def _private_pools(self) -> list[PrivatePool]:
+        self._settle()
         return list(self._pools.values())
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Segments with their blocks, streams, owning pool and owning graph."""
         return self._run_locked("snapshot", self._snapshot)
 
-    def _snapshot(self) -> list[dict[str, Any]]:
+    def _settle(self) -> None:
+        """Carry out queued frees and releases, and notice ended and destroyed captures."""
         if self._pending:
             self._drain()
+        if self._tokens:
+            self._poll_released()
+        if self._foreign:
+            self._sweep()
+
+    def _kept_for(self) -> dict[int, list[CaptureRecord]]:
+        """id(block) -> the unreleased captures keeping it (SPEC 3: freed during their capture)."""
+        out: dict[int, list[CaptureRecord]] = {}
+        for rec in self._records.values():
+            for b in rec.kept:
+                out.setdefault(id(b), []).append(rec)
+        return out
+
+    def _kept_bytes(self) -> int:
+        """Bytes of ordinary or other pools' blocks kept for captured graphs (each block once)."""
+        seen: dict[int, int] = {}
+        for rec in self._records.values():
+            for b in rec.kept:
+                seen[id(b)] = b.size
+        return sum(seen.values())
+
+    def _snapshot(self) -> list[dict[str, Any]]:
+        self._settle()
+        kept = self._kept_for()
         out = []
         for base in self._seg_bases:
             head = self._segments[base]
@@ -902,7 +1181,13 @@ class CachingAllocator:
                             if b.holds
                             else "inactive"
                         ),
-                        "owner_graph": b.owner.label if b.owner is not None else None,
+                        # a block kept for graphs (freed during their capture) shows its keeper
+                        "owner_graph": (
+                            b.owner.label
+                            if b.owner is not None
+                            else (kept[id(b)][0].label if id(b) in kept else None)
+                        ),
+                        "kept_for": [r.label for r in kept.get(id(b), ())],
                     }
                     for b in blocks
                 ],

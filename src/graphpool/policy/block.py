@@ -24,9 +24,11 @@ class Block:
     block out of its free list: outstanding events of extra stream users, a graph that
     must keep the memory, a deferred event recording. ``owner`` is the capture that
     allocated it, if any; ``serial`` tells its allocations apart for the replay checker.
-    ``origin`` (first blocks of segments made during a capture) lists the captures that
-    allocated, freed or read in the segment: once all of them failed, the segment may go
-    back to the driver although its pool lives on.
+    ``creator`` (first blocks of segments made during a capture) is that capture while the
+    segment may still go back with it: cleared when the capture succeeds or another
+    capture uses the segment. A segment whose creator failed may return to the driver
+    although its pool lives on (SPEC 3: failed captures leak nothing). O(1) per segment,
+    whatever the number of captures.
     """
 
     __slots__ = (
@@ -42,7 +44,7 @@ class Block:
         "holds",
         "owner",
         "serial",
-        "origin",
+        "creator",
     )
 
     def __init__(self, ptr: int, size: int, stream: int, pool: FreeList) -> None:
@@ -58,7 +60,7 @@ class Block:
         self.holds = 0
         self.owner: Any = None
         self.serial = 0
-        self.origin: list[Any] | None = None  # first blocks: captures that touched the segment
+        self.creator: Any = None  # first blocks: the capture the segment may go back with
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else ("held" if self.holds else "free")

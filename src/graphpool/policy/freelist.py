@@ -64,6 +64,15 @@ class FreeList:
         """A snapshot of every free block, so the caller may remove while iterating. O(n)."""
         return iter([b for bins in self.bins.values() for b in bins.blocks])
 
+    def best_fit(self, stream: int, size: int) -> Block | None:
+        """The smallest free block of ``stream`` with at least ``size`` bytes, lowest address on
+        ties; None if none fits. O(log n). (``CachingAllocator.malloc`` writes this out.)"""
+        bins = self.bins.get(stream)
+        if bins is None:
+            return None
+        i = bisect_left(bins.sizes, size)
+        return bins.blocks[i] if i < len(bins.sizes) else None
+
     def insert(self, block: Block) -> None:
         """Add a free block. O(log n) + memmove."""
         bins = self.bins.get(block.stream)

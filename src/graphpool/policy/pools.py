@@ -62,6 +62,13 @@ class SizeConfig:
         r = self.round_large
         return (size + r - 1) // r * r
 
+    def least_segment(self, size: int) -> int:
+        """The smallest segment that holds a rounded ``size``: the fallback when the usual
+        segment (``segment_size``) does not fit in what the device has left."""
+        if size <= self.small_size:
+            return self.small_segment
+        return -(-size // self.round_large) * self.round_large
+
     def should_split(self, is_small: bool, remaining: int) -> bool:
         """Whether the rest of a block after a request stays free on its own."""
         if is_small:

@@ -54,15 +54,30 @@ def new_shared_pool_id() -> PoolId:
         return PoolId(0, next(_handle_ids))
 
 
+class CaptureWorld:
+    """The captures underway on every allocator of one runtime.
+
+    CUDA's capture rules are process-wide: while any device captures, no allocator may
+    free device memory, synchronize or query events. Each allocator of a runtime shares
+    one of these; ``active`` is the sum of their ``_capturing`` counts.
+    """
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = 0
+
+
 class PrivatePool:
     """A graph pool: its free lists, how many graphs use it, how many segments it holds.
 
     Invariant: ``use_count == 0`` exactly when the pool is freeable (listed in the
     allocator's freeable pools), and the pool disappears when, freeable,
-    ``segment_count`` reaches 0.
+    ``segment_count`` reaches 0. ``fresh``: heads of its segments that still name the
+    capture that made them (Block.creator).
     """
 
-    __slots__ = ("id", "small", "large", "use_count", "segment_count", "stats")
+    __slots__ = ("id", "small", "large", "use_count", "segment_count", "stats", "fresh")
 
     def __init__(self, pool_id: PoolId) -> None:
         self.id = pool_id
@@ -71,6 +86,7 @@ class PrivatePool:
         self.use_count = 0
         self.segment_count = 0
         self.stats = PoolStats()
+        self.fresh: set[Block] = set()
 
     def __repr__(self) -> str:
         return f"PrivatePool({tuple(self.id)}, use_count={self.use_count}, segments={self.segment_count})"
@@ -90,6 +106,9 @@ class CaptureRecord:
     ``replay_streams``: streams the graph replayed on; kept blocks wait for them at release.
     ``handles``: ("graph" | "exec", handle) pairs the allocator destroys when it releases
     the record for a graph that was collected, so finalizers make no device calls.
+    ``foreign``: begun outside graphpool (detected, or registered by a framework hook);
+    ``token`` then names it to ``Device.attach_release``. ``created``: heads of the
+    segments it made while it may still fail (Block.creator).
     """
 
     __slots__ = (
@@ -108,6 +127,10 @@ class CaptureRecord:
         "handles",
         "replay_streams",
         "failed",
+        "foreign",
+        "token",
+        "created",
+        "first_serial",
     )
 
     def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
@@ -126,6 +149,10 @@ class CaptureRecord:
         self.handles: list[tuple[str, int]] = []  # device graph objects to destroy at release
         self.replay_streams: set[int] = set()  # streams the graph was replayed on
         self.failed = False  # the capture was aborted: its graph never existed
+        self.foreign = False  # begun outside graphpool
+        self.token = 0  # its release token, when foreign
+        self.created: list[Block] = []  # segment heads it made, until it succeeds
+        self.first_serial = 0  # allocations with a higher serial were made after it began
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"

@@ -56,6 +56,7 @@ class Capture:
     seq: dict[int, int] = field(default_factory=dict)
     covers: dict[int, dict[int, int]] = field(default_factory=dict)
     ended: bool = False
+    tokens: list[int] = field(default_factory=list)  # user objects retained by its graph
 
     def add(self, stream: int, node: Node) -> None:
         """Append ``node``, queued on member ``stream``, to the graph."""

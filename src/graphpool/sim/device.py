@@ -107,6 +107,12 @@ class SimDevice:
         self._events: dict[int, _Marker | _CaptureMark | None] = {}
         self._graphs: dict[int, tuple[Node, ...]] = {}
         self._execs: dict[int, tuple[Node, ...]] = {}
+        # User objects (cuUserObjectCreate + cuGraphRetainUserObject): token -> references
+        # held by captures, graphs and execs; a token whose count reaches 0 is released.
+        self._token_refs: dict[int, int] = {}
+        self._holders: dict[int, tuple[int, ...]] = {}  # graph or exec handle -> its tokens
+        self._released: list[int] = []
+        self._last_launch: dict[int, _Marker] = {}  # exec -> the end of its latest launch
 
     def __repr__(self) -> str:
         return f"SimDevice(index={self.index}, memory_bytes={self.memory_bytes})"
@@ -342,6 +348,42 @@ class SimDevice:
                 return CAPTURE_STATUS_NONE, 0
             return cap.status, cap.id
 
+    def capture_id(self, stream: int) -> int:
+        with self._lock:
+            cap = self._stream("cudaStreamGetCaptureInfo", stream).capture
+            return 0 if cap is None else cap.id
+
+    def attach_release(self, stream: int, token: int) -> None:
+        """A user object moved into the graph being captured on ``stream`` (see the protocol)."""
+        call = "cuGraphRetainUserObject"
+        with self._lock:
+            cap = self._stream(call, stream).capture
+            if cap is None or cap.status != CAPTURE_STATUS_ACTIVE:
+                raise cuda_error(call, "cudaErrorIllegalState", f"stream {stream} is not capturing")
+            cap.tokens.append(token)
+            self._token_refs[token] = self._token_refs.get(token, 0) + 1
+
+    def take_released(self) -> list[int]:
+        with self._lock:
+            out, self._released = self._released, []
+            return out
+
+    def _retain(self, handle: int, tokens: tuple[int, ...]) -> None:
+        if tokens:
+            self._holders[handle] = tokens
+            for t in tokens:
+                self._token_refs[t] += 1
+
+    def _drop(self, tokens: tuple[int, ...] | list[int]) -> None:
+        """Drop one reference to each token; a token no graph or exec holds is released."""
+        for t in tokens:
+            n = self._token_refs[t] - 1
+            if n:
+                self._token_refs[t] = n
+            else:
+                del self._token_refs[t]
+                self._released.append(t)
+
     def exchange_capture_mode(self, mode: int) -> int:
         return capture.exchange_mode(mode)
 
@@ -382,14 +424,19 @@ class SimDevice:
                 member = self._streams.get(handle)
                 if member is not None and member.capture is cap:
                     member.capture = None
+            tokens = tuple(cap.tokens)
             if cap.status == CAPTURE_STATUS_INVALIDATED:
+                self._drop(tokens)  # the graph is discarded: its user objects go with it
                 raise cuda_error(call, "cudaErrorStreamCaptureInvalidated")
             unjoined = cap.unjoined()
             if unjoined:
                 capture.invalidate(cap)
+                self._drop(tokens)
                 raise cuda_error(call, "cudaErrorStreamCaptureUnjoined", f"streams {unjoined}")
             graph = next(_handles)
             self._graphs[graph] = tuple(cap.nodes)
+            if tokens:  # the capture's references move to the graph
+                self._holders[graph] = tokens
             return graph
 
     def graph_node_count(self, graph: int) -> int:
@@ -401,23 +448,37 @@ class SimDevice:
             nodes = self._graph("cudaGraphInstantiate", graph)
             handle = next(_handles)
             self._execs[handle] = nodes
+            self._retain(handle, self._holders.get(graph, ()))
             return handle
 
     def launch(self, graph_exec: int, stream: int) -> None:
-        """Queue one replay: each node becomes its own op, so replays on two streams interleave."""
+        """Queue one replay: each node becomes its own op, so replays of different graphs on two
+        streams interleave. Launches of one exec run in launch order, whatever their streams,
+        as in CUDA: a launch waits for the end of the previous one."""
         call = "cudaGraphLaunch"
         with self._lock:
             nodes = self._execs.get(graph_exec)
             if nodes is None:
                 raise cuda_error(call, "cudaErrorInvalidResourceHandle", f"graph exec {graph_exec}")
-            self._stream(call, stream)
+            st = self._stream(call, stream)
+            if st.capture is not None:  # launched into a capture: recorded as its nodes
+                for node in nodes:
+                    self._submit(call, stream, node)
+                return
+            prev = self._last_launch.get(graph_exec)
+            if prev is not None and not prev.done:
+                st.queue.append(_Op("wait", marker=prev))
             for node in nodes:
-                self._submit(call, stream, node)
+                st.queue.append(_Op(node.name, node.fn, node.rounds))
+            end = _Marker()
+            st.queue.append(_Op("record", marker=end))
+            self._last_launch[graph_exec] = end
 
     def destroy_graph(self, graph: int) -> None:
         with self._lock:
             self._graph("cudaGraphDestroy", graph)
             del self._graphs[graph]
+            self._drop(self._holders.pop(graph, ()))
 
     def destroy_graph_exec(self, graph_exec: int) -> None:
         with self._lock:
@@ -427,6 +488,8 @@ class SimDevice:
                     "cudaErrorInvalidResourceHandle",
                     f"graph exec {graph_exec}",
                 )
+            self._last_launch.pop(graph_exec, None)
+            self._drop(self._holders.pop(graph_exec, ()))
 
     # -- internals ------------------------------------------------------------
     def _stream(self, call: str, stream: int) -> _Stream:
