@@ -39,6 +39,7 @@ from graphpool.memory import (
     reset_peak_memory_stats,
 )
 from graphpool.policy.private_pools import PoolId
+from graphpool.runtime import capture_detection, set_capture_detection
 from graphpool.runtime import set_backend as _set_backend
 from graphpool.streams import (
     Event,
@@ -106,6 +107,7 @@ __all__ = [
     "Stream",
     "alloc",
     "backend",
+    "capture_detection",
     "check_invariants",
     "compiled",
     "current_device",
@@ -129,6 +131,7 @@ __all__ = [
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "set_backend",
+    "set_capture_detection",
     "set_device",
     "set_replay_checks",
     "stream",

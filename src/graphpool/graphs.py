@@ -186,23 +186,29 @@ class CUDAGraph:
             _note_replay(self, s)
 
     def reset(self) -> None:
-        """Forget the capture; the pool's memory becomes reusable once nothing else uses it."""
+        """Forget the capture; the pool's memory becomes reusable once nothing else uses it.
+
+        The graph objects are destroyed on the device the graph was captured on, whatever
+        backend is in use now; the allocator gets its record back even if that fails.
+        """
         if self._capturing:
             self._abandon()
             return
         rec, alloc = self._rec, self._alloc
         if rec is None or alloc is None:
             return
-        assert self._stream is not None
-        dev = runtime.get().device(self._stream.device)
-        for handle, destroy in ((self._exec, dev.destroy_graph_exec), (self._graph, dev.destroy_graph)):
-            if handle is not None:
-                destroy(handle)
+        dev = alloc.device
+        handles = ((self._exec, dev.destroy_graph_exec), (self._graph, dev.destroy_graph))
         self._exec = self._graph = None
         self._rec = self._alloc = None
         self._stream = None
         _unregister(self, rec)
-        alloc.release_capture(rec)
+        try:
+            for handle, destroy in handles:
+                if handle is not None:
+                    destroy(handle)
+        finally:
+            alloc.release_capture(rec)
 
     def pool(self) -> PoolId:
         """The id of the pool this graph captured into (share it with ``pool=``)."""
@@ -215,6 +221,14 @@ class CUDAGraph:
         if rec is None or alloc is None:
             return
         try:
+            if self._capturing and rec.active and self._stream is not None:
+                # Collected mid-capture: end the capture now if this thread may (the one that
+                # began it, or any in relaxed mode), so the stream is usable at once; the
+                # allocator discards the graph at its next call. A device call, not a lock.
+                try:
+                    rec.handles.append(("graph", alloc.device.end_capture(self._stream.handle)))
+                except Exception:
+                    pass  # another thread's capture, or invalidated: the allocator handles it
             if self._exec is not None:
                 rec.handles.append(("exec", self._exec))
             if self._graph is not None:
@@ -228,15 +242,39 @@ class CUDAGraph:
         return f"<graphpool.CUDAGraph {self.label} {state}>"
 
 
-_side_streams: dict[tuple[int, int], Stream] = {}
+class _SideStreams(threading.local):
+    """Each thread's side stream per (runtime generation, device): gp.graph's default stream."""
+
+    def __init__(self) -> None:
+        self.by_device: dict[tuple[int, int], Stream] = {}
+
+
+_side = _SideStreams()
+
+
+def _side_stream(index: int) -> Stream:
+    """This thread's side stream of device ``index``, or a new one while it is capturing
+    (a ``gp.graph`` nested in another on the same thread)."""
+    rt = runtime.get()
+    key = (rt.generation, index)
+    s = _side.by_device.get(key)
+    if s is None:
+        s = _side.by_device[key] = Stream(index)
+    elif rt.device(index).capture_id(s.handle):
+        return Stream(index)
+    return s
 
 
 class graph:
     """Context manager that captures its body into ``cuda_graph``.
 
-    On entry: synchronize, ``gc.collect()``, ``empty_cache()``, switch to ``stream`` (or
-    one shared side stream) and begin capture. On exit the capture always ends; if the
-    body raised, the capture is discarded and the exception propagates.
+    On entry, when no capture is underway anywhere in the process: synchronize,
+    ``gc.collect()`` and ``empty_cache()`` (so the capture starts from a clean cache).
+    While another capture is underway (another thread's, or an enclosing ``gp.graph``)
+    those steps are skipped: each would break the other capture (CUDA's capture rules are
+    process-wide). Then switch to ``stream`` (or this thread's side stream) and begin
+    capture. On exit the capture always ends; if the body raised, the capture is
+    discarded and the exception propagates.
     """
 
     def __init__(
@@ -257,17 +295,15 @@ class graph:
         self._ctx: Any = None
 
     def __enter__(self) -> CUDAGraph:
-        synchronize()
-        gc.collect()
-        empty_cache()
+        rt = runtime.get()
+        if not rt.world.active:
+            synchronize()
+            gc.collect()
+            if not rt.world.active:  # a finalizer run by the collection may not start one, but check
+                empty_cache()
         s = self.stream
         if s is None:
-            rt = runtime.get()
-            index = runtime.thread_state().device
-            key = (rt.generation, index)
-            s = _side_streams.get(key)
-            if s is None:
-                s = _side_streams[key] = Stream(index)
+            s = _side_stream(runtime.thread_state().device)
         self._ctx = stream(s)
         self._ctx.__enter__()
         try:
@@ -292,7 +328,6 @@ _checks = "off"
 _checks_lock = threading.Lock()
 _tick = itertools.count(1)
 _by_pool: dict[tuple[int, PoolId], weakref.WeakSet[CUDAGraph]] = {}
-_last_in_pool: dict[tuple[int, PoolId], weakref.ref[CUDAGraph]] = {}
 _clocks: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
 
 
@@ -385,8 +420,6 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
     key = _key(g)
     with _checks_lock:
         mates = [h for h in _by_pool.get(key, ()) if h is not g and h._rec is not None]
-        last_ref = _last_in_pool.get(key)
-    last = last_ref() if last_ref is not None else None
     pool = tuple(rec.pool.id)
     # 1. an overlapping replay of a pool mate on another stream
     for h in mates:
@@ -417,28 +450,24 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
                     f"Replay the graphs of pool {pool} in capture order, or give them separate pools."
                 )
                 break
-    # 3. out of capture order, this replay overwrites another graph's still-referenced output
-    ordered = sorted(mates + [g], key=lambda h: h._rec.sequence if h._rec is not None else 0)
-    if last is not None and last._rec is not None and last in ordered:
-        expected = ordered[(ordered.index(last) + 1) % len(ordered)]
-    else:
-        expected = ordered[0]
-    if expected is not g:
-        for h in mates:
-            assert h._rec is not None
-            if h._last_tick <= g._last_tick:
-                continue
-            for block, serial in h._rec.outputs:
-                if block.allocated and block.serial == serial:
-                    hit = _overlaps(rec.written, block.ptr, block.size)
-                    if hit is not None:
-                        _report(
-                            f"{g.label} replays out of capture order and overwrites 0x{block.ptr:x} "
-                            f"({block.size} bytes), an output of {h.label} that is still referenced. "
-                            f"Replay pool {pool}'s graphs in capture order, copy the output first, "
-                            "or capture into separate pools."
-                        )
-                        return
+    # 3. this replay overwrites a still-referenced output of a graph that replayed after this
+    # one last did: out of capture order, or in order around the cycle (g0, g1, g0), where
+    # g1's output may live in a temporary of g0 (SPEC 5)
+    for h in mates:
+        assert h._rec is not None
+        if h._last_tick <= g._last_tick:
+            continue
+        for block, serial in h._rec.outputs:
+            if block.allocated and block.serial == serial:
+                hit = _overlaps(rec.written, block.ptr, block.size)
+                if hit is not None:
+                    _report(
+                        f"{g.label} replays after {h.label} and overwrites 0x{block.ptr:x} "
+                        f"({block.size} bytes), an output of {h.label} that is still referenced "
+                        f"(pool {pool}: {h.label} was handed memory {g.label} uses). Copy or "
+                        f"drop that output before replaying {g.label}, or capture into separate pools."
+                    )
+                    return
 
 
 def _note_replay(g: CUDAGraph, s: Stream) -> None:
@@ -451,5 +480,4 @@ def _note_replay(g: CUDAGraph, s: Stream) -> None:
     if g._done_event is None:
         g._done_event = Event(s.device)
     runtime.get().device(s.device).record_event(g._done_event.handle, s.handle)
-    with _checks_lock:
-        _last_in_pool[_key(g)] = weakref.ref(g)
+

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from graphpool.device.protocol import Backend, Device
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
+from graphpool.policy.private_pools import CaptureWorld
 
 if TYPE_CHECKING:
     from graphpool.streams import Stream
@@ -31,6 +32,7 @@ class Runtime:
         self.sizes = sizes
         self.count = backend.device_count()
         self.allocators: list[CachingAllocator | None] = [None] * self.count
+        self.world = CaptureWorld()  # CUDA's capture rules are process-wide: one count for all
         self._lock = threading.Lock()
 
     def device(self, index: int) -> Device:
@@ -44,7 +46,9 @@ class Runtime:
             with self._lock:
                 a = self.allocators[index]
                 if a is None:
-                    a = CachingAllocator(self.backend.get_device(index), sizes=self.sizes)
+                    a = CachingAllocator(
+                        self.backend.get_device(index), sizes=self.sizes, world=self.world, detect=_detect
+                    )
                     self.allocators[index] = a
         return a
 
@@ -72,6 +76,44 @@ _generation = 0
 _lock = threading.RLock()
 stream_listeners: list[Callable[[object], None]] = []
 """Called with the new current Stream whenever ``gp.stream`` or ``gp.graph`` switches it."""
+
+
+def _detect_from_env() -> bool:
+    value = os.environ.get("GRAPHPOOL_DETECT_CAPTURES", "1").strip().lower()
+    if value not in ("0", "1", "true", "false", "on", "off", "yes", "no", ""):
+        raise ValueError(f"GRAPHPOOL_DETECT_CAPTURES={value!r}: use 1 (the default) or 0")
+    return value not in ("0", "false", "off", "no")
+
+
+_detect = _detect_from_env()
+
+
+def set_capture_detection(on: bool) -> None:
+    """Turn detection of captures begun outside graphpool on (the default) or off.
+
+    On, every allocation (and every free while nothing is registered as capturing) asks
+    the device whether its stream is capturing, so a capture begun with CuPy's
+    ``Stream.begin_capture``, cuda.core's ``GraphBuilder`` or a raw
+    ``cudaStreamBeginCapture`` is served from a private pool. Off, only captures begun
+    through ``gp.graph``/``CUDAGraph`` or a hooked framework API (``graphpool.cupy``) are
+    protected, and an allocation with no capture underway makes no driver call.
+    Also ``GRAPHPOOL_DETECT_CAPTURES=0`` in the environment. Applies to every device.
+    """
+    global _detect
+    if not isinstance(on, bool):
+        raise TypeError(f"set_capture_detection takes True or False, not {on!r}")
+    with _lock:
+        _detect = on
+        rt = _runtime
+        if rt is not None:
+            for a in rt.allocators:
+                if a is not None:
+                    a.detect = on
+
+
+def capture_detection() -> bool:
+    """Whether captures begun outside graphpool are detected (see ``set_capture_detection``)."""
+    return _detect
 
 
 def _make_backend(name: str) -> Backend:

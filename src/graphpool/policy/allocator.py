@@ -814,7 +814,13 @@ class CachingAllocator:
                             else:
                                 block.stream_uses.add(item[1])
                         self._free(item[0])
-                    elif item.active and not item.foreign and item.thread != me and _thread_alive(item.thread):
+                    elif (
+                        item.active
+                        and not item.foreign
+                        and item.thread != me
+                        and self._query(item.stream) == item.capture_id
+                        and _thread_alive(item.thread)
+                    ):
                         later.append(item)  # only the capturing thread can end its capture
                     else:
                         self._release(item)

@@ -143,11 +143,52 @@ def check_invariants(a: CachingAllocator) -> None:
         owner = head.pool.owner
         _expect(owner is None or id(owner) in owners, "segment of a pool that no longer exists")
 
+    _check_captures(a, all_blocks, heads)
+
+
+def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Block]) -> None:
+    """Captures and holds: every hold is accounted for, exactly (SPEC 3's audit)."""
     _expect(a._capturing == len(a._captures), "captures-underway count != registered captures")
-    for rec in a._captures.values():
+    _expect(a._world.active >= a._capturing, "the runtime's capture count is below this device's")
+    for cid, rec in a._captures.items():
         _expect(rec.active and not rec.released, "registered capture is not active")
-    waiting = sum(len(q) for q in a._waiting.values())
-    holds = sum(b.holds for b in all_blocks)
-    _expect(holds >= waiting + len(a._deferred), "fewer holds than pending events and deferrals")
+        _expect(rec.capture_id == cid, "capture registered under another id")
+        _expect(a._records.get(rec.sequence) is rec, "underway capture missing from the records")
+    for stream, rec in a._foreign.items():
+        _expect(rec.foreign and rec.stream == stream, "foreign capture filed under another stream")
+        _expect(a._captures.get(rec.capture_id) is rec, "foreign capture not registered")
+    for seq, rec in a._records.items():
+        _expect(rec.sequence == seq and not rec.released, "released capture still in the records")
+        _expect(rec.pool.id in a._pools and a._pools[rec.pool.id] is rec.pool, "record of a dropped pool")
+        if rec.foreign and rec.token:
+            _expect(a._tokens.get(rec.token) is rec, "foreign capture without its release token")
+    for token, rec in a._tokens.items():
+        _expect(rec.token == token and a._records.get(rec.sequence) is rec, "release token of no record")
+    uses = {}
+    for pool in a._pools.values():
+        n = sum(1 for r in a._records.values() if r.pool is pool)
+        _expect(pool.use_count == n, f"pool {tuple(pool.id)} use count {pool.use_count} != {n} records")
+        for head in pool.fresh:
+            _expect(head.creator is not None and head.pool.owner is pool, "fresh segment without creator")
+    for head in heads:
+        if head.creator is not None:
+            owner = head.pool.owner
+            _expect(owner is not None and head in owner.fresh, "segment creator not listed as fresh")
+    # holds: each is a capture keeping the block, a pending event, or a deferral
+    for rec in a._records.values():
+        for b in rec.kept:
+            uses[id(b)] = uses.get(id(b), 0) + 1
+    for q in a._waiting.values():
+        for _, b in q:
+            uses[id(b)] = uses.get(id(b), 0) + 1
+    for b in a._deferred:
+        uses[id(b)] = uses.get(id(b), 0) + 1
+    live = {id(b) for b in all_blocks}
+    for key in uses:
+        _expect(key in live, "a hold on a block that is no longer in any segment")
+    for b in all_blocks:
+        want = uses.get(id(b), 0)
+        _expect(b.holds == want, f"{b} has {b.holds} holds, but {want} captures, events and deferrals")
+        _expect(not (b.allocated and b.holds), f"{b} is allocated and held")
     if a._capturing == 0:
         _expect(not a._deferred, "deferred frees left after every capture ended")
