@@ -32,12 +32,14 @@ COMPILED = [
 ]
 
 
+NATIVE = "src/graphpool/device/_capture"  # the C capture query and user objects (device layer)
+
 RECORD = "src/graphpool/_compiled_sources.json"  # read by graphpool.build.stale()
 
 
 def _clear_in_tree() -> None:
     """Remove compiled modules an earlier editable install left next to the sources."""
-    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc"]
+    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc", NATIVE]
     for stem in stems:
         for path in glob.glob(f"{stem}.*.so") + glob.glob(f"{stem}.*.pyd"):
             os.remove(path)
@@ -92,11 +94,15 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
         # The build environment holds mypy only: the modules the compiled ones import (numpy,
         # cuda.bindings, frameworks) are absent there and typed as Any.
         args = ["--ignore-missing-imports", *COMPILED]
-        return mypycify(args, opt_level="3", group_name="graphpool._native")
+        mods = mypycify(args, opt_level="3", group_name="graphpool._native")
     except BaseException as e:  # mypy missing, or it refused the source: stay pure Python
         print(f"graphpool: not compiled ({e!r}); installing the pure-Python modules", file=sys.stderr)
         _clear_in_tree()
         return []
+    from setuptools import Extension
+
+    libs = [] if sys.platform == "win32" else ["dl"]
+    return [*mods, Extension("graphpool.device._capture", [NATIVE + ".c"], libraries=libs)]
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -50,7 +50,7 @@ class DeviceBuffer:
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
         self._live = False
-        self._alloc.free(self.ptr)
+        self._alloc.free_owned(self.ptr)
 
     def record_stream(self, stream: Stream) -> None:
         """Declare that ``stream`` uses this memory too (SPEC 2, Streams)."""
@@ -75,6 +75,14 @@ class DeviceBuffer:
         if self._live:
             self._live = False
             self._alloc.defer_free(self.ptr)
+
+    def _free_after(self, stream: int) -> None:
+        """Queue the free of a buffer that stream handle ``stream`` used too: the block is reused
+        only after that stream's work queued so far (``record_stream`` semantics). Lock-free
+        and no device call, so it is safe from finalizers and while ``stream`` captures."""
+        if self._live:
+            self._live = False
+            self._alloc.defer_free(self.ptr, stream)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

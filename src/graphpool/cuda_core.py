@@ -104,8 +104,9 @@ def _make_class() -> Any:
             if stream is not None:
                 handle = stream_handle(stream)
                 if handle != buf.stream.handle:
-                    # Later reuse on the buffer's own stream waits for the freeing stream.
-                    buf.stream.wait_stream(Stream._wrap(self._device_id, handle))
+                    # Reuse waits for the freeing stream's work, as after record_stream. No
+                    # wait_stream: were ``stream`` capturing, the buffer's stream would join it.
+                    buf._free_after(handle)
             del buf
 
         @property
@@ -133,13 +134,89 @@ def _make_class() -> Any:
 
 
 def resource_class() -> Any:
-    """The ``GraphpoolMemoryResource`` class (defined on first call, importing cuda.core)."""
+    """The ``GraphpoolMemoryResource`` class (defined on first call, importing cuda.core).
+
+    Also hooks cuda.core's ``GraphBuilder`` (``install_hooks``): allocations from the
+    resource are then protected inside its captures as graphpool's own are."""
     global _cls
     if _cls is None:
         with _lock:
             if _cls is None:
                 _cls = _make_class()
+        install_hooks()
     return _cls
+
+
+_hooked: dict[str, Any] = {}
+_adopted: dict[tuple[int, int], Any] = {}
+
+
+def _builder_key(builder: Any) -> tuple[int, int]:
+    stream = builder.stream
+    device = getattr(getattr(stream, "device", None), "device_id", None)
+    index = runtime.current_device_index() if device is None else int(device)
+    return index, stream_handle(stream)
+
+
+def _begin_building(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """cuda.core's ``GraphBuilder.begin_building``, then graphpool registers the capture."""
+    out = _hooked["begin_building"](self, *args, **kwargs)
+    if runtime.get().name == "cuda":
+        key = _builder_key(self)
+        try:
+            _adopted[key] = runtime.allocator(key[0]).adopt_capture(
+                key[1], label=f"cuda.core GraphBuilder on stream 0x{key[1]:x}"
+            )
+        except Exception as exc:  # never break the user's capture; detection still covers it
+            import warnings
+
+            warnings.warn(f"graphpool could not register the GraphBuilder's capture: {exc}", stacklevel=2)
+    return out
+
+
+def _end_building(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """cuda.core's ``GraphBuilder.end_building``; graphpool stops routing to its pool, which the
+    graph keeps until it and every executable made from it are destroyed."""
+    try:
+        return _hooked["end_building"](self, *args, **kwargs)
+    finally:
+        key = _builder_key(self)
+        rec = _adopted.pop(key, None)
+        if rec is not None:
+            runtime.allocator(key[0]).end_adopted(rec)
+
+
+def install_hooks() -> bool:
+    """Register captures begun with cuda.core's ``GraphBuilder`` (idempotent). False when its
+    class cannot be patched (an extension type): detection covers such captures."""
+    with _lock:
+        if _hooked:
+            return True
+        try:
+            from cuda.core import GraphBuilder
+        except ImportError:
+            try:
+                from cuda.core.experimental import GraphBuilder
+            except ImportError:
+                return False
+        try:
+            begin, end = GraphBuilder.begin_building, GraphBuilder.end_building
+            GraphBuilder.begin_building = _begin_building
+            GraphBuilder.end_building = _end_building
+        except (AttributeError, TypeError):
+            return False
+        _hooked.update(begin_building=begin, end_building=end, owner=GraphBuilder)
+        return True
+
+
+def uninstall_hooks() -> None:
+    """Give cuda.core's GraphBuilder its own methods back."""
+    with _lock:
+        owner = _hooked.get("owner")
+        if owner is not None:
+            owner.begin_building = _hooked["begin_building"]
+            owner.end_building = _hooked["end_building"]
+        _hooked.clear()
 
 
 def __getattr__(name: str) -> Any:
@@ -148,4 +225,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GraphpoolMemoryResource", "resource_class", "stream_handle"]
+__all__ = ["GraphpoolMemoryResource", "install_hooks", "resource_class", "stream_handle", "uninstall_hooks"]

@@ -5,8 +5,13 @@ and device, so arrays made inside ``gp.graph(...)`` land in the graph's private 
 and a block freed by CuPy is reused only as SPEC section 2 allows. It also registers a
 listener so that ``gp.stream(s)`` and ``gp.graph(g)`` make ``s`` (or the capturing
 stream) CuPy's current stream too: CuPy kernels launched inside ``gp.graph`` are
-captured. ``uninstall()`` restores the allocator CuPy had before. ``installed()`` does
-both around a ``with`` block. All three are idempotent.
+captured. And it hooks CuPy's own ``Stream.begin_capture``/``end_capture``: a capture
+begun through CuPy's API is registered with graphpool at once (before its first
+allocation or free) and served from a private pool of its own, which lives as long as
+the returned ``cupy.cuda.Graph`` (a CUDA user object in the graph releases it).
+Captures begun any other way are still caught by detection (``gp.set_capture_detection``).
+``uninstall()`` restores the allocator and the methods CuPy had before. ``installed()``
+does both around a ``with`` block. All three are idempotent.
 
 CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,8 +36,13 @@ _lock = threading.Lock()
 _installed = False
 _previous: Any = None
 """CuPy's allocator before ``install()``."""
-_gp_streams: dict[tuple[int, int], Stream] = {}
-"""graphpool Stream objects wrapping CuPy's stream handles, by (device, handle)."""
+_gp_streams: weakref.WeakValueDictionary[tuple[int, int], Stream] = weakref.WeakValueDictionary()
+"""graphpool Stream objects wrapping CuPy's stream handles, by (device, handle); an entry
+lives while a buffer of that stream does, so the cache never outgrows what is in use."""
+_hooked: dict[str, Any] = {}
+"""CuPy's own ``begin_capture``/``end_capture`` while ours replace them (and their class)."""
+_adopted: dict[tuple[int, int], Any] = {}
+"""(device, stream handle) -> the allocator's record of a capture begun through CuPy's API."""
 _cp_streams: dict[tuple[int, int], Any] = {}
 """CuPy stream objects wrapping graphpool's stream handles, by (device, handle)."""
 
@@ -58,7 +69,8 @@ def malloc(nbytes: int) -> Any:
     key = (device, handle)
     s = _gp_streams.get(key)
     if s is None:
-        s = _gp_streams.setdefault(key, Stream._wrap(device, handle))
+        s = Stream._wrap(device, handle)
+        _gp_streams[key] = s
     buf = alloc(nbytes, stream=s)
     mem = cp.cuda.UnownedMemory(buf.ptr, nbytes, buf, device)
     return cp.cuda.MemoryPointer(mem, 0)
@@ -98,6 +110,67 @@ def _follow(s: object) -> None:
             cs.use()
 
 
+def _stream_key(cs: Any) -> tuple[int, int]:
+    device = int(cs.device_id)
+    if device < 0:
+        device = int(_cp.cuda.runtime.getDevice())
+    return device, int(cs.ptr)
+
+
+def _begin_capture(self: Any, mode: Any = None) -> None:
+    """CuPy's ``Stream.begin_capture``, then graphpool registers the capture (a private pool)."""
+    _hooked["begin_capture"](self, mode)
+    if not _installed or runtime.get().name != "cuda":
+        return
+    key = _stream_key(self)
+    try:
+        _adopted[key] = runtime.allocator(key[0]).adopt_capture(
+            key[1], label=f"CuPy capture on stream 0x{key[1]:x}"
+        )
+    except Exception as exc:  # never break the user's capture; detection still covers it
+        warnings.warn(f"graphpool could not register CuPy's capture: {exc}", RuntimeWarning, stacklevel=2)
+
+
+def _end_capture(self: Any) -> Any:
+    """CuPy's ``Stream.end_capture``; graphpool stops routing to the capture's pool (which the
+    returned graph keeps alive until it and its executable are destroyed)."""
+    try:
+        return _hooked["end_capture"](self)
+    finally:
+        rec = _adopted.pop(_stream_key(self), None) if _cp is not None else None
+        if rec is not None:
+            runtime.allocator(_stream_key(self)[0]).end_adopted(rec)
+
+
+def _hook(cupy: Any) -> None:
+    """Replace CuPy's begin_capture/end_capture on the class that defines them."""
+    if _hooked:
+        return
+    owner: Any = next((k for k in type(cupy.cuda.Stream.null).__mro__ if "begin_capture" in vars(k)), None)
+    if owner is None:
+        return
+    try:
+        begin, end = owner.begin_capture, owner.end_capture
+        owner.begin_capture = _begin_capture
+        owner.end_capture = _end_capture
+    except (AttributeError, TypeError):  # an extension type: detection covers CuPy's captures
+        return
+    _hooked.update(begin_capture=begin, end_capture=end, owner=owner)
+
+
+def _unhook() -> None:
+    owner = _hooked.get("owner")
+    if owner is not None:
+        owner.begin_capture = _hooked["begin_capture"]
+        owner.end_capture = _hooked["end_capture"]
+    _hooked.clear()
+
+
+def hooked() -> bool:
+    """Whether CuPy's ``Stream.begin_capture``/``end_capture`` are graphpool's wrappers now."""
+    return bool(_hooked)
+
+
 def install() -> None:
     """Make graphpool CuPy's allocator and keep CuPy's current stream in step with graphpool's.
 
@@ -113,6 +186,7 @@ def install() -> None:
         _cp = cupy
         _previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(malloc)
+        _hook(cupy)
         if _follow not in runtime.stream_listeners:
             runtime.stream_listeners.append(_follow)
         _installed = True
@@ -135,6 +209,7 @@ def uninstall() -> None:
             runtime.stream_listeners.remove(_follow)
         if _cp.cuda.get_allocator() is malloc:
             _cp.cuda.set_allocator(_previous)
+        _unhook()
         _previous = None
         _installed = False
 
@@ -159,4 +234,4 @@ def installed() -> Iterator[None]:
 using = installed
 """Alias of ``installed``."""
 
-__all__ = ["cupy_stream", "install", "installed", "is_installed", "malloc", "uninstall", "using"]
+__all__ = ["cupy_stream", "hooked", "install", "installed", "is_installed", "malloc", "uninstall", "using"]

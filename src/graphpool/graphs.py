@@ -480,4 +480,3 @@ def _note_replay(g: CUDAGraph, s: Stream) -> None:
     if g._done_event is None:
         g._done_event = Event(s.device)
     runtime.get().device(s.device).record_event(g._done_event.handle, s.handle)
-

@@ -3,6 +3,10 @@
 This is the only module that imports ``cuda.bindings``, and it does so lazily, on the
 first ``CudaBackend``/``CudaDevice`` construction or ``is_available()`` call, so
 importing graphpool on a machine without the package, a driver or a GPU costs nothing.
+The calls made on every allocation (``capture_id``) and the graph user objects
+(``attach_release``) go through the small C module ``graphpool.device._capture``
+instead, when it was built: a Python-level binding call would cost more than the
+whole cached allocation.
 
 Conventions:
 
@@ -44,6 +48,12 @@ _NON_BLOCKING = 0
 _DISABLE_TIMING = 0
 _LEGACY = 0
 _load_lock = threading.Lock()
+_native: Any = None
+"""``graphpool.device._capture`` once loaded (None: not built, or no driver for it)."""
+native_missing = "not loaded yet"
+"""Why the C module is not in use ("" when it is)."""
+_released: set[int] = set()  # tokens the C module reported, not yet taken by their device
+_released_lock = threading.Lock()
 
 
 def _load() -> Any:
@@ -79,7 +89,41 @@ def _load() -> Any:
         _DISABLE_TIMING = int(rt.cudaEventDisableTiming)
         _LEGACY = int(rt.cudaStreamLegacy)
         _rt = rt
+        _load_native()
     return rt
+
+
+def _cuda_error(call: str, code: int) -> CUDAError:
+    """The CUDAError for a driver result ``code`` (CUresult), for the C module."""
+    name, meaning = f"CUresult {code}", ""
+    try:
+        from cuda.bindings import driver
+
+        res = driver.CUresult(code)
+        err, text = driver.cuGetErrorName(res)
+        if not err and text:
+            name = text.decode()
+        err, text = driver.cuGetErrorString(res)
+        if not err and text:
+            meaning = text.decode()
+    except Exception:
+        pass
+    return CUDAError(call, code, name, meaning)
+
+
+def _load_native() -> None:
+    """Load the C module if it was built and the driver has what it needs."""
+    global _native, native_missing
+    try:
+        from graphpool.device import _capture  # type: ignore[attr-defined]
+    except ImportError:
+        native_missing = "graphpool.device._capture was not built (pure-Python install)"
+        return
+    why = _capture.load(_cuda_error)
+    if why is None:
+        _native, native_missing = _capture, ""
+    else:
+        native_missing = str(why)
 
 
 def _check(call: str, err: Any) -> None:
@@ -181,6 +225,11 @@ class CudaDevice:
             raw = bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
         self.index = index
         self.name = str(raw)
+        self._attached: set[int] = set()  # release tokens of this device not yet reported
+        if _native is not None:
+            # the allocator binds ``capture_id`` once and calls it on every allocation: the C
+            # function itself, with no Python frame in between
+            self.capture_id = _native.capture_id  # type: ignore[method-assign]
 
     def __repr__(self) -> str:
         return f"CudaDevice({self.index}, {self.name!r})"
@@ -328,6 +377,32 @@ class CudaDevice:
         _check("cudaStreamGetCaptureInfo", res[0])
         status = int(res[1])
         return status, (int(res[2]) if status else 0)
+
+    def capture_id(self, stream: int) -> int:
+        """The id of the capture ``stream`` takes part in, 0 if none (replaced by the C module's
+        function when it is built; this fallback costs a Python binding call or two)."""
+        return self.capture_info(stream)[1]
+
+    def attach_release(self, stream: int, token: int) -> None:
+        """A CUDA user object moved into the graph being captured on ``stream`` (C module)."""
+        if _native is None:
+            raise CUDAError(
+                "cuUserObjectCreate", 801, "cudaErrorNotSupported", f"needs the C module: {native_missing}"
+            )
+        _native.attach_release(_stream(stream) if stream == LEGACY_STREAM else stream, token)
+        with _released_lock:
+            self._attached.add(token)
+
+    def take_released(self) -> list[int]:
+        """This device's tokens whose graphs were destroyed since the last call."""
+        if _native is None or not self._attached:
+            return []
+        with _released_lock:
+            _released.update(_native.take_released())
+            mine = self._attached & _released
+            _released.difference_update(mine)
+            self._attached -= mine
+        return sorted(mine)
 
     def exchange_capture_mode(self, mode: int) -> int:
         """cudaThreadExchangeStreamCaptureMode on the calling thread; old mode."""

@@ -59,6 +59,7 @@ from graphpool.policy.private_pools import (
     PoolId,
     PrivatePool,
     new_graph_pool_id,
+    new_release_token,
 )
 from graphpool.policy.stats import PoolStats
 
@@ -258,7 +259,7 @@ class CachingAllocator:
                 if owner is not None:
                     owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                     if rec is not None:
-                        if owner.fresh:
+                        if len(owner.fresh) != rec.fresh:  # another capture's segments
                             self._touch(block, rec)
                         block.owner = rec
                         rec.written.append((ptr, block.size, block, serial))
@@ -344,9 +345,7 @@ class CachingAllocator:
         if owner is not None:
             owner.segment_count += 1
             if rec is not None:  # may go back with the capture if it fails (see _touch)
-                head.creator = rec
-                owner.fresh.add(head)
-                rec.created.append(head)
+                self._set_creator(head, rec)
         return head
 
     def _device_malloc(self, nbytes: int) -> int | None:
@@ -390,29 +389,49 @@ class CachingAllocator:
     def free(self, ptr: int) -> None:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError."""
         with self._lock:
-            if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
-                self._check_pointer(ptr, "free")
-                self.defer_free(ptr)
-                return
-            self._busy = True
-            try:
-                if self._pending:
-                    self._drain()
-                # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
-                block = self._active.pop(ptr, None) if type(ptr) is int else None
-                if block is None:
-                    self._bad_pointer(ptr, "free")
-                block.allocated = False
-                if self._capturing or block.stream_uses:
-                    self._free_held(block, threading.get_ident())
-                elif self._detect and self._query(block.stream) and self._adopt_found(block.stream):
-                    self._free_held(block, threading.get_ident())  # inside a capture begun outside
-                else:
-                    self._free_block(block, True)
-                if self._debug:
-                    self._check()
-            finally:
-                self._busy = False
+            self._free_locked(ptr)
+
+    def free_owned(self, ptr: int) -> None:
+        """``free`` for the owner of a live allocation (``DeviceBuffer.free``): never waits.
+
+        If another thread holds the lock, the free is queued for the next call instead
+        (as CuPy's pool does), so a free from code that runs while this thread holds
+        another lock the lock holder needs (a finalizer run inside a kernel of the
+        simulated device, say) cannot deadlock.
+        """
+        if not self._lock.acquire(False):
+            self._pending.append(ptr)
+            return
+        try:
+            self._free_locked(ptr)
+        finally:
+            self._lock.release()
+
+    def _free_locked(self, ptr: int) -> None:
+        """The body of ``free`` with the lock held."""
+        if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
+            self._check_pointer(ptr, "free")
+            self.defer_free(ptr)
+            return
+        self._busy = True
+        try:
+            if self._pending:
+                self._drain()
+            # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
+            block = self._active.pop(ptr, None) if type(ptr) is int else None
+            if block is None:
+                self._bad_pointer(ptr, "free")
+            block.allocated = False
+            if self._capturing or block.stream_uses:
+                self._free_held(block, threading.get_ident())
+            elif self._detect and self._query(block.stream) and self._adopt_found(block.stream):
+                self._free_held(block, threading.get_ident())  # inside a capture begun outside
+            else:
+                self._free_block(block, True)
+            if self._debug:
+                self._check()
+        finally:
+            self._busy = False
 
     def defer_free(self, ptr: int, stream: int | None = None) -> None:
         """Queue a free for the next allocator call. Lock-free: for finalizers.
@@ -501,6 +520,24 @@ class CachingAllocator:
         return recs
 
     @staticmethod
+    def _set_creator(head: Block, rec: CaptureRecord | None) -> None:
+        """Name the capture segment ``head`` goes back with (None: it stays with its pool);
+        keeps the pool's ``fresh`` set and the records' ``fresh`` counts in step."""
+        old = head.creator
+        if old is rec:
+            return
+        pool = head.pool.owner
+        if old is not None:
+            old.fresh -= 1
+        head.creator = rec
+        if rec is None:
+            pool.fresh.discard(head)
+        else:
+            rec.fresh += 1
+            rec.created.append(head)
+            pool.fresh.add(head)
+
+    @staticmethod
     def _touch(block: Block, rec: CaptureRecord) -> None:
         """Capture ``rec`` uses ``block``: its segment no longer goes back with the capture that
         made it, or, if that capture failed, it goes back with ``rec`` instead (see
@@ -511,12 +548,9 @@ class CachingAllocator:
             head = head.prev
         creator = head.creator
         if creator is not None and creator is not rec:
-            if creator.failed:  # the failed capture is gone: the segment goes back with rec now
-                head.creator = rec
-                rec.created.append(head)
-            else:  # two captures use it: it stays whatever either does
-                head.creator = None
-                head.pool.owner.fresh.discard(head)
+            # the failed capture is gone: the segment goes back with rec now; else two
+            # captures use it and it stays whatever either does
+            CachingAllocator._set_creator(head, rec if creator.failed else None)
 
     def _free_block(self, block: Block, freed: bool) -> None:
         """Return a block with no holds to its free list, merging free neighbours.
@@ -791,9 +825,7 @@ class CachingAllocator:
         owner = fl.owner
         if owner is not None:
             owner.segment_count -= 1
-            if block.creator is not None:
-                block.creator = None
-                owner.fresh.discard(block)
+            self._set_creator(block, None)
 
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
@@ -895,8 +927,7 @@ class CachingAllocator:
         if pool.fresh:  # what it may read keeps its segment (see Block.creator)
             for head in list(pool.fresh):
                 if any(b.allocated for b in iter_segment(head)):
-                    head.creator = None
-                    pool.fresh.discard(head)
+                    self._set_creator(head, None)
         return rec
 
     def adopt_capture(self, stream: int, *, pool: PoolId | None = None, label: str = "") -> CaptureRecord:
@@ -943,14 +974,23 @@ class CachingAllocator:
         rec.label = label or f"capture {cid} on stream 0x{stream:x}"
         rec.foreign = True
         rec.capture_id = cid
-        token = rec.sequence
+        token = new_release_token()
         try:
             self.device.attach_release(stream, token)
+        except GraphpoolError as exc:  # no user objects here: protect the capture all the same
+            warnings.warn(
+                f"graphpool: the pool of {rec.label} cannot be tied to its graph ({exc}); it is "
+                "kept until the process ends",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            token = 0
         except BaseException:
             self._drop_use(rec.pool)
             raise
-        rec.token = token
-        self._tokens[token] = rec
+        if token:
+            rec.token = token
+            self._tokens[token] = rec
         self._captures[cid] = rec
         self._records[rec.sequence] = rec
         self._foreign[stream] = rec
@@ -987,11 +1027,9 @@ class CachingAllocator:
             return
         self._stop_routing(rec)
         rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
-        pool = rec.pool
         for head in rec.created:  # the graph lives: its segments stay with the pool
             if head.creator is rec:
-                head.creator = None
-                pool.fresh.discard(head)
+                self._set_creator(head, None)
         rec.created = []
 
     def abort_capture(self, rec: CaptureRecord) -> None:

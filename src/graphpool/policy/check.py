@@ -164,12 +164,15 @@ def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Bl
             _expect(a._tokens.get(rec.token) is rec, "foreign capture without its release token")
     for token, rec in a._tokens.items():
         _expect(rec.token == token and a._records.get(rec.sequence) is rec, "release token of no record")
-    uses = {}
+    uses: dict[int, int] = {}
     for pool in a._pools.values():
         n = sum(1 for r in a._records.values() if r.pool is pool)
         _expect(pool.use_count == n, f"pool {tuple(pool.id)} use count {pool.use_count} != {n} records")
         for head in pool.fresh:
             _expect(head.creator is not None and head.pool.owner is pool, "fresh segment without creator")
+    for rec in a._records.values():
+        n = sum(1 for h in heads if h.creator is rec)
+        _expect(rec.fresh == n, f"{rec} counts {rec.fresh} segments it may take back, not {n}")
     for head in heads:
         if head.creator is not None:
             owner = head.pool.owner

@@ -39,7 +39,14 @@ class PoolId(NamedTuple):
 
 _graph_ids = itertools.count(1)
 _handle_ids = itertools.count(1)
+_tokens = itertools.count(1)
 _id_lock = threading.Lock()
+
+
+def new_release_token() -> int:
+    """A process-wide unique token for ``Device.attach_release`` (devices may share a queue)."""
+    with _id_lock:
+        return next(_tokens)
 
 
 def new_graph_pool_id() -> PoolId:
@@ -131,6 +138,7 @@ class CaptureRecord:
         "token",
         "created",
         "first_serial",
+        "fresh",
     )
 
     def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
@@ -153,6 +161,7 @@ class CaptureRecord:
         self.token = 0  # its release token, when foreign
         self.created: list[Block] = []  # segment heads it made, until it succeeds
         self.first_serial = 0  # allocations with a higher serial were made after it began
+        self.fresh = 0  # segments whose creator it is (Block.creator)
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"
