@@ -10,6 +10,7 @@ from graphpool.buffer import DeviceBuffer
 from graphpool.build import compiled
 from graphpool.errors import (
     CaptureError,
+    CaptureRefusedError,
     CUDAError,
     DoubleFreeError,
     ForeignPointerError,
@@ -96,6 +97,7 @@ __all__ = [
     "CUDAError",
     "CUDAGraph",
     "CaptureError",
+    "CaptureRefusedError",
     "DeviceBuffer",
     "DoubleFreeError",
     "Event",

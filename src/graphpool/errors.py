@@ -45,9 +45,22 @@ class CUDAError(GraphpoolError, RuntimeError):
         super().__init__(text)
 
 
+class CaptureRefusedError(CUDAError, CaptureError):
+    """CUDA refused a call because a graph capture is underway (cudaErrorStreamCapture*).
+
+    Both a ``CUDAError`` (what failed) and a ``CaptureError`` (why): ``hint`` says what to
+    do instead, in plain words.
+    """
+
+    def __init__(self, error: CUDAError, hint: str) -> None:
+        super().__init__(error.call, error.code, error.name, f"{error.meaning}. {hint}".lstrip(". "))
+        self.hint = hint
+
+
 __all__ = [
     "CUDAError",
     "CaptureError",
+    "CaptureRefusedError",
     "DoubleFreeError",
     "ForeignPointerError",
     "GraphpoolError",

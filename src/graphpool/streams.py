@@ -13,6 +13,7 @@ from typing import Any
 
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM
+from graphpool.errors import CaptureRefusedError, CUDAError
 
 
 def _index(device: Any) -> int:
@@ -52,7 +53,7 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait until all work queued on this stream is done."""
-        self._dev().stream_synchronize(self.handle)
+        _unsafe("synchronize a stream", self._dev().stream_synchronize, self.handle)
 
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``."""
@@ -116,11 +117,11 @@ class Event:
 
     def query(self) -> bool:
         """True when the recorded work is done."""
-        return bool(runtime.get().device(self.device).query_event(self.handle))
+        return bool(_unsafe("query an event", runtime.get().device(self.device).query_event, self.handle))
 
     def synchronize(self) -> None:
         """Wait until the recorded work is done."""
-        runtime.get().device(self.device).event_synchronize(self.handle)
+        _unsafe("synchronize an event", runtime.get().device(self.device).event_synchronize, self.handle)
 
     def __del__(self) -> None:
         try:
@@ -212,7 +213,32 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
 
 def synchronize(device: int | None = None) -> None:
     """Wait until all work on ``device`` (default: current) is done."""
-    runtime.get().device(_index(device)).device_synchronize()
+    _unsafe("synchronize the device", runtime.get().device(_index(device)).device_synchronize)
+
+
+_CAPTURE_REFUSALS = (
+    "cudaErrorStreamCaptureUnsupported",
+    "cudaErrorStreamCaptureImplicit",
+    "cudaErrorStreamCaptureInvalidated",
+)
+
+
+def _unsafe(what: str, call: Any, *args: Any) -> Any:
+    """Make a call CUDA prohibits during capture; say why in plain words when it is refused."""
+    try:
+        return call(*args)
+    except CUDAError as exc:
+        if exc.name not in _CAPTURE_REFUSALS:
+            raise
+        raise CaptureRefusedError(
+            exc,
+            f"graphpool: cannot {what} while a graph capture is underway. A capture in "
+            "capture_error_mode='global' (the default) forbids every thread to synchronize, "
+            "query events or allocate device memory outside graphpool, and this call "
+            "invalidated it; a 'thread_local' capture forbids it on its own thread. Capture "
+            "with capture_error_mode='thread_local' or 'relaxed' to let other threads "
+            "synchronize, or wait until capture_end()."
+        ) from exc
 
 
 def is_current_stream_capturing() -> bool:

@@ -291,10 +291,8 @@ class CachingAllocator:
         """The capture ``stream`` belongs to, if any (one driver query); adopts an unknown one."""
         cid = self._query(stream)
         if not cid:
-            if self._foreign:
-                rec = self._foreign.get(stream)
-                if rec is not None:  # a capture begun outside ended since: stop routing to it
-                    self._end_capture(rec)
+            if self._foreign:  # a capture begun outside may have ended: stop routing to it
+                self._sweep()  # (one query per such capture; none once all are swept)
             return None
         rec = self._captures.get(cid)
         if rec is None and self._detect:
@@ -434,11 +432,31 @@ class CachingAllocator:
             self._busy = False
 
     def defer_free(self, ptr: int, stream: int | None = None) -> None:
-        """Queue a free for the next allocator call. Lock-free: for finalizers.
+        """Queue a free for the next allocator call. Never waits: for finalizers.
 
         ``stream``: another stream that used the block (as ``record_stream`` would say); its
         work queued so far completes before the block is reused.
+
+        Frameworks free through finalizers, so a free may be the first thing graphpool sees
+        of a capture begun outside it: with detection on and nothing registered, the
+        block's stream is asked (one query) and a capture found there is registered now if
+        the lock is free, else when the queue is drained while it still runs.
         """
+        if self._detect and not self._capturing:
+            block = self._active.get(ptr)
+            try:
+                if block is not None and self._query(block.stream) and self._lock.acquire(False):
+                    try:
+                        if not self._busy:
+                            self._busy = True
+                            try:
+                                self._adopt_found(block.stream)
+                            finally:
+                                self._busy = False
+                    finally:
+                        self._lock.release()
+            except Exception:  # a finalizer's free never fails; the drain decides as usual
+                pass
         self._pending.append(ptr if stream is None else (ptr, stream))
 
     def defer_release(self, rec: CaptureRecord) -> None:
@@ -446,14 +464,13 @@ class CachingAllocator:
         self._pending.append(rec)
 
     def _free(self, ptr: int) -> None:
-        """Free the allocation at ``ptr`` queued by a finalizer (whose thread is unknown)."""
+        """Free the allocation at ``ptr`` queued by a finalizer (whose thread is unknown; its
+        capture detection ran when it was queued)."""
         block = self._active.pop(ptr, None) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
         if self._capturing or block.stream_uses:
-            self._free_held(block, 0)
-        elif self._detect and self._query(block.stream) and self._adopt_found(block.stream):
             self._free_held(block, 0)
         else:
             self._free_block(block, True)
@@ -468,8 +485,10 @@ class CachingAllocator:
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
-        if self._capturing and self._foreign:
-            self._sweep()  # a capture begun outside may have ended: it keeps nothing then
+        if self._capturing and self._foreign and thread:
+            # a capture begun outside may have ended: it keeps nothing then (a queued free,
+            # thread 0, may have been made before it ended: it is decided before the sweep)
+            self._sweep()
         if self._capturing:
             recs = self._captures_for_free(block, thread)
             if owner is not None and owner.fresh:

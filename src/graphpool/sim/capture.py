@@ -50,7 +50,7 @@ class Capture:
     id: int
     origin: int
     mode: int
-    thread: int
+    thread: threading.Thread  # the thread that began it (an object: idents are reused)
     status: int = CAPTURE_STATUS_ACTIVE
     nodes: list[Node] = field(default_factory=list)
     seq: dict[int, int] = field(default_factory=dict)
@@ -103,7 +103,7 @@ def exchange_mode(mode: int) -> int:
 def start(origin: int, mode: int) -> Capture:
     """Register a new ongoing capture begun on ``origin`` by the calling thread."""
     with _lock:
-        cap = Capture(next(_ids), origin, mode, threading.get_ident())
+        cap = Capture(next(_ids), origin, mode, threading.current_thread())
         cap.seq[origin] = 0
         cap.covers[origin] = {origin: 0}
         _ongoing[cap.id] = cap
@@ -139,13 +139,13 @@ def check_unsafe(call: str) -> None:
     mode = thread_mode()
     if mode == CAPTURE_MODE_RELAXED or not _ongoing:
         return
-    me = threading.get_ident()
+    me = threading.current_thread()
     with _lock:
         offending = [
             cap
             for cap in _ongoing.values()
-            if (cap.thread == me and cap.mode != CAPTURE_MODE_RELAXED)
-            or (mode == CAPTURE_MODE_GLOBAL and cap.thread != me and cap.mode == CAPTURE_MODE_GLOBAL)
+            if (cap.thread is me and cap.mode != CAPTURE_MODE_RELAXED)
+            or (mode == CAPTURE_MODE_GLOBAL and cap.thread is not me and cap.mode == CAPTURE_MODE_GLOBAL)
         ]
         for cap in offending:
             invalidate(cap)

@@ -417,7 +417,7 @@ class SimDevice:
                     "cudaErrorIllegalState",
                     f"stream {stream} did not begin a capture",
                 )
-            if cap.mode != CAPTURE_MODE_RELAXED and cap.thread != threading.get_ident():
+            if cap.mode != CAPTURE_MODE_RELAXED and cap.thread is not threading.current_thread():
                 raise cuda_error(call, "cudaErrorStreamCaptureWrongThread")
             capture.finish(cap)
             for handle in cap.seq:

@@ -1,0 +1,209 @@
+"""Captures begun outside graphpool (SPEC 3), on both backends, through the Device protocol's
+own capture calls: what a raw ``cudaStreamBeginCapture`` or a library capturing internally
+does. Detection (on by default) gives each such capture a private pool, released when the
+device reports its graph and every executable graph made from it destroyed (a CUDA user
+object); with detection off the cupy#9655 hazard is back, which shows the tests can fail."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+from graphpool.device.protocol import CAPTURE_MODES
+from graphpool.errors import GraphpoolError
+
+N = 1 << 18  # 1 MiB of float32
+
+
+def settle() -> int:
+    gc.collect()
+    gp.synchronize()
+    gp.empty_cache()
+    return gp.memory_reserved()
+
+
+def total(arr: Any) -> float:
+    return float(arr.sum().item())
+
+
+def ptr(arr: Any) -> int:
+    return int(arr.data.ptr)
+
+
+def owner(arr: Any) -> Any:
+    block = runtime.allocator().lookup(ptr(arr))
+    assert block is not None
+    return block.pool.owner
+
+
+@pytest.fixture
+def detection() -> Iterator[None]:
+    yield
+    gp.set_capture_detection(True)
+
+
+@pytest.mark.parametrize("mode", ["relaxed", "global", "thread_local"])
+def test_foreign_capture_is_served_from_a_private_pool_and_released_with_its_graph(
+    backend: Any, mode: str
+) -> None:
+    xp = backend.xp
+    base = settle()
+    dev = runtime.get().device(gp.current_device())
+    s = gp.Stream()
+    with gp.stream(s):
+        x = xp.ones(N, dtype=xp.float32)
+        s.synchronize()
+        dev.begin_capture(s.handle, CAPTURE_MODES[mode])
+        t = x * 3.0
+        out = t + 1.0
+        pool = owner(out)
+        assert pool is not None and owner(t) is pool  # a private pool of its own
+        del t  # freed inside the capture: back to the capture's pool, never to eager code
+        graph = dev.end_capture(s.handle)
+        exe = dev.instantiate(graph)
+        y = xp.full(N, 7.0, dtype=xp.float32)  # eager, same stream, after the capture
+        assert owner(y) is None
+        s.synchronize()
+        dev.launch(exe, s.handle)
+        s.synchronize()
+        assert total(y) == 7.0 * N  # nothing overwritten by the replay
+        assert total(out) == 4.0 * N
+        stats = gp.memory_stats(pool=pool.id)
+        assert stats["use_count"] == 1
+        dev.destroy_graph(graph)  # the exec still holds the pool
+        assert gp.memory_stats(pool=pool.id)["use_count"] == 1
+        dev.destroy_graph_exec(exe)  # the last holder: the pool is released
+        assert pool not in runtime.allocator().private_pools() or pool.use_count == 0
+        assert total(out) == 4.0 * N  # outputs outlive their graph
+    del x, y, out
+    assert settle() == base
+    gp.check_invariants()
+
+
+def test_without_detection_the_hazard_is_back(backend: Any, detection: None) -> None:
+    """The same program with detection off: the eager array gets the block the graph writes."""
+    xp = backend.xp
+    settle()
+    gp.set_capture_detection(False)
+    dev = runtime.get().device(gp.current_device())
+    s = gp.Stream()
+    with gp.stream(s):
+        x = xp.ones(N, dtype=xp.float32)
+        s.synchronize()
+        dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+        t = x * 3.0
+        t_ptr = ptr(t)
+        out = t + 1.0
+        del t
+        graph = dev.end_capture(s.handle)
+        exe = dev.instantiate(graph)
+        y = xp.full(N, 7.0, dtype=xp.float32)
+        assert ptr(y) == t_ptr  # handed the capture's temporary
+        s.synchronize()
+        dev.launch(exe, s.handle)
+        s.synchronize()
+        assert total(y) == 3.0 * N  # every element overwritten
+        dev.destroy_graph_exec(exe)
+        dev.destroy_graph(graph)
+    del x, y, out
+    settle()
+
+
+def test_stream_joined_through_an_event_shares_the_capture_pool(backend: Any) -> None:
+    xp = backend.xp
+    base = settle()
+    dev = runtime.get().device(gp.current_device())
+    s, j = gp.Stream(), gp.Stream()
+    with gp.stream(s):
+        x = xp.ones(N, dtype=xp.float32)
+        gp.synchronize()
+        dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+        a = x + 1.0
+        j.wait_stream(s)  # j joins the capture
+        with gp.stream(j):
+            b = x + 2.0
+        s.wait_stream(j)  # and is joined back
+        assert owner(a) is not None and owner(b) is owner(a)
+        graph = dev.end_capture(s.handle)
+    with gp.stream(j):
+        c = xp.ones(N, dtype=xp.float32)  # j is eager again
+        assert owner(c) is None
+    exe = dev.instantiate(graph)
+    dev.launch(exe, s.handle)
+    s.synchronize()
+    assert (total(a), total(b)) == (2.0 * N, 3.0 * N)
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    del x, a, b, c
+    assert settle() == base
+
+
+def test_outside_block_freed_in_a_foreign_capture_is_kept_for_its_graph(backend: Any) -> None:
+    """The capture's kernels write an eager array, which is then dropped inside the capture
+    before any allocation there: detection at the free keeps it for the graph."""
+    xp = backend.xp
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    s = gp.Stream()
+    with gp.stream(s):
+        w = xp.zeros(N, dtype=xp.float32)
+        w_ptr = ptr(w)
+        s.synchronize()
+        dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+        w.fill(5.0)  # the graph writes w
+        del w  # first allocator call of this capture: a free
+        graph = dev.end_capture(s.handle)
+        exe = dev.instantiate(graph)
+        y = xp.full(N, 7.0, dtype=xp.float32)
+        assert ptr(y) != w_ptr  # kept for the graph
+        dev.launch(exe, s.handle)
+        s.synchronize()
+        assert total(y) == 7.0 * N
+        dev.destroy_graph_exec(exe)
+        dev.destroy_graph(graph)
+        gp.memory_stats()  # notices the release
+        z = xp.full(N, 1.0, dtype=xp.float32)
+        assert ptr(z) == w_ptr  # back in the ordinary pool once the graph is gone
+    del y, z
+    settle()
+
+
+def test_invalidated_foreign_capture_leaks_nothing(backend: Any) -> None:
+    xp = backend.xp
+    base = settle()
+    dev = runtime.get().device(gp.current_device())
+    s = gp.Stream()
+    with gp.stream(s):
+        x = xp.ones(N, dtype=xp.float32)
+        s.synchronize()
+        dev.begin_capture(s.handle, CAPTURE_MODES["global"])
+        t = x * 2.0 + 1.0
+        assert owner(t) is not None
+        with pytest.raises(GraphpoolError):
+            s.synchronize()  # illegal while capturing: the capture is invalidated
+        with pytest.raises(GraphpoolError):
+            dev.end_capture(s.handle)  # its graph is discarded (and its user objects released)
+        del t
+        assert not s.query_capturing()
+    del x
+    assert settle() == base
+    assert all(p.use_count == 0 for p in runtime.allocator().private_pools())
+    gp.check_invariants()
+
+
+def test_graphpool_capture_is_not_adopted_twice(backend: Any) -> None:
+    """gp.graph registers its capture itself: detection finds it registered, adds nothing."""
+    xp = backend.xp
+    settle()
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        out = xp.ones(16, dtype=xp.float32) + 1.0
+    assert owner(out).id == g.pool()
+    assert len([p for p in runtime.allocator().private_pools() if p.use_count]) == 1
+    del out, g
+    settle()
