@@ -15,6 +15,7 @@ Arguments are arrays with ``__cuda_array_interface__`` or with ``.data.ptr`` and
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,9 +93,10 @@ class GraphedCallable:
                     f"sample argument {i} ({type(args[i]).__name__}) has no .copy() to make its static copy"
                 )
         if any(type(args[i]).__module__.split(".")[0] == "cupy" for i in arrays):
-            from graphpool import cupy as gcupy
-
-            if not gcupy.is_installed():
+            # graphpool.cupy is looked up, not imported: install() imports it, so if it is
+            # absent nothing was installed (and the public API never imports an integration).
+            gcupy = sys.modules.get("graphpool.cupy")
+            if gcupy is None or not gcupy.is_installed():
                 raise RuntimeError(
                     "CuPy arrays need graphpool's CuPy integration for capture (CuPy must launch on "
                     "the capturing stream and allocate from its pool): call graphpool.cupy.install() first"

@@ -33,7 +33,15 @@ from graphpool.policy.private_pools import (
     new_graph_pool_id,
     new_shared_pool_id,
 )
-from graphpool.streams import Event, Stream, current_stream, stream, synchronize
+from graphpool.streams import (
+    Event,
+    Stream,
+    current_stream,
+    record_listeners,
+    stream,
+    synchronize,
+    wait_listeners,
+)
 
 _labels = itertools.count(1)
 
@@ -453,3 +461,8 @@ def _note_replay(g: CUDAGraph, s: Stream) -> None:
     runtime.get().device(s.device).record_event(g._done_event.handle, s.handle)
     with _checks_lock:
         _last_in_pool[_key(g)] = weakref.ref(g)
+
+
+# The checker hears about event records and waits from streams.py (which never imports us).
+record_listeners.append(note_record)
+wait_listeners.append(note_wait)

@@ -8,11 +8,20 @@ running (PyTorch pools its streams for the same reason).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM
+
+record_listeners: list[Callable[[Event, Stream], None]] = []
+"""Called as ``listener(event, stream)`` after ``event`` is recorded on ``stream``.
+
+The replay checker (graphs.py) registers here, so streams need not import graphs: the
+import arrows point one way (as with ``runtime.stream_listeners``)."""
+
+wait_listeners: list[Callable[[Stream, Event], None]] = []
+"""Called as ``listener(stream, event)`` after ``stream`` is made to wait for ``event``."""
 
 
 def _index(device: Any) -> int:
@@ -59,9 +68,8 @@ class Stream:
         if not isinstance(event, Event):
             raise TypeError(f"wait_event needs a graphpool Event, not {type(event).__name__}")
         self._dev().stream_wait_event(self.handle, event.handle)
-        from graphpool import graphs
-
-        graphs.note_wait(self, event)
+        for listener in wait_listeners:
+            listener(self, event)
 
     def wait_stream(self, other: Stream) -> None:
         """Make later work on this stream wait for the work queued on ``other`` so far."""
@@ -110,9 +118,8 @@ class Event:
         if s.device != self.device:
             raise ValueError(f"event of device {self.device} recorded on a stream of device {s.device}")
         runtime.get().device(self.device).record_event(self.handle, s.handle)
-        from graphpool import graphs
-
-        graphs.note_record(self, s)
+        for listener in record_listeners:
+            listener(self, s)
 
     def query(self) -> bool:
         """True when the recorded work is done."""
