@@ -14,8 +14,8 @@ from typing import Any
 import graphpool as gp
 from graphpool import runtime
 from graphpool import scenarios as sc
+from graphpool.policy.allocator import fmt_bytes
 from graphpool.scenarios import SHARING
-from graphpool.snapshot import fmt_bytes
 
 MiB = 1 << 20
 
@@ -143,18 +143,18 @@ def run(backend: str | None = None) -> int:
         dev = runtime.get().device(0)
         where = f"CUDA, {dev.name}, CuPy {cupy.__version__}"
     else:
-        from graphpool.sim import xp as simxp
+        from graphpool import xp as simxp
 
         xp = simxp
 
         def spin(st: gp.Stream) -> None:
             runtime.get().device(st.device).launch_sleep(st.handle, rounds=50)  # type: ignore[attr-defined]
 
-        where = "the simulated device (no GPU here); arrays from graphpool.sim.xp"
+        where = "the simulated device (no GPU here); arrays from graphpool.xp"
     build = "compiled by mypyc" if gp.compiled() else "plain Python"
     print(f"graphpool demo on {where}; allocator {build}\n")
     t0 = time.perf_counter()
-    sections = (
+    sections: tuple[tuple[str, Callable[[], str]], ...] = (
         ("1. two_successive: g1 continues g0's work; a shared pool saves memory", lambda: two_successive(xp)),
         ("2. concurrent_replay: overlapping replays on two streams", lambda: concurrent_replay(xp, spin)),
         ("3. three_successive: replay order g0,g2,g1 is unsafe when shared", lambda: three_successive(xp)),

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from graphpool import runtime
-from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM
+from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM, Device
 
 record_listeners: list[Callable[[Event, Stream], None]] = []
 """Called as ``listener(event, stream)`` after ``event`` is recorded on ``stream``.
@@ -56,7 +56,7 @@ class Stream:
         s.handle = handle
         return s
 
-    def _dev(self) -> Any:
+    def _dev(self) -> Device:
         return runtime.get().device(self.device)
 
     def synchronize(self) -> None:
