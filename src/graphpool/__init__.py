@@ -1,6 +1,7 @@
 """graphpool: a stream-aware caching device allocator with private pools for CUDA graphs.
 
-The public API of SPEC section 1, re-exported explicitly. See README.md for a tour.
+The public API, re-exported explicitly (docs/api.rst). README.md has a tour; docs/behaviour.rst
+says exactly how the allocator, the private pools and the replay checker behave.
 """
 
 from __future__ import annotations
@@ -60,13 +61,20 @@ from graphpool.streams import (
 if TYPE_CHECKING:
     from graphpool.graphed import GraphedCallable
 
-__version__ = "0.1.0"
+if PoolId.__doc__ == "mypyc filler docstring":
+    # Compiled, mypyc gives a NamedTuple class this filler instead of its docstring (setup.py
+    # restores the others at build time); a test keeps this text equal to the source's.
+    PoolId.__doc__ = "Identifies a private pool. Exactly one part is non-zero."
 
-_WARMUP = 3  # graphpool.graphed.WARMUP_ITERATIONS (a test keeps them equal); graphed loads lazily
+__version__ = "0.1.0"
 
 
 def set_backend(name: str) -> None:
-    """Use the "cuda" or the "sim" backend from now on (SPEC section 1)."""
+    """Use the "cuda" (a GPU) or the "sim" (simulated device) backend from now on.
+
+    Buffers made before keep their own allocator. Without a call, graphpool picks "cuda"
+    when a GPU is usable and "sim" otherwise (environment variable GRAPHPOOL_BACKEND).
+    """
     _set_backend(name)
 
 
@@ -77,16 +85,18 @@ def backend() -> str:
     return runtime.get().name
 
 
+# warmup=3 is graphpool.graphed.WARMUP_ITERATIONS, written out because graphed (and NumPy)
+# load only on first use; tests/test_integrations_graphed.py keeps the two equal.
 def make_graphed_callable(
     fn: Callable[..., Any],
     sample_args: Sequence[Any],
     *,
     pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = _WARMUP,
+    warmup: int = 3,
 ) -> GraphedCallable:
     """Capture ``fn(*sample_args)`` once and return a callable that replays it.
 
-    ``fn`` runs ``warmup`` times eagerly on a side stream (so lazy initialisation
+    ``fn`` runs ``warmup`` times (3, as PyTorch) eagerly on a side stream (so lazy initialisation
     happens outside the capture), then is captured on copies of the array arguments
     into a private pool, or into ``pool`` to share one (``graph_pool_handle()``). The
     callable takes arrays of the same shapes and dtypes, copies them into the static
@@ -105,7 +115,7 @@ def make_graphed_callables(
     sample_args: Sequence[Any],
     *,
     pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = _WARMUP,
+    warmup: int = 3,
     num_warmup_iters: int | None = None,
 ) -> GraphedCallable: ...
 
@@ -116,7 +126,7 @@ def make_graphed_callables(
     sample_args: tuple[Sequence[Any], ...],
     *,
     pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = _WARMUP,
+    warmup: int = 3,
     num_warmup_iters: int | None = None,
 ) -> tuple[GraphedCallable, ...]: ...
 
@@ -126,7 +136,7 @@ def make_graphed_callables(
     sample_args: Sequence[Any] | tuple[Sequence[Any], ...],
     *,
     pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = _WARMUP,
+    warmup: int = 3,
     num_warmup_iters: int | None = None,
 ) -> GraphedCallable | tuple[GraphedCallable, ...]:
     """PyTorch's ``torch.cuda.make_graphed_callables`` forms (forward only).

@@ -1,4 +1,4 @@
-"""The seed's test plan (SPEC section 7) as functions over an array namespace.
+"""The scenarios of docs/behaviour.rst ("Scenarios") as functions over an array namespace.
 
 Each function runs one scenario with any CuPy-like ``xp`` (CuPy with graphpool installed
 on the GPU, ``graphpool.sim.xp`` on the simulated device) and returns what it measured.

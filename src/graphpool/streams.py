@@ -1,4 +1,4 @@
-"""Devices, streams and events of the public API (SPEC section 1).
+"""Devices, streams and events of the public API (see docs/api.rst).
 
 Streams are never destroyed: the allocator files free blocks by stream handle, and a
 handle reused by a new stream could otherwise inherit blocks whose last use is still

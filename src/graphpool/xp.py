@@ -1,4 +1,4 @@
-"""A minimal CuPy-like array namespace on the simulated device (docs/behaviour.md).
+"""A minimal CuPy-like array namespace on the simulated device (docs/behaviour.rst).
 
 Arrays are 1-D (or 0-d, from ``sum``) and allocate from graphpool on the current device
 and stream (``graphpool.alloc``); an array holds its DeviceBuffer, so its memory is

@@ -1,4 +1,4 @@
-"""graphpool's simulated device: a CPU model of a CUDA device (docs/behaviour.md).
+"""graphpool's simulated device: a CPU model of a CUDA device (docs/behaviour.rst).
 
 Cheap to import (numpy only; never cuda.bindings). The ``xp`` array namespace lives in
 ``graphpool.xp`` (an array client, not part of the device); ``from graphpool.sim import xp``
