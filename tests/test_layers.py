@@ -235,3 +235,11 @@ def test_core_modules_import_no_framework_at_module_level() -> None:
 def test_graphs_do_not_reach_into_devices() -> None:
     for name in imported_names("graphpool.graphs"):
         assert not name.startswith(("graphpool.sim", "graphpool.device.cuda")), name
+
+
+def test_the_replay_checker_listens_to_streams() -> None:
+    """streams.py tells graphs.py about event records and waits through listeners."""
+    from graphpool import graphs, streams
+
+    assert streams.record_listeners.count(graphs.note_record) == 1
+    assert streams.wait_listeners.count(graphs.note_wait) == 1
