@@ -171,8 +171,8 @@ def run(backend: str | None = None) -> int:
     spin: Callable[[gp.Stream], None]
     if name == "cuda" and importlib.util.find_spec("cupy") is None:
         print(
-            "A GPU is usable but CuPy is not installed (pip install -e '.[cupy]'): "
-            "running the scenarios on the simulated device instead.\n"
+            "A GPU is usable but CuPy is not installed (pip install -e '.[cu12]' or '.[cu13]', "
+            "for the driver's CUDA version): running the scenarios on the simulated device instead.\n"
         )
         gp.set_backend("sim")
         name = "sim"
