@@ -174,11 +174,11 @@ class ndarray:
 
     @property
     def itemsize(self) -> int:
-        return self._dtype.itemsize
+        return int(self._dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
-        return self.size * self._dtype.itemsize
+        return self.size * int(self._dtype.itemsize)
 
     @property
     def data(self) -> MemoryPointer:
