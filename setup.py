@@ -15,6 +15,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import sys
 
 from setuptools import setup
@@ -84,6 +85,114 @@ class OptionalBuildExt(build_ext):
                     os.remove(path)
 
 
+def _source_docstrings() -> dict[tuple[str, str | None, str | None], str]:
+    """Docstrings of the compiled modules' functions, classes and methods, read from source.
+
+    Keyed (module, class or None, function or None).
+    """
+    import ast
+
+    docs: dict[tuple[str, str | None, str | None], str] = {}
+
+    def functions(body: list[ast.stmt], module: str, cls: str | None) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node)
+                if doc:
+                    docs[(module, cls, node.name)] = doc
+
+    for path in COMPILED:
+        module = path.removeprefix("src/").removesuffix(".py").replace("/", ".")
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        functions(tree.body, module, None)
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                doc = ast.get_docstring(node)
+                if doc:
+                    docs[(module, node.name, None)] = doc
+                functions(node.body, module, node.name)
+    return docs
+
+
+def _c_string(text: str) -> str:
+    """``text`` as the body of a C string literal (UTF-8; octal escapes, never hex)."""
+    out = []
+    for byte in text.encode("utf-8"):
+        ch = chr(byte)
+        if ch == "\\" or ch == '"':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif 32 <= byte < 127 and ch != "?":  # "?" avoids trigraphs
+            out.append(ch)
+        else:
+            out.append(f"\\{byte:03o}")
+    return "".join(out)
+
+
+_METHOD_DOC = re.compile(
+    r"\(PyCFunction\)CPyPy_(?P<cname>\w+),(?P<flags>[\s\w|]+),\s*"
+    r'PyDoc_STR\((?:"(?P<sig>(?:[^"\\]|\\.)*?)\\n--\\n\\n"|NULL)\)'
+)
+_CLASS_DOC = re.compile(
+    r'\.tp_name = "(?P<name>\w+)",(?P<between>[^;]*?)\.tp_doc = '
+    r'PyDoc_STR\((?:"(?P<sig>(?:[^"\\]|\\.)*?)\\n--\\n\\n"|NULL)\)'
+)
+
+
+def _keep_docstrings(sources: list[str]) -> None:
+    """Put the docstrings back into mypyc's generated C, so help() works compiled.
+
+    mypyc 2.4 gives a compiled function, method or class only its text signature as
+    ``__doc__`` (and a compiled function's ``__doc__`` cannot be set afterwards). Each
+    sits in the C source as ``PyDoc_STR("sig\n--\n\n")`` next to the C name of its
+    function, or the ``tp_name`` of its class; this appends the source's docstring in
+    CPython's layout (signature, a line ``--``, a blank line, the docstring). mypyc names
+    a function ``CPyPy_<module>___<Class>___<name>`` with the module's last part. The
+    build requirements pin mypy; should its C change shape, the patterns simply match
+    nothing and the build keeps mypyc's own docstrings.
+    """
+    docs = _source_docstrings()
+    by_c_prefix: dict[str, str] = {}
+    by_class: dict[str, list[str]] = {}
+    for (module, cls, name), doc in docs.items():
+        short = module.rsplit(".", 1)[-1]
+        if name is None and cls is not None:
+            by_class.setdefault(cls, []).append(doc)
+        else:
+            by_c_prefix["___".join(p for p in (short, cls, name) if p)] = doc
+
+    def literal(sig: str | None, doc: str | None) -> str | None:
+        if not doc:
+            return None
+        head = f"{sig}\\n--\\n\\n" if sig is not None else ""
+        return f'PyDoc_STR("{head}{_c_string(doc)}")'
+
+    def method(m: re.Match[str]) -> str:
+        new = literal(m["sig"], by_c_prefix.get(m["cname"]))
+        if new is None:
+            return m[0]
+        return m[0][: m.start("flags") - m.start()] + m["flags"] + ", " + new
+
+    def klass(m: re.Match[str]) -> str:
+        found = by_class.get(m["name"], [])
+        new = literal(m["sig"], found[0] if len(found) == 1 else None)
+        if new is None:
+            return m[0]
+        return f'.tp_name = "{m["name"]}",{m["between"]}.tp_doc = {new}'
+
+    for path in sources:
+        if not path.endswith(".c") or not os.path.exists(path):
+            continue
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+        patched = _CLASS_DOC.sub(klass, _METHOD_DOC.sub(method, text))
+        if patched != text:
+            with open(path, "w", encoding="utf-8") as fh:
+                fh.write(patched)
+
+
 def _ext_modules() -> list:  # type: ignore[type-arg]
     if os.environ.get("GRAPHPOOL_COMPILE", "1") == "0":
         _clear_in_tree()
@@ -92,9 +201,15 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
         from mypyc.build import mypycify
 
         # The build environment holds mypy only: the modules the compiled ones import (numpy,
-        # cuda.bindings, frameworks) are absent there and typed as Any.
-        args = ["--ignore-missing-imports", *COMPILED]
+        # cuda.bindings, frameworks) are absent there and typed as Any. `--config-file ""`
+        # leaves pyproject's [tool.mypy] out: that is the strict lint, where such Anys are
+        # errors, and an error here would quietly install the pure-Python modules.
+        args = ["--config-file", "", "--ignore-missing-imports", *COMPILED]
         mods = mypycify(args, opt_level="3", group_name="graphpool._native")
+        try:
+            _keep_docstrings([src for ext in mods for src in ext.sources])
+        except Exception as e:  # the docstrings are a convenience: never lose the compiled build
+            print(f"graphpool: compiled without docstrings ({e!r})", file=sys.stderr)
     except BaseException as e:  # mypy missing, or it refused the source: stay pure Python
         print(f"graphpool: not compiled ({e!r}); installing the pure-Python modules", file=sys.stderr)
         _clear_in_tree()

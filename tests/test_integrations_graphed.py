@@ -117,3 +117,89 @@ def test_warmup_runs_before_capture(backend: Any) -> None:
     assert calls == [False, False, False, True]
     np.testing.assert_array_equal(graphed(xp.zeros(N, dtype=xp.float32)).get(), np.ones(N, np.float32))
     assert len(calls) == 4  # replays do not call fn
+
+
+def test_top_level_takes_warmup_and_pool(backend: Any) -> None:
+    xp = backend.xp
+    calls: list[bool] = []
+
+    def fn(a: Any) -> Any:
+        calls.append(gp.is_current_stream_capturing())
+        return a * 2
+
+    pool = gp.graph_pool_handle()
+    graphed = gp.make_graphed_callable(fn, (xp.ones(N, dtype=xp.float32),), warmup=1, pool=pool)
+    assert calls == [False, True]
+    assert graphed.graph.pool() == pool
+    np.testing.assert_array_equal(graphed(xp.full(N, 4.0, dtype=xp.float32)).get(), np.full(N, 8.0))
+    assert gp.make_graphed_callable(fn, (xp.ones(N, dtype=xp.float32),), warmup=0) is not None
+    assert calls[2:] == [True]  # warmup=0: captured straight away
+    with pytest.raises(ValueError, match="warmup"):
+        gp.make_graphed_callable(fn, (xp.ones(N, dtype=xp.float32),), warmup=-1)
+
+
+def test_top_level_signature_matches_graphed() -> None:
+    import inspect
+
+    from graphpool import graphed
+
+    default = inspect.signature(gp.make_graphed_callable).parameters["warmup"].default
+    assert default == graphed.WARMUP_ITERATIONS
+    for name in ("make_graphed_callable", "make_graphed_callables"):
+        top = inspect.signature(getattr(gp, name)).parameters
+        inner = inspect.signature(getattr(graphed, name)).parameters
+        assert [(p.name, p.kind, p.default) for p in top.values()] == [
+            (p.name, p.kind, p.default) for p in inner.values()
+        ]
+
+
+def test_graphed_callables_single_form(backend: Any) -> None:
+    xp = backend.xp
+    graphed = gp.make_graphed_callables(f_single, _inputs(xp, 0))
+    assert isinstance(graphed, GraphedCallable)
+    a, b = _inputs(xp, 2)
+    np.testing.assert_array_equal(graphed(a, b).get(), f_single(a, b).get())
+
+
+def test_graphed_callables_tuple_form_shares_one_pool(backend: Any) -> None:
+    """PyTorch's form: a tuple of callables and a tuple of sample-argument tuples."""
+    xp = backend.xp
+    calls: list[str] = []
+
+    def first(a: Any, b: Any) -> Any:
+        calls.append("first")
+        return f_single(a, b)
+
+    def second(c: Any) -> Any:
+        calls.append("second")
+        return c * 3 - 1
+
+    a0, b0 = _inputs(xp, 0)
+    c0 = xp.arange(N, dtype=xp.float32)
+    g1, g2 = gp.make_graphed_callables((first, second), ((a0, b0), (c0,)), num_warmup_iters=2)
+    assert calls == ["first"] * 3 + ["second"] * 3  # 2 warm-up runs and the capture, in order
+    assert g1.graph.pool() == g2.graph.pool()  # one shared private pool
+    for k in (1, 4):
+        a, b = _inputs(xp, k)
+        c = xp.full(N, float(k), dtype=xp.float32)
+        np.testing.assert_array_equal(g1(a, b).get(), f_single(a, b).get())
+        np.testing.assert_array_equal(g2(c).get(), (c * 3 - 1).get())
+    assert len(calls) == 6  # replays do not call the functions
+
+
+def test_graphed_callables_tuple_form_takes_a_pool(backend: Any) -> None:
+    xp = backend.xp
+    pool = gp.graph_pool_handle()
+    (g,) = gp.make_graphed_callables((f_pair,), (_inputs(xp, 0),), pool=pool, warmup=1)
+    assert g.graph.pool() == pool
+
+
+def test_graphed_callables_tuple_form_checks_its_arguments(backend: Any) -> None:
+    xp = backend.xp
+    a, b = _inputs(xp, 0)
+    with pytest.raises(TypeError, match="one tuple of sample arguments per callable"):
+        gp.make_graphed_callables((f_single, f_pair), ((a, b),))
+    with pytest.raises(TypeError, match="one tuple of sample arguments per callable"):
+        gp.make_graphed_callables((f_single,), [(a, b)])  # type: ignore[call-overload]
+    with pytest.raises(TypeError, match=r"sample_args\[0\]"):
+        gp.make_graphed_callables((f_single,), (a,))  # type: ignore[arg-type]

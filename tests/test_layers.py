@@ -1,11 +1,22 @@
-"""The import arrows of DESIGN.md: integrations -> public API -> graphs -> policy ->
-device/protocol; device/cuda.py is the only module that imports cuda.bindings; the
-policy imports no device implementation, simulator or framework."""
+"""The import graph of src/graphpool, built from the source, has no circles and points down.
+
+Layers, lowest first (DESIGN.md): errors, device (the protocol, the CUDA device and the
+simulated one), policy, the public core (runtime, streams, buffers, memory, graphs...),
+the public API (``graphpool/__init__.py``), integrations and tools. A module imports only
+its own layer or the layers below. The graph holds every import a module can execute:
+module-level and function-level ``import`` statements and ``import_module("...")`` calls;
+imports under ``if TYPE_CHECKING:`` are left out (they never run). A package's own
+``__init__`` running before its submodules is implied by Python, not an arrow.
+
+Also kept: device/cuda.py is the only module that imports cuda.bindings; the policy
+imports no device implementation, simulator or framework.
+"""
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import graphpool
@@ -13,34 +24,199 @@ import graphpool
 SRC = Path(graphpool.__file__).parent
 FRAMEWORKS = {"cupy", "numba", "torch", "jax", "cuda"}
 
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("errors", ("graphpool.errors",)),
+    ("device", ("graphpool.device", "graphpool.sim")),
+    ("policy", ("graphpool.policy",)),
+    (
+        "core",
+        (
+            "graphpool.runtime",
+            "graphpool.streams",
+            "graphpool.dlpack",
+            "graphpool.buffer",
+            "graphpool.snapshot",
+            "graphpool.memory",
+            "graphpool.graphs",
+            "graphpool.graphed",
+            "graphpool.build",
+        ),
+    ),
+    ("api", ("graphpool",)),
+    ("integrations", ("graphpool.cupy", "graphpool.numba", "graphpool.cuda_core", "graphpool.xp")),
+    ("tools", ("graphpool.scenarios", "graphpool.demo", "graphpool.bench", "graphpool.__main__")),
+]
 
-def imports(path: Path) -> set[str]:
+UPWARD_ALLOWED = {
+    ("graphpool.sim", "graphpool.xp"): "`from graphpool.sim import xp`, the old home, forwarded lazily",
+}
+"""Arrows that may point up (never into a circle), each with its reason."""
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _nodes(node: ast.AST) -> Iterator[ast.AST]:
+    """Every node below ``node``, skipping the bodies of ``if TYPE_CHECKING:``."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for c in child.orelse:
+                yield c
+                yield from _nodes(c)
+            continue
+        yield child
+        yield from _nodes(child)
+
+
+def imported_names(name: str) -> set[str]:
+    """Dotted names module ``name`` imports at run time (any package, any depth)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-        elif isinstance(node, ast.Import):
+    for node in _nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                out.add(sub if sub in MODULES else base)
+        elif isinstance(node, ast.Call):
+            f = node.func
+            fname = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if fname in ("import_module", "__import__") and node.args:
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    out.add(arg.value)
     return out
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the graphpool modules it imports."""
+    graph: dict[str, set[str]] = {}
+    for name in MODULES:
+        targets = {_resolve(t) for t in imported_names(name) if t.split(".")[0] == "graphpool"}
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def layer_of(name: str) -> int:
+    best, level = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best:
+                best, level = len(p), i
+    assert level >= 0, f"{name} is in no layer: add it to LAYERS in tests/test_layers.py"
+    return level
+
+
+def test_the_graph_sees_every_kind_of_import() -> None:
+    graph = import_graph()
+    assert "graphpool.runtime" in graph["graphpool.memory"]  # module level
+    assert "graphpool.snapshot" in graph["graphpool.memory"]  # inside a function
+    assert "graphpool.xp" in graph["graphpool.sim"]  # import_module("...") string
+    assert "graphpool.policy.allocator" not in graph["graphpool.buffer"]  # under TYPE_CHECKING
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_module_has_a_layer() -> None:
+    for name in MODULES:
+        layer_of(name)
+
+
+def test_imports_point_down_the_layers() -> None:
+    wrong = []
+    for name, targets in import_graph().items():
+        for t in targets:
+            if layer_of(t) > layer_of(name) and (name, t) not in UPWARD_ALLOWED:
+                wrong.append(f"{name} ({LAYERS[layer_of(name)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})")
+    assert wrong == []
 
 
 def test_policy_is_plain_python() -> None:
     allowed = ("graphpool.policy", "graphpool.device.protocol", "graphpool.errors")
     lock = "fastrlock"  # the allocator's lock (CuPy's): no CUDA, no framework
-    for path in (SRC / "policy").glob("*.py"):
-        for name in imports(path):
-            if name.startswith("graphpool"):
-                assert name.startswith(allowed), (path.name, name)
+    for name, path in MODULES.items():
+        if not name.startswith("graphpool.policy"):
+            continue
+        for imported in imported_names(name):
+            if imported.startswith("graphpool"):
+                assert imported.startswith(allowed), (path.name, imported)
             else:
-                top = name.split(".")[0]
-                assert top in sys.stdlib_module_names or top == lock, (path.name, name)
+                top = imported.split(".")[0]
+                assert top in sys.stdlib_module_names or top == lock, (path.name, imported)
 
 
 def test_only_the_cuda_module_imports_cuda_bindings() -> None:
     users = {
-        path.relative_to(SRC).as_posix()
-        for path in SRC.rglob("*.py")
-        if any(n == "cuda.bindings" or n.startswith("cuda.bindings.") for n in imports(path))
+        MODULES[name].relative_to(SRC).as_posix()
+        for name in MODULES
+        if any(n == "cuda.bindings" or n.startswith("cuda.bindings.") for n in imported_names(name))
     }
     assert users == {"device/cuda.py"}
 
@@ -57,5 +233,13 @@ def test_core_modules_import_no_framework_at_module_level() -> None:
 
 
 def test_graphs_do_not_reach_into_devices() -> None:
-    for name in imports(SRC / "graphs.py"):
+    for name in imported_names("graphpool.graphs"):
         assert not name.startswith(("graphpool.sim", "graphpool.device.cuda")), name
+
+
+def test_the_replay_checker_listens_to_streams() -> None:
+    """streams.py tells graphs.py about event records and waits through listeners."""
+    from graphpool import graphs, streams
+
+    assert streams.record_listeners.count(graphs.note_record) == 1
+    assert streams.wait_listeners.count(graphs.note_wait) == 1

@@ -64,6 +64,22 @@ def test_sim_xp_is_importable() -> None:
         assert callable(getattr(xp, name))
 
 
+def test_sim_xp_is_graphpool_xp() -> None:
+    """xp moved to graphpool.xp (an array client); the old import path gives the same module."""
+    import graphpool.sim
+    import graphpool.xp
+    from graphpool.sim import xp
+
+    assert xp is graphpool.xp is graphpool.sim.xp
+    with pytest.raises(AttributeError):
+        graphpool.sim.no_such_name  # noqa: B018
+
+
+def test_importing_sim_does_not_import_the_api_arrays() -> None:
+    r = _run("import sys, graphpool.sim; assert 'graphpool.xp' not in sys.modules")
+    assert r.returncode == 0, r.stderr
+
+
 @pytest.mark.parametrize(
     ("fn", "expected"),
     [

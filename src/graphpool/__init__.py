@@ -1,9 +1,13 @@
 """graphpool: a stream-aware caching device allocator with private pools for CUDA graphs.
 
-The public API of SPEC section 1, re-exported explicitly. See README.md for a tour.
+The public API, re-exported explicitly (docs/api.rst). README.md has a tour; docs/behaviour.rst
+says exactly how the allocator, the private pools and the replay checker behave.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, overload
 
 from graphpool import build as _build
 from graphpool.buffer import DeviceBuffer
@@ -56,11 +60,23 @@ from graphpool.streams import (
     synchronize,
 )
 
+if TYPE_CHECKING:
+    from graphpool.graphed import GraphedCallable
+
+if PoolId.__doc__ == "mypyc filler docstring":
+    # Compiled, mypyc gives a NamedTuple class this filler instead of its docstring (setup.py
+    # restores the others at build time); a test keeps this text equal to the source's.
+    PoolId.__doc__ = "Identifies a private pool. Exactly one part is non-zero."
+
 __version__ = "0.1.0"
 
 
 def set_backend(name: str) -> None:
-    """Use the "cuda" or the "sim" backend from now on (SPEC section 1)."""
+    """Use the "cuda" (a GPU) or the "sim" (simulated device) backend from now on.
+
+    Buffers made before keep their own allocator. Without a call, graphpool picks "cuda"
+    when a GPU is usable and "sim" otherwise (environment variable GRAPHPOOL_BACKEND).
+    """
     _set_backend(name)
 
 
@@ -71,11 +87,74 @@ def backend() -> str:
     return runtime.get().name
 
 
-def make_graphed_callable(fn: object, sample_args: tuple[object, ...]) -> object:
-    """Capture ``fn`` once on static copies of ``sample_args``; see graphpool.graphed."""
+# warmup=3 is graphpool.graphed.WARMUP_ITERATIONS, written out because graphed (and NumPy)
+# load only on first use; tests/test_integrations_graphed.py keeps the two equal.
+def make_graphed_callable(
+    fn: Callable[..., Any],
+    sample_args: Sequence[Any],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = 3,
+) -> GraphedCallable:
+    """Capture ``fn(*sample_args)`` once and return a callable that replays it.
+
+    ``fn`` runs ``warmup`` times (3, as PyTorch) eagerly on a side stream (so lazy initialisation
+    happens outside the capture), then is captured on copies of the array arguments
+    into a private pool, or into ``pool`` to share one (``graph_pool_handle()``). The
+    callable takes arrays of the same shapes and dtypes, copies them into the static
+    inputs, replays the graph on the current stream and returns the static outputs:
+    the same arrays on every call, overwritten by the next one. Cost of a call: one
+    device copy per changed array argument plus one graph launch.
+    """
     from graphpool.graphed import make_graphed_callable as _make
 
-    return _make(fn, sample_args)  # type: ignore[arg-type]
+    return _make(fn, sample_args, pool=pool, warmup=warmup)
+
+
+@overload
+def make_graphed_callables(
+    callables: Callable[..., Any],
+    sample_args: Sequence[Any],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = 3,
+    num_warmup_iters: int | None = None,
+) -> GraphedCallable: ...
+
+
+@overload
+def make_graphed_callables(
+    callables: tuple[Callable[..., Any], ...],
+    sample_args: tuple[Sequence[Any], ...],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = 3,
+    num_warmup_iters: int | None = None,
+) -> tuple[GraphedCallable, ...]: ...
+
+
+def make_graphed_callables(
+    callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
+    sample_args: Sequence[Any] | tuple[Sequence[Any], ...],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = 3,
+    num_warmup_iters: int | None = None,
+) -> GraphedCallable | tuple[GraphedCallable, ...]:
+    """PyTorch's ``torch.cuda.make_graphed_callables`` forms (forward only).
+
+    ``make_graphed_callables(fn, args)`` is ``make_graphed_callable(fn, args)``.
+    ``make_graphed_callables((f, g), ((x,), (y, z)))`` returns ``(graphed_f, graphed_g)``,
+    captured in that order into one shared private pool (``pool``, or a new one), which
+    costs less memory than a pool each; call them in capture order, as in PyTorch
+    (``set_replay_checks("warn")`` reports a replay that breaks it).
+    ``num_warmup_iters`` is PyTorch's name for ``warmup``.
+    """
+    from graphpool.graphed import graph_callables
+
+    return graph_callables(
+        callables, sample_args, pool=pool, warmup=warmup, num_warmup_iters=num_warmup_iters
+    )
 
 
 def _warn_if_stale() -> None:
@@ -122,6 +201,7 @@ __all__ = [
     "graph_pool_handle",
     "is_current_stream_capturing",
     "make_graphed_callable",
+    "make_graphed_callables",
     "max_memory_allocated",
     "max_memory_reserved",
     "memory_allocated",

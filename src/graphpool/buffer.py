@@ -53,7 +53,7 @@ class DeviceBuffer:
         self._alloc.free_owned(self.ptr)
 
     def record_stream(self, stream: Stream) -> None:
-        """Declare that ``stream`` uses this memory too (SPEC 2, Streams)."""
+        """Declare that ``stream`` uses this memory too (docs/behaviour.rst, "Streams")."""
         from graphpool.streams import Stream
 
         if not isinstance(stream, Stream):

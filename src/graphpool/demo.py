@@ -1,7 +1,24 @@
-"""``python -m graphpool demo``: the seed's scenarios with their results and memory figures.
+"""``python -m graphpool demo``: five example scenarios with their results and memory figures.
 
-Runs on the GPU with CuPy arrays when a GPU (and CuPy) is usable, else on the simulated
-device with ``graphpool.sim.xp``. Every figure printed is measured in this run.
+The scenarios are the test plan PyTorch's graph-pool design was checked against (they are
+described in docs/behaviour.rst, "Scenarios"). Runs on the GPU with CuPy arrays when a GPU
+(and CuPy) is usable, else on the simulated device with ``graphpool.xp``. Every figure
+printed is measured in this run.
+
+How to read the tables (each table also prints its own key):
+
+- A number in parentheses in a column title is the value that column should show, e.g.
+  "b/elem (3070)": each element of the graphs' result ``b`` (its sum divided by its
+  length) should be 3070.
+- "corrupted" in scenario 2 is the expected outcome for the shared pools: two graphs
+  sharing one pool that replay at the same time on two streams overwrite each other's
+  temporaries, exactly as they would on a GPU. That is why replays of pool-sharing graphs
+  must not overlap; with separate pools ("none") the results stay intact.
+- "+1 / +2 MiB" in scenario 4 ("after graph deleted") is segments / reserved memory still
+  held, compared with before the capture, once the graph is deleted and the cache emptied:
+  the graph's output ``b`` is still referenced, so the segment holding it stays.
+- "all back" in scenario 4: after ``a`` and ``b`` are dropped too and the cache is emptied,
+  every memory statistic is back to its value before the scenario.
 """
 
 from __future__ import annotations
@@ -14,8 +31,8 @@ from typing import Any
 import graphpool as gp
 from graphpool import runtime
 from graphpool import scenarios as sc
+from graphpool.policy.allocator import fmt_bytes
 from graphpool.scenarios import SHARING
-from graphpool.snapshot import fmt_bytes
 
 MiB = 1 << 20
 
@@ -29,6 +46,13 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("    " + s for s in out)
 
 
+def _key(text: str, width: int = 92) -> str:
+    """A table's key, wrapped and indented under it."""
+    import textwrap
+
+    return "\n" + "\n".join(textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="    "))
+
+
 def two_successive(xp: Any) -> str:
     rows = []
     base = None
@@ -37,7 +61,12 @@ def two_successive(xp: Any) -> str:
         base = r.reserved if base is None else base
         saved = "-" if share == "none" else f"{base - r.reserved:,} B"
         rows.append([share, f"{r.b_per_elem:g}", f"{r.c_per_elem:g}", fmt_bytes(r.reserved), saved])
-    return _table(["sharing", "b/elem (3070)", "c/elem (442)", "reserved", "saved by sharing"], rows)
+    table = _table(["sharing", "b/elem (3070)", "c/elem (442)", "reserved", "saved by sharing"], rows)
+    return table + _key(
+        "b/elem and c/elem: each element of the graphs' result b and of the eager result c "
+        "(expected value in parentheses); reserved: device memory held after the scenario; "
+        "saved by sharing: reserved memory saved against separate pools (expected 2,097,152 B)."
+    )
 
 
 def concurrent_replay(xp: Any, spin: Callable[[gp.Stream], None]) -> str:
@@ -46,7 +75,12 @@ def concurrent_replay(xp: Any, spin: Callable[[gp.Stream], None]) -> str:
         b, c = sc.concurrent_replay(xp, spin, share)
         intact = abs(b - 94) < 1e-3 and abs(c - 156) < 1e-3
         rows.append([share, f"{b:.4g}", f"{c:.4g}", "intact" if intact else "corrupted"])
-    return _table(["sharing", "b/elem (94)", "c/elem (156)", "overlapping replays"], rows)
+    table = _table(["sharing", "b/elem (94)", "c/elem (156)", "overlapping replays"], rows)
+    return table + _key(
+        "Two graphs replay at the same time on two streams. 'corrupted' is the expected outcome "
+        "when they share a pool: their temporaries share memory, so the replays overwrite each "
+        "other's (as on a GPU); with separate pools ('none') both results stay intact."
+    )
 
 
 def three_successive(xp: Any) -> str:
@@ -72,7 +106,12 @@ def three_successive(xp: Any) -> str:
             gp.set_replay_checks("off")
         rows.append([share, in_order, f"{sc.per_elem(r['e'], n):g}, {sc.per_elem(r['f'], n):g}", report])
         del r, g0, g1, g2
-    return _table(["sharing", "g0,g1,g2: e, f (5, 7)", "g0,g2,g1: e, f", "checker on g0,g2,g1"], rows)
+    table = _table(["sharing", "g0,g1,g2: e, f (5, 7)", "g0,g2,g1: e, f", "checker on g0,g2,g1"], rows)
+    return table + _key(
+        "e, f: each element of the outputs of g1 and g2. Replayed out of capture order, graphs "
+        "sharing a pool give e = 10 instead of 5: the expected failure this scenario shows. "
+        "The replay checker (gp.set_replay_checks('raise')) refuses that order before it runs."
+    )
 
 
 def memory_stats_after_destroy(xp: Any) -> str:
@@ -105,7 +144,13 @@ def memory_stats_after_destroy(xp: Any) -> str:
         "b",
         "all back",
     ]
-    return _table(headers, rows)
+    return _table(headers, rows) + _key(
+        "segments, reserved, active, active bytes: change from before the capture to after it. "
+        "after graph deleted: segments / reserved still held once the graph is deleted and the "
+        "cache emptied (the output b is still referenced). b: each element after replays "
+        "(expected 6). all back: after a and b are dropped too and the cache emptied, every "
+        "statistic is back where it started."
+    )
 
 
 def hazard_closed(xp: Any) -> str:
@@ -126,8 +171,8 @@ def run(backend: str | None = None) -> int:
     spin: Callable[[gp.Stream], None]
     if name == "cuda" and importlib.util.find_spec("cupy") is None:
         print(
-            "A GPU is usable but CuPy is not installed (pip install -e '.[cupy]'): "
-            "running the scenarios on the simulated device instead.\n"
+            "A GPU is usable but CuPy is not installed (pip install -e '.[cu12]' or '.[cu13]', "
+            "for the driver's CUDA version): running the scenarios on the simulated device instead.\n"
         )
         gp.set_backend("sim")
         name = "sim"
@@ -143,18 +188,18 @@ def run(backend: str | None = None) -> int:
         dev = runtime.get().device(0)
         where = f"CUDA, {dev.name}, CuPy {cupy.__version__}"
     else:
-        from graphpool.sim import xp as simxp
+        from graphpool import xp as simxp
 
         xp = simxp
 
         def spin(st: gp.Stream) -> None:
             runtime.get().device(st.device).launch_sleep(st.handle, rounds=50)  # type: ignore[attr-defined]
 
-        where = "the simulated device (no GPU here); arrays from graphpool.sim.xp"
+        where = "the simulated device (no GPU here); arrays from graphpool.xp"
     build = "compiled by mypyc" if gp.compiled() else "plain Python"
     print(f"graphpool demo on {where}; allocator {build}\n")
     t0 = time.perf_counter()
-    sections = (
+    sections: tuple[tuple[str, Callable[[], str]], ...] = (
         ("1. two_successive: g1 continues g0's work; a shared pool saves memory", lambda: two_successive(xp)),
         ("2. concurrent_replay: overlapping replays on two streams", lambda: concurrent_replay(xp, spin)),
         ("3. three_successive: replay order g0,g2,g1 is unsafe when shared", lambda: three_successive(xp)),

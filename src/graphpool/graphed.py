@@ -1,4 +1,4 @@
-"""``make_graphed_callable``: capture a function once, then replay it on new inputs.
+"""``make_graphed_callable(s)``: capture a function once, then replay it on new inputs.
 
 The function is warmed up on a side stream (so lazy initialisation, kernel loading and
 caches happen outside the capture), then captured once on static copies of the sample
@@ -10,18 +10,24 @@ call, overwritten by the next call (as with PyTorch's ``make_graphed_callables``
 Arguments are arrays with ``__cuda_array_interface__`` or with ``.data.ptr`` and
 ``.nbytes`` (CuPy arrays, ``graphpool.sim.xp`` arrays), C-contiguous. Other arguments
 (numbers, flags) are captured as constants and must be passed unchanged.
+
+``make_graphed_callables`` takes PyTorch's forms too: one callable with its sample
+arguments, or a tuple of callables with a tuple of sample-argument tuples, captured in
+order into one shared private pool.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from graphpool import runtime
-from graphpool.graphs import CUDAGraph, graph
+from graphpool.graphs import CUDAGraph, graph, graph_pool_handle
+from graphpool.policy.private_pools import PoolId
 from graphpool.streams import Stream, current_stream, stream
 
 WARMUP_ITERATIONS = 3
@@ -78,8 +84,10 @@ class GraphedCallable:
         sample_args: Sequence[Any],
         *,
         warmup: int = WARMUP_ITERATIONS,
-        pool: Any = None,
+        pool: PoolId | tuple[int, int] | None = None,
     ) -> None:
+        if type(warmup) is not int or warmup < 0:
+            raise ValueError(f"warmup is a count of eager runs (an int >= 0), not {warmup!r}")
         if not callable(fn):
             raise TypeError(f"make_graphed_callable needs a callable, not {type(fn).__name__}")
         args = tuple(sample_args)
@@ -92,9 +100,10 @@ class GraphedCallable:
                     f"sample argument {i} ({type(args[i]).__name__}) has no .copy() to make its static copy"
                 )
         if any(type(args[i]).__module__.split(".")[0] == "cupy" for i in arrays):
-            from graphpool import cupy as gcupy
-
-            if not gcupy.is_installed():
+            # graphpool.cupy is looked up, not imported: install() imports it, so if it is
+            # absent nothing was installed (and the public API never imports an integration).
+            gcupy = sys.modules.get("graphpool.cupy")
+            if gcupy is None or not gcupy.is_installed():
                 raise RuntimeError(
                     "CuPy arrays need graphpool's CuPy integration for capture (CuPy must launch on "
                     "the capturing stream and allocate from its pool): call graphpool.cupy.install() first"
@@ -184,18 +193,93 @@ def make_graphed_callable(
     fn: Callable[..., Any],
     sample_args: Sequence[Any],
     *,
+    pool: PoolId | tuple[int, int] | None = None,
     warmup: int = WARMUP_ITERATIONS,
-    pool: Any = None,
 ) -> GraphedCallable:
     """Capture ``fn(*sample_args)`` once and return a callable that replays it.
 
     ``fn`` is run ``warmup`` times eagerly on a side stream, then captured on copies of
-    the array arguments into a private pool (or ``pool``, to share one). The callable
-    takes arguments of the same shapes and dtypes, copies them in, replays and returns
-    the static outputs (one array, or a tuple as ``fn`` returned). Cost of a call: one
-    device copy per changed array argument plus one graph launch.
+    the array arguments into a private pool (or ``pool``, to share one, e.g. from
+    ``graph_pool_handle()``). The callable takes arguments of the same shapes and
+    dtypes, copies them in, replays and returns the static outputs (one array, or a
+    tuple as ``fn`` returned), overwritten by the next call. Cost of a call: one device
+    copy per changed array argument plus one graph launch.
     """
     return GraphedCallable(fn, sample_args, warmup=warmup, pool=pool)
 
 
-__all__ = ["GraphedCallable", "WARMUP_ITERATIONS", "make_graphed_callable"]
+@overload
+def make_graphed_callables(
+    callables: Callable[..., Any],
+    sample_args: Sequence[Any],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = WARMUP_ITERATIONS,
+    num_warmup_iters: int | None = None,
+) -> GraphedCallable: ...
+
+
+@overload
+def make_graphed_callables(
+    callables: tuple[Callable[..., Any], ...],
+    sample_args: tuple[Sequence[Any], ...],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = WARMUP_ITERATIONS,
+    num_warmup_iters: int | None = None,
+) -> tuple[GraphedCallable, ...]: ...
+
+
+def make_graphed_callables(
+    callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
+    sample_args: Sequence[Any] | tuple[Sequence[Any], ...],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = WARMUP_ITERATIONS,
+    num_warmup_iters: int | None = None,
+) -> GraphedCallable | tuple[GraphedCallable, ...]:
+    """PyTorch's ``make_graphed_callables`` forms, forward only.
+
+    One callable and its sample arguments gives one graphed callable, as
+    ``make_graphed_callable``. A tuple of callables and a tuple holding each one's
+    sample-argument tuple gives a tuple of graphed callables, captured in that order into
+    one shared private pool (``pool``, or a new ``graph_pool_handle()``), so they take
+    less memory than separate pools; like PyTorch's, call them in the order they were
+    captured (``set_replay_checks("warn")`` reports when a replay breaks that).
+    ``num_warmup_iters`` is PyTorch's name for ``warmup`` (given, it wins).
+    """
+    return graph_callables(
+        callables, sample_args, pool=pool, warmup=warmup, num_warmup_iters=num_warmup_iters
+    )
+
+
+def graph_callables(
+    callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
+    sample_args: Sequence[Any] | tuple[Sequence[Any], ...],
+    *,
+    pool: PoolId | tuple[int, int] | None = None,
+    warmup: int = WARMUP_ITERATIONS,
+    num_warmup_iters: int | None = None,
+) -> GraphedCallable | tuple[GraphedCallable, ...]:
+    """``make_graphed_callables`` without its overloads (for callers that hold the union)."""
+    runs = warmup if num_warmup_iters is None else num_warmup_iters
+    if not isinstance(callables, tuple):
+        return GraphedCallable(callables, sample_args, warmup=runs, pool=pool)
+    if not isinstance(sample_args, tuple) or len(sample_args) != len(callables):
+        raise TypeError(
+            f"make_graphed_callables got {len(callables)} callable(s): pass sample_args as a tuple "
+            "with one tuple of sample arguments per callable"
+        )
+    for i, args in enumerate(sample_args):
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"sample_args[{i}] must be a tuple of callable {i}'s arguments, not {type(args).__name__}"
+            )
+    shared = graph_pool_handle() if pool is None else PoolId.coerce(pool)
+    return tuple(
+        GraphedCallable(fn, args, warmup=runs, pool=shared)
+        for fn, args in zip(callables, sample_args, strict=True)
+    )
+
+
+__all__ = ["GraphedCallable", "WARMUP_ITERATIONS", "make_graphed_callable", "make_graphed_callables"]

@@ -12,37 +12,44 @@ from ``HostOnlyCUDAMemoryManager``). Numba is imported on first use of the plugi
 
 from __future__ import annotations
 
+import ctypes
 import threading
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from graphpool import runtime
 
-_lock = threading.Lock()
-_plugin: Any = None
+if TYPE_CHECKING:
+    from numba.cuda import HostOnlyCUDAMemoryManager, MemoryInfo, MemoryPointer
 
-GraphpoolEMMPlugin: Any
+    from graphpool.buffer import DeviceBuffer
+
+_lock = threading.Lock()
+_plugin: type[HostOnlyCUDAMemoryManager] | None = None
+
+GraphpoolEMMPlugin: type[HostOnlyCUDAMemoryManager]
 """The plugin class, made on first access (it subclasses Numba's, so it needs numba)."""
 
 
-def _make_plugin() -> Any:
+def _make_plugin() -> type[HostOnlyCUDAMemoryManager]:
     """Define the plugin class (needs numba.cuda, hence not at module import)."""
     from numba import cuda
 
     from graphpool.memory import alloc
     from graphpool.streams import current_stream
 
-    class GraphpoolEMMPlugin(cuda.HostOnlyCUDAMemoryManager):
+    class GraphpoolEMMPlugin(cuda.HostOnlyCUDAMemoryManager):  # type: ignore[misc]
         """Numba EMM plugin: device memory from graphpool's caching allocator."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._buffers: dict[int, Any] = {}
+            self._buffers: dict[int, DeviceBuffer] = {}
 
         def _device_index(self) -> int:
             ctx = self.context
             return int(ctx.device.id) if ctx is not None else runtime.current_device_index()
 
-        def memalloc(self, size: int) -> Any:
+        def memalloc(self, size: int) -> MemoryPointer:
             """``size`` bytes from graphpool on its current stream of the context's device."""
             if runtime.get().name != "cuda":
                 raise RuntimeError("graphpool's Numba plugin needs graphpool's 'cuda' backend")
@@ -55,14 +62,18 @@ def _make_plugin() -> Any:
                 # Dropping the last reference lets the DeviceBuffer's finalizer queue the free.
                 buffers.pop(ptr, None)
 
-            return cuda.MemoryPointer(self.context, _device_pointer(ptr), size, finalizer=finalizer)
+            pointer: MemoryPointer = cuda.MemoryPointer(
+                self.context, _device_pointer(ptr), size, finalizer=finalizer
+            )
+            return pointer
 
-        def get_memory_info(self) -> Any:
+        def get_memory_info(self) -> MemoryInfo:
             """The device's (free, total) bytes; graphpool's cache counts as used."""
             free, total = runtime.get().device(self._device_index()).mem_info()
-            return cuda.MemoryInfo(free=free, total=total)
+            info: MemoryInfo = cuda.MemoryInfo(free=free, total=total)
+            return info
 
-        def get_ipc_handle(self, memory: Any) -> Any:
+        def get_ipc_handle(self, memory: MemoryPointer) -> NoReturn:
             """Not supported: graphpool blocks are parts of larger segments."""
             raise NotImplementedError("graphpool's Numba plugin does not export IPC handles")
 
@@ -75,9 +86,10 @@ def _make_plugin() -> Any:
             super().reset()
             self._buffers.clear()
 
-        def defer_cleanup(self) -> Any:
+        def defer_cleanup(self) -> AbstractContextManager[None]:
             """Numba's own deferral for host allocations; graphpool's frees are already deferred."""
-            return super().defer_cleanup()
+            cm: AbstractContextManager[None] = super().defer_cleanup()
+            return cm
 
         @property
         def interface_version(self) -> int:
@@ -88,14 +100,12 @@ def _make_plugin() -> Any:
     return GraphpoolEMMPlugin
 
 
-def _device_pointer(ptr: int) -> Any:
+def _device_pointer(ptr: int) -> ctypes.c_void_p:
     """A pointer Numba's MemoryPointer accepts (it converts c_void_p to its binding's type)."""
-    import ctypes
-
     return ctypes.c_void_p(ptr)
 
 
-def plugin_class() -> Any:
+def plugin_class() -> type[HostOnlyCUDAMemoryManager]:
     """The ``GraphpoolEMMPlugin`` class (defined on first call)."""
     global _plugin
     if _plugin is None:
@@ -112,8 +122,8 @@ def install() -> None:
     cuda.set_memory_manager(plugin_class())
 
 
-def __getattr__(name: str) -> Any:
-    # ``GraphpoolEMMPlugin`` and Numba's ``_numba_memory_manager`` hook resolve lazily.
+def __getattr__(name: str) -> type[HostOnlyCUDAMemoryManager]:
+    """``GraphpoolEMMPlugin`` and Numba's ``_numba_memory_manager`` hook, resolved lazily."""
     if name in ("GraphpoolEMMPlugin", "_numba_memory_manager"):
         return plugin_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

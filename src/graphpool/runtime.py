@@ -122,7 +122,7 @@ def _make_backend(name: str) -> Backend:
 
         return CudaBackend()
     if name == "sim":
-        from graphpool.sim import SimBackend
+        from graphpool.sim.device import SimBackend
 
         return SimBackend()
     raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")

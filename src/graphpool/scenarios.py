@@ -1,4 +1,4 @@
-"""The seed's test plan (SPEC section 7) as functions over an array namespace.
+"""The scenarios of docs/behaviour.rst ("Scenarios") as functions over an array namespace.
 
 Each function runs one scenario with any CuPy-like ``xp`` (CuPy with graphpool installed
 on the GPU, ``graphpool.sim.xp`` on the simulated device) and returns what it measured.
@@ -21,14 +21,14 @@ STATS = ("segment", "reserved_bytes", "active", "active_bytes")
 
 
 def f(t: Any, v: float) -> Any:
-    """The seed's workload: two temporaries per call, one output."""
+    """The scenarios' workload: two temporaries per call, one output."""
     x = t.copy() + v
     y = t.copy() + v
     return x + y
 
 
 def f5(t: Any, v: float) -> Any:
-    """``f`` applied five times, as every capture of the seed does."""
+    """``f`` applied five times, as every capture of the scenarios does."""
     for _ in range(5):
         t = f(t, v)
     return t

@@ -61,27 +61,3 @@ def render_snapshot(segments: list[dict[str, Any]], as_json: bool = False) -> st
             graph = f" graph {b['owner_graph']}" if b["owner_graph"] else ""
             out.append(f"  0x{b['address']:x} {fmt_bytes(b['size']):>12} {b['state']}{graph}")
     return "\n".join(out) if out else "(no segments)"
-
-
-def run_cli(backend: str | None, as_json: bool = False) -> int:
-    """Make a few eager buffers and one graph, then print the snapshot and the summary."""
-    import graphpool as gp
-    from graphpool import runtime
-
-    if backend is not None:
-        gp.set_backend(backend)
-    keep = [gp.alloc(n) for n in (100, 4096, 3 << 20)]
-    s = gp.Stream()
-    g = gp.CUDAGraph()
-    with gp.stream(s):
-        g.capture_begin()
-        out = gp.alloc(1 << 20)
-        runtime.get().device(s.device).memset(out.ptr, 0, out.nbytes, s.handle)
-        keep.append(out)
-        g.capture_end()
-    print(render_snapshot(gp.memory_snapshot(), as_json))
-    if not as_json:
-        print()
-        print(gp.memory_summary())
-    del keep, g
-    return 0

@@ -1,4 +1,4 @@
-"""Devices, streams and events of the public API (SPEC section 1).
+"""Devices, streams and events of the public API (see docs/api.rst).
 
 Streams are never destroyed: the allocator files free blocks by stream handle, and a
 handle reused by a new stream could otherwise inherit blocks whose last use is still
@@ -8,12 +8,21 @@ running (PyTorch pools its streams for the same reason).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from graphpool import runtime
-from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM
+from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM, Device
 from graphpool.errors import CaptureRefusedError, CUDAError
+
+record_listeners: list[Callable[[Event, Stream], None]] = []
+"""Called as ``listener(event, stream)`` after ``event`` is recorded on ``stream``.
+
+The replay checker (graphs.py) registers here, so streams need not import graphs: the
+import arrows point one way (as with ``runtime.stream_listeners``)."""
+
+wait_listeners: list[Callable[[Stream, Event], None]] = []
+"""Called as ``listener(stream, event)`` after ``stream`` is made to wait for ``event``."""
 
 
 def _index(device: Any) -> int:
@@ -48,7 +57,7 @@ class Stream:
         s.handle = handle
         return s
 
-    def _dev(self) -> Any:
+    def _dev(self) -> Device:
         return runtime.get().device(self.device)
 
     def synchronize(self) -> None:
@@ -60,9 +69,8 @@ class Stream:
         if not isinstance(event, Event):
             raise TypeError(f"wait_event needs a graphpool Event, not {type(event).__name__}")
         self._dev().stream_wait_event(self.handle, event.handle)
-        from graphpool import graphs
-
-        graphs.note_wait(self, event)
+        for listener in wait_listeners:
+            listener(self, event)
 
     def wait_stream(self, other: Stream) -> None:
         """Make later work on this stream wait for the work queued on ``other`` so far."""
@@ -111,9 +119,8 @@ class Event:
         if s.device != self.device:
             raise ValueError(f"event of device {self.device} recorded on a stream of device {s.device}")
         runtime.get().device(self.device).record_event(self.handle, s.handle)
-        from graphpool import graphs
-
-        graphs.note_record(self, s)
+        for listener in record_listeners:
+            listener(self, s)
 
     def query(self) -> bool:
         """True when the recorded work is done."""

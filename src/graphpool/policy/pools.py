@@ -2,7 +2,7 @@
 
 The numbers are tunables of ``SizeConfig`` so tests can shrink them and make
 splitting, growth and out-of-memory happen on every run; ``DEFAULT`` holds the
-figures of SPEC section 2 (PyTorch's).
+figures of docs/behaviour.rst, "The caching allocator" (PyTorch's).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A minimal CuPy-like array namespace on the simulated device (SPEC section 6).
+"""A minimal CuPy-like array namespace on the simulated device (docs/behaviour.rst).
 
 Arrays are 1-D (or 0-d, from ``sum``) and allocate from graphpool on the current device
 and stream (``graphpool.alloc``); an array holds its DeviceBuffer, so its memory is
@@ -8,13 +8,13 @@ dereference them when they run, exactly as GPU kernels do: an array dropped duri
 capture frees memory that a replay still touches. ``.item()``, ``.get()`` and ``repr``
 synchronize the current stream.
 
-graphpool is imported lazily, inside functions, to keep ``import graphpool.sim`` free of
-cycles.
+This is an array client of graphpool, like CuPy, not part of the simulated device (the
+device never needs arrays), so it sits above the public API in the import graph.
+``from graphpool.sim import xp`` still works: ``graphpool.sim`` forwards the name here.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 import operator
 from collections.abc import Callable
@@ -22,6 +22,9 @@ from typing import Any, TypeAlias
 
 import numpy as np
 
+from graphpool import memory as _memory
+from graphpool import runtime as _runtime
+from graphpool import streams as _streams
 from graphpool.device.protocol import CAPTURE_STATUS_NONE
 from graphpool.sim.device import SimDevice
 
@@ -38,18 +41,13 @@ _Arg: TypeAlias = "tuple[int, int, np.dtype[Any]] | Scalar"
 
 def _context() -> tuple[SimDevice, int]:
     """The current device (which must be simulated) and the current stream's handle."""
-    dev = importlib.import_module("graphpool.runtime").current_device_object()
+    dev = _runtime.current_device_object()
     if not isinstance(dev, SimDevice):
         raise TypeError(
             "graphpool.sim.xp arrays live on the simulated device, but the current device is "
             f"{dev!r}; call graphpool.set_backend('sim') first, or use CuPy on a GPU"
         )
-    return dev, int(_graphpool().current_stream().handle)
-
-
-def _graphpool() -> Any:
-    """graphpool itself, imported on first use (it imports this package)."""
-    return importlib.import_module("graphpool")
+    return dev, int(_streams.current_stream().handle)
 
 
 def _dtype(dtype: Any) -> np.dtype[Any]:
@@ -155,7 +153,7 @@ class ndarray:
         self._shape = _shape(shape)
         self._dtype = _dtype(dtype)
         self._dev, _ = _context()
-        self._buf = _graphpool().alloc(self.nbytes)
+        self._buf = _memory.alloc(self.nbytes)
 
     # -- attributes -------------------------------------------------------------
     @property
@@ -176,11 +174,11 @@ class ndarray:
 
     @property
     def itemsize(self) -> int:
-        return self._dtype.itemsize
+        return int(self._dtype.itemsize)
 
     @property
     def nbytes(self) -> int:
-        return self.size * self._dtype.itemsize
+        return self.size * int(self._dtype.itemsize)
 
     @property
     def data(self) -> MemoryPointer:
