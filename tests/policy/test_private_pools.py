@@ -131,7 +131,7 @@ def test_no_capture_query_while_nothing_captures() -> None:
     assert dev.info_calls == 0
     rec = a.begin_capture(P, lambda: dev.begin(S1), stream=S1)
     a.malloc(10, stream=S1)
-    assert dev.info_calls >= 1
+    assert dev.info_calls == 1  # one capture_info to route the request
     dev.end(S1)
     a.end_capture(rec)
     n = dev.info_calls
