@@ -24,6 +24,7 @@ def test_the_public_api_these_tests_use_is_there() -> None:
     """Each name missing fails here (and in the tests using it), never skips the file."""
     assert [n for n in _NEEDED if not hasattr(gp, n)] == []
 
+
 MiB = 1024 * 1024
 
 
