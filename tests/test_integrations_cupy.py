@@ -3,30 +3,23 @@
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
 import numpy as np
 import pytest
 
 import graphpool as gp
+from gpu_guard import cuda_unusable
 from graphpool import runtime
 
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_available() -> bool:
-    if os.environ.get("GRAPHPOOL_NO_GPU"):
-        return False
-    from graphpool.device.cuda import is_available
-
-    return is_available()
-
-
 @pytest.fixture
 def cp() -> Any:
-    if not _gpu_available():
-        pytest.skip("no usable CUDA GPU")
+    reason = cuda_unusable()
+    if reason is not None:
+        pytest.skip(reason)
     cupy = pytest.importorskip("cupy")
     import graphpool.cupy as gcupy
 
