@@ -22,8 +22,17 @@ def main(argv: list[str] | None = None) -> int:
             help="default: cuda when a GPU is usable, else sim",
         )
         if name == "bench":
-            p.add_argument("--quick", action="store_true", help="fewer repetitions")
-            p.add_argument("--json", default=None, help="also write the results to this file")
+            p.add_argument("--quick", action="store_true", help="small iteration counts (CI smoke test)")
+            p.add_argument(
+                "--json",
+                nargs="?",
+                const="-",
+                default=None,
+                metavar="PATH",
+                help="print the results as JSON instead of a table; with PATH, write the JSON "
+                "there and print the table",
+            )
+            p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
         if name == "snapshot":
             p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     args = parser.parse_args(argv)
@@ -34,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from graphpool.bench import run as bench
 
-        return bench(args.backend, quick=args.quick, json_path=args.json)
+        as_json = args.json == "-"
+        return bench(
+            args.backend,
+            quick=args.quick,
+            json_path=None if as_json else args.json,
+            as_json=as_json,
+            progress=not args.no_progress,
+        )
     from graphpool.snapshot import run_cli
 
     return run_cli(args.backend, as_json=args.json)
