@@ -17,6 +17,9 @@ import pytest
 from hypothesis import settings
 
 import graphpool as gp
+
+# The GPU-skip guard's hook (tests/gpu_guard.py): a `gpu` test skipping on a GPU host fails.
+from gpu_guard import cuda_unusable, pytest_runtest_makereport  # noqa: F401
 from graphpool import runtime
 
 # CI runs the property tests on fixed examples (a red CI blocks landing); elsewhere they explore.
@@ -31,11 +34,7 @@ def pytest_report_header() -> str:
 
 
 def gpu_available() -> bool:
-    if os.environ.get("GRAPHPOOL_NO_GPU"):
-        return False
-    from graphpool.device.cuda import is_available
-
-    return is_available()
+    return cuda_unusable() is None
 
 
 @dataclass
@@ -73,8 +72,9 @@ def _teardown() -> None:
 def backend(request: pytest.FixtureRequest) -> Any:
     name = request.param
     if name == "cuda":
-        if not gpu_available():
-            pytest.skip("no usable CUDA GPU")
+        reason = cuda_unusable()
+        if reason is not None:
+            pytest.skip(reason)
         pytest.importorskip("cupy")
         import cupy
 

@@ -227,14 +227,16 @@ def test_empty_cache_during_capture_is_refused(backend: Any) -> None:
     cached = gp.alloc(4096)
     cached.free()  # something the refused empty_cache would have released
     reserved = gp.memory_reserved()
+    frees = gp.memory_stats()["num_device_free"]
     s = gp.Stream()
     g = gp.CUDAGraph()
     with gp.stream(s):
         g.capture_begin()
-        a = xp.ones(100)
+        a = xp.ones(100)  # one new small segment (2 MiB) in the graph's private pool
         with pytest.raises(gp.CaptureError, match="capture"):
             gp.empty_cache()
-        assert gp.memory_reserved() >= reserved
+        assert gp.memory_reserved() == reserved + 2 * 1024 * 1024  # the cached segment kept
+        assert gp.memory_stats()["num_device_free"] == frees
         g.capture_end()
     g.reset()
     del a

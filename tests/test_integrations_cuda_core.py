@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gc
-import os
 from typing import Any
 
 import pytest
 
 import graphpool as gp
+from gpu_guard import cuda_unusable
 from graphpool import runtime
 
 pytestmark = pytest.mark.gpu
@@ -27,12 +27,9 @@ def _core() -> Any:
 
 @pytest.fixture
 def core() -> Any:
-    if os.environ.get("GRAPHPOOL_NO_GPU"):
-        pytest.skip("GRAPHPOOL_NO_GPU is set")
-    from graphpool.device.cuda import is_available
-
-    if not is_available():
-        pytest.skip("no usable CUDA GPU")
+    reason = cuda_unusable()
+    if reason is not None:
+        pytest.skip(reason)
     pytest.importorskip("cuda.core")
     mod = _core()
     if runtime.get().name != "cuda":

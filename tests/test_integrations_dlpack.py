@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import graphpool as gp
+from gpu_guard import cuda_unusable
 from graphpool import dlpack, runtime
 
 # -- dlpack.h, independently -----------------------------------------------------------
@@ -234,18 +235,11 @@ def test_typed_view(sim_backend: Any) -> None:
 # -- GPU -------------------------------------------------------------------------------
 
 
-def _gpu_available() -> bool:
-    if os.environ.get("GRAPHPOOL_NO_GPU"):
-        return False
-    from graphpool.device.cuda import is_available
-
-    return is_available()
-
-
 @pytest.fixture
 def cuda_backend() -> Any:
-    if not _gpu_available():
-        pytest.skip("no usable CUDA GPU")
+    reason = cuda_unusable()
+    if reason is not None:
+        pytest.skip(reason)
     if runtime.get().name != "cuda":
         gp.set_backend("cuda")
     gc.collect()
@@ -261,7 +255,7 @@ def cuda_backend() -> Any:
 def test_torch_views_the_buffer(cuda_backend: Any) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+        pytest.skip("optional framework missing: torch (built without CUDA)")
     gc.collect()
     base = gp.memory_allocated()
     buf = gp.alloc(1 << 20)
@@ -298,7 +292,7 @@ def test_torch_views_the_buffer(cuda_backend: Any) -> None:
 def test_torch_on_a_side_stream(cuda_backend: Any) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
+        pytest.skip("optional framework missing: torch (built without CUDA)")
     s = gp.Stream()
     buf = gp.alloc(1 << 16, stream=s)
     dev = runtime.get().device(buf.device)
@@ -323,7 +317,7 @@ def test_jax_views_the_buffer(cuda_backend: Any) -> None:
     except RuntimeError:
         gpus = []
     if not gpus:
-        pytest.skip("jax without a GPU backend")
+        pytest.skip("optional framework missing: jax (no GPU backend)")
     buf = gp.alloc(4096)
     dev = runtime.get().device(buf.device)
     dev.memset(buf.ptr, 5, buf.nbytes, 0)

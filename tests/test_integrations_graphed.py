@@ -69,9 +69,13 @@ def test_inputs_are_copied_not_aliased(backend: Any) -> None:
     # the sample arrays themselves are not the static inputs
     assert graphed.static_inputs[0] is not a0
     a, b = _inputs(xp, 3)
-    out = graphed(a, b).get()
-    a.fill(100)  # changing the argument afterwards does not change the result already read
-    np.testing.assert_array_equal(out, f_single(*_inputs(xp, 3)).get())
+    res = graphed(a, b)
+    a.fill(100)  # changing the argument after the call changes neither the result...
+    expected = f_single(*_inputs(xp, 3)).get()
+    np.testing.assert_array_equal(res.get(), expected)  # (read after the write)
+    # ...nor the static input the call copied it into
+    np.testing.assert_array_equal(graphed.static_inputs[0].get(), _inputs(xp, 3)[0].get())
+    out = res.get()
     # the static inputs themselves can be passed back (no copy)
     np.testing.assert_array_equal(graphed(*graphed.static_inputs).get(), out)
 

@@ -56,8 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
             "default: cuda when a GPU is usable, else sim",
         )
         if name == "bench":
-            p.add_argument("--quick", action="store_true", help="fewer repetitions, for a quick look")
-            p.add_argument("--json", default=None, metavar="FILE", help="also write the results to FILE")
+            p.add_argument("--quick", action="store_true", help="small iteration counts (CI smoke test)")
+            p.add_argument(
+                "--json",
+                nargs="?",
+                const="-",
+                default=None,
+                metavar="PATH",
+                help="print the results as JSON instead of a table; with PATH, write the JSON "
+                "there and print the table",
+            )
+            p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
         if name == "snapshot":
             p.add_argument("--json", action="store_true", help="print the snapshot as JSON instead of text")
     return parser
@@ -98,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from graphpool.bench import run as bench
 
-        return bench(args.backend, quick=args.quick, json_path=args.json)
+        as_json = args.json == "-"
+        return bench(
+            args.backend,
+            quick=args.quick,
+            json_path=None if as_json else args.json,
+            as_json=as_json,
+            progress=not args.no_progress,
+        )
     return snapshot(args.backend, as_json=args.json)
 
 

@@ -1,14 +1,33 @@
 """``python -m graphpool bench``: allocator and graph benchmarks, measured side by side.
 
-Every comparison is a ratio of two figures taken in the same process, interleaved, as
-the median of several repeats. Absolute times only mean something on a real GPU.
+Honesty rules every comparison here follows:
+
+* Both sides of a ratio are measured in the same process, interleaved: the conditions
+  alternate in rounds (A, B, A, B, ...), so they share the host's drift; each figure is
+  the median over the rounds (the least disturbed round is reported too where it helps).
+* Every ratio names its direction: ``"graphpool/cupy time"`` is graphpool's time divided
+  by CuPy's, so above 1 means graphpool is slower.
+* Graph replays are synchronized between timed runs (work queued by one run never
+  slows the next), and compared with the raw launch underneath: ``cudaGraphLaunch``
+  called through cuda.bindings on a GPU, the device's own ``launch`` on the simulator,
+  with graphpool's replay checker off and on.
+* CUDA's own gain (one graph replay against the same kernels launched eagerly) is
+  labelled as CUDA's, not graphpool's.
+* A comparison that cannot run here (CuPy missing, no GPU) is listed with the reason.
+
+Output: a table (rounded, with units) on stdout; ``--json`` prints the machine-readable
+form instead, ``--json PATH`` writes it to PATH as well as printing the table. Progress
+goes to stderr. ``--quick``: small iteration counts (the CI smoke test). Absolute times
+only mean something on a real GPU.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +44,10 @@ extern "C" __global__ void gp_spin(long long cycles) {
 """
 _spin: Any = None
 
+PAIR_SIZES = (512, 65536, 4 << 20)
+MIXED_SIZES = (512, 64 << 10, 1 << 20, 4 << 20, 24 << 20)
+CUPY_POOL = "cupy MemoryPool malloc+free"
+
 
 def cuda_spin(stream: gp.Stream, cycles: int = 200_000_000) -> None:
     """Queue a one-thread kernel that spins ``cycles`` clock ticks (about 0.1 s) on ``stream``."""
@@ -38,6 +61,21 @@ def cuda_spin(stream: gp.Stream, cycles: int = 200_000_000) -> None:
     _spin((1,), (1,), (cupy.int64(cycles),), stream=cupy_stream(stream))
 
 
+class Progress:
+    """Progress lines on stderr, with the seconds since the start."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if self.enabled:
+            print(f"[bench {time.perf_counter() - self.t0:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+_progress = Progress(enabled=False)
+
+
 def _per_call(fn: Callable[[], None], number: int, repeat: int) -> list[float]:
     """Seconds per call of ``fn`` for each of ``repeat`` runs of ``number`` calls."""
     out = []
@@ -49,15 +87,27 @@ def _per_call(fn: Callable[[], None], number: int, repeat: int) -> list[float]:
     return out
 
 
-def _runs(fns: dict[str, Callable[[], None]], number: int, repeat: int) -> dict[str, list[float]]:
-    """Seconds per call of each fn in each of ``repeat`` runs, the fns' runs interleaved so
-    that they share the host's drift."""
+def _runs(
+    fns: dict[str, Callable[[], None]],
+    number: int,
+    repeat: int,
+    between: Callable[[], None] | None = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each fn in each of ``repeat`` rounds, the fns' runs interleaved
+    within each round so that they share the host's drift. ``between`` runs, untimed,
+    before every timed run (e.g. a synchronize, so queued work never spills over)."""
     runs: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():  # warm up
+        if between is not None:
+            between()
         _per_call(fn, max(1, number // 10), 1)
     for _ in range(repeat):
         for k, fn in fns.items():
+            if between is not None:
+                between()
             runs[k] += _per_call(fn, number, 1)
+    if between is not None:
+        between()
     return runs
 
 
@@ -66,21 +116,32 @@ def _interleaved(fns: dict[str, Callable[[], None]], number: int, repeat: int) -
     return {k: statistics.median(v) for k, v in _runs(fns, number, repeat).items()}
 
 
-def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
-    """A cached malloc+free pair: graphpool's public call, its policy alone, and CuPy's pool."""
-    sizes = (512, 65536, 4 << 20)
+def _cupy_pool(skipped: list[dict[str, str]], what: str) -> Any:
+    """A fresh CuPy MemoryPool to compare with, or None (noted in ``skipped``)."""
+    if gp.backend() != "cuda":
+        why = "CuPy runs only on the cuda backend (this is the simulator)"
+        skipped.append({"comparison": what, "why": why})
+        return None
+    try:
+        import cupy
+    except ImportError:
+        skipped.append({"comparison": what, "why": "cupy not installed"})
+        return None
+    return cupy.cuda.MemoryPool()
+
+
+Skipped = list[dict[str, str]]  # {"comparison": ..., "why": ...} for each comparison not run
+
+
+def bench_malloc_free(number: int, repeat: int, skipped: Skipped | None = None) -> dict[str, Any]:
+    """A cached malloc+free pair at one size: graphpool's public call, its policy alone, and CuPy's pool."""
+    skipped = [] if skipped is None else skipped
     s = gp.current_stream()
     alloc = runtime.allocator()
     results: dict[str, Any] = {}
-    cupy_pool = None
-    if gp.backend() == "cuda":
-        try:
-            import cupy
-
-            cupy_pool = cupy.cuda.MemoryPool()
-        except ImportError:
-            cupy_pool = None
-    for n in sizes:
+    cupy_pool = _cupy_pool(skipped, "malloc+free pair vs CuPy MemoryPool")
+    for n in PAIR_SIZES:
+        _progress(f"malloc+free pair, {_fmt_size(n)}")
         fns: dict[str, Callable[[], None]] = {}
 
         def gp_pair(n: int = n) -> None:
@@ -105,23 +166,71 @@ def bench_malloc_free(number: int, repeat: int) -> dict[str, Any]:
                 p = pool.malloc(n)
                 del p
 
-            fns["cupy MemoryPool malloc+free"] = cupy_pair
+            fns[CUPY_POOL] = cupy_pair
         runs = _runs(fns, number, repeat)
         med = {k: statistics.median(v) for k, v in runs.items()}
         best = {k: min(v) for k, v in runs.items()}  # the least disturbed run of each
-        row = {k: v * 1e6 for k, v in med.items()}
+        row: dict[str, Any] = {k: v * 1e6 for k, v in med.items()}
         if cupy_pool is not None:
             for key in ("alloc+free", "alloc+free, current stream", "alloc+drop"):
                 for name, stat in (("", med), (" (min)", best)):
-                    row[f"ratio {key} / cupy{name}"] = (
-                        stat[f"graphpool {key}"] / stat["cupy MemoryPool malloc+free"]
-                    )
+                    ratio = stat[f"graphpool {key}"] / stat[CUPY_POOL]
+                    row[f"ratio {key} / cupy{name}"] = ratio  # the key the GPU scripts read
+                    row[f"graphpool/cupy time, {key}{name}"] = ratio
         results[str(n)] = row
     return results
 
 
+def bench_mixed_sizes(number: int, repeat: int, skipped: Skipped | None = None) -> dict[str, Any]:
+    """Pairs whose sizes cycle through small and large requests (MIXED_SIZES), interleaved
+    with the same measurement for CuPy's MemoryPool."""
+    skipped = [] if skipped is None else skipped
+    _progress("malloc+free pair, mixed sizes")
+    s = gp.current_stream()
+    alloc = runtime.allocator()
+    cupy_pool = _cupy_pool(skipped, "mixed-size pair vs CuPy MemoryPool")
+    fns: dict[str, Callable[[], None]] = {}
+    gp_sizes = itertools.cycle(MIXED_SIZES)
+    policy_sizes = itertools.cycle(MIXED_SIZES)
+
+    def gp_pair() -> None:
+        gp.alloc(next(gp_sizes), s).free()
+
+    def policy_pair() -> None:
+        alloc.free(alloc.malloc(next(policy_sizes), stream=s.handle))
+
+    fns["graphpool alloc+free"] = gp_pair
+    fns["policy malloc+free"] = policy_pair
+    if cupy_pool is not None:
+        cupy_sizes = itertools.cycle(MIXED_SIZES)
+
+        def cupy_pair(pool: Any = cupy_pool) -> None:
+            p = pool.malloc(next(cupy_sizes))
+            del p
+
+        fns[CUPY_POOL] = cupy_pair
+    # a multiple of the cycle, so every run sees each size equally often
+    n = max(len(MIXED_SIZES), number - number % len(MIXED_SIZES))
+    runs = _runs(fns, n, repeat)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    best = {k: min(v) for k, v in runs.items()}
+    out: dict[str, Any] = {"sizes": list(MIXED_SIZES)}
+    out.update({f"{k} (us)": v * 1e6 for k, v in med.items()})
+    if cupy_pool is not None:
+        out["graphpool/cupy time, alloc+free"] = med["graphpool alloc+free"] / med[CUPY_POOL]
+        out["graphpool/cupy time, alloc+free (min)"] = best["graphpool alloc+free"] / best[CUPY_POOL]
+    return out
+
+
 def bench_routing(number: int, repeat: int) -> dict[str, Any]:
-    """A cached pair with no capture, with a capture on another stream, and on the capturing stream."""
+    """A cached pair with no capture underway, and (in the same rounds, alternating) the same
+    pair while another stream captures, and on the capturing stream itself.
+
+    Each round: the no-capture pair on a worker thread; then a capture begins, the same pair
+    runs on a worker thread on the eager stream and on the capturing stream, and the capture
+    ends. The conditions thus alternate round by round instead of one running before the other.
+    """
+    _progress("routing (pair with and without a capture underway)")
     n = 4096
     eager = gp.Stream()
     cap = gp.Stream()
@@ -133,35 +242,79 @@ def bench_routing(number: int, repeat: int) -> dict[str, Any]:
 
         return fn
 
-    out: dict[str, Any] = {}
-    base = _interleaved({"no capture": pair_on(eager)}, number, repeat)["no capture"]
-    g = gp.CUDAGraph()
-    during: dict[str, float] = {}
+    def in_thread(fn: Callable[[], None], count: int) -> float:
+        got: list[float] = []
+        err: list[BaseException] = []
 
-    def eager_thread() -> None:  # eager code of another thread while the capture is underway
-        during.update(_interleaved({"capture on another stream": pair_on(eager)}, number, repeat))
+        def body() -> None:
+            try:
+                got.extend(_per_call(fn, count, 1))
+            except BaseException as exc:  # re-raised below
+                err.append(exc)
 
-    with gp.stream(cap):
-        g.capture_begin(capture_error_mode="relaxed")
-        warm = gp.alloc(n, cap)  # the private pool's first segment
-        warm.free()
-        worker = threading.Thread(target=eager_thread)
-        worker.start()
-        worker.join()
-        during.update(_interleaved({"on the capturing stream": pair_on(cap)}, number, repeat))
-        buf = gp.alloc(n, cap)
-        dev.memset(buf.ptr, 0, n, cap.handle)
-        g.capture_end()
-    out["no capture (us)"] = base * 1e6
-    for k, v in during.items():
-        out[f"{k} (us)"] = v * 1e6
-        out[f"ratio {k} / no capture"] = v / base
-    del buf, g
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        if err:
+            raise err[0]
+        return got[0]
+
+    names = ("no capture", "capture on another stream", "on the capturing stream")
+    runs: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(repeat + 1):  # round 0 warms up and is dropped
+        count = max(1, number // 10) if r == 0 else number
+        base = in_thread(pair_on(eager), count)
+        g = gp.CUDAGraph()
+        with gp.stream(cap):
+            g.capture_begin(capture_error_mode="relaxed")
+            warm = gp.alloc(n, cap)  # the private pool's first segment
+            warm.free()
+            other = in_thread(pair_on(eager), count)
+            own = _per_call(pair_on(cap), count, 1)[0]
+            buf = gp.alloc(n, cap)
+            dev.memset(buf.ptr, 0, n, cap.handle)
+            g.capture_end()
+        del buf
+        g.reset()
+        if r:
+            for k, v in zip(names, (base, other, own), strict=True):
+                runs[k].append(v)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    out: dict[str, Any] = {"no capture (us)": med["no capture"] * 1e6}
+    for k in names[1:]:
+        out[f"{k} (us)"] = med[k] * 1e6
+        out[f"ratio {k} / no capture"] = med[k] / med["no capture"]  # the key the GPU scripts read
+        out[f"{k}/no capture time"] = med[k] / med["no capture"]
+    out["rounds"] = repeat
     return out
 
 
+def _raw_launch(dev: Any, exe: int, stream: gp.Stream) -> tuple[str, Callable[[], None]]:
+    """The launch underneath CUDAGraph.replay, without graphpool: cudaGraphLaunch through
+    cuda.bindings on a GPU, the simulated device's own launch on the simulator."""
+    if gp.backend() == "cuda":
+        # cuda.bindings' runtime module as device/cuda.py loaded it (the one module that
+        # imports the bindings); the call itself is the bare binding, no graphpool wrapper.
+        from graphpool.device import cuda as gcuda
+
+        launch = gcuda._load().cudaGraphLaunch
+        handle = gcuda._stream(stream.handle)
+
+        def raw() -> None:
+            launch(exe, handle)
+
+        return "raw cudaGraphLaunch (cuda.bindings)", raw
+
+    def sim_raw() -> None:
+        dev.launch(exe, stream.handle)
+
+    return "raw launch (simulated device)", sim_raw
+
+
 def bench_replay(number: int, repeat: int) -> dict[str, Any]:
-    """Replay cost: gp.CUDAGraph.replay() vs a bare launch of the same executable graph."""
+    """Replay cost: gp.CUDAGraph.replay() with the replay checker off and on, against the raw
+    launch of the same executable graph; the stream is synchronized between timed runs."""
+    _progress("graph replay vs raw launch")
     s = gp.Stream()
     dev = runtime.get().device(s.device)
     buf = gp.alloc(1 << 16, s)
@@ -172,23 +325,60 @@ def bench_replay(number: int, repeat: int) -> dict[str, Any]:
         g.capture_end()
     exe = g._exec
     assert exe is not None
+    raw_name, raw = _raw_launch(dev, exe, s)
+    mode = gp.replay_checks()
 
     def replay() -> None:
         g.replay()
 
-    def bare() -> None:
+    def bare() -> None:  # graphpool's device wrapper (the old baseline)
         dev.launch(exe, s.handle)
 
-    with gp.stream(s):
-        med = _interleaved({"CUDAGraph.replay": replay, "bare launch": bare}, number, repeat)
-        s.synchronize()
-    out = {f"{k} (us)": v * 1e6 for k, v in med.items()}
-    out["ratio replay / bare launch"] = med["CUDAGraph.replay"] / med["bare launch"]
+    # (name, checker mode set untimed before each run, fn). Launches queue work: runs are
+    # kept short enough that the queue never fills, and drained between runs so one run's
+    # work never slows the next.
+    calls = max(1, min(number, 500))
+    cases: list[tuple[str, str, Callable[[], None]]] = [
+        ("CUDAGraph.replay, checker off", "off", replay),
+        ("CUDAGraph.replay, checker on", "raise", replay),
+        ("bare launch", "off", bare),
+        (raw_name, "off", raw),
+    ]
+    runs: dict[str, list[float]] = {name: [] for name, _, _ in cases}
+    try:
+        with gp.stream(s):
+            for r in range(repeat + 1):  # round 0 warms up and is dropped
+                for name, checks, fn in cases:
+                    gp.set_replay_checks(checks)
+                    s.synchronize()
+                    t = _per_call(fn, max(1, calls // 10) if r == 0 else calls, 1)[0]
+                    if r:
+                        runs[name].append(t)
+            s.synchronize()
+    finally:
+        gp.set_replay_checks(mode)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    out: dict[str, Any] = {  # the first three keys: the GPU scripts read them
+        "CUDAGraph.replay (us)": med["CUDAGraph.replay, checker off"] * 1e6,
+        "bare launch (us)": med["bare launch"] * 1e6,
+        "ratio replay / bare launch": med["CUDAGraph.replay, checker off"] / med["bare launch"],
+    }
+    out["CUDAGraph.replay, checker off (us)"] = med["CUDAGraph.replay, checker off"] * 1e6
+    out["CUDAGraph.replay, checker on (us)"] = med["CUDAGraph.replay, checker on"] * 1e6
+    out["raw launch (us)"] = med[raw_name] * 1e6
+    out["raw launch is"] = raw_name
+    out["replay (checker off)/raw launch time"] = med["CUDAGraph.replay, checker off"] / med[raw_name]
+    out["replay (checker on)/raw launch time"] = med["CUDAGraph.replay, checker on"] / med[raw_name]
+    out["calls per run"] = calls
+    buf.free()
+    g.reset()
     return out
 
 
 def bench_cupy_graph_vs_eager(repeat: int) -> dict[str, Any]:
-    """200 small CuPy kernels, eager vs one graph replay (device time by wall clock + sync)."""
+    """CUDA's gain, not graphpool's: 200 small CuPy kernels launched eagerly vs one replay of a
+    graph of them (device time by wall clock + sync)."""
+    _progress("CUDA graph vs eager kernels (CuPy)")
     import cupy
 
     import graphpool.cupy as gcupy
@@ -223,13 +413,15 @@ def bench_cupy_graph_vs_eager(repeat: int) -> dict[str, Any]:
     return {
         "eager 200 kernels (us)": med["eager"] * 1e6,
         "graph replay (us)": med["graph replay"] * 1e6,
-        "speedup": med["eager"] / med["graph replay"],
+        "speedup": med["eager"] / med["graph replay"],  # the GPU scripts' key
+        "CUDA's graph speedup (eager/replay time)": med["eager"] / med["graph replay"],
         "replay result correct": ok,
     }
 
 
 def bench_cupy_hazard() -> dict[str, Any]:
     """The CuPy hazard with CuPy's own pool and capture API, then with graphpool installed."""
+    _progress("the CuPy capture hazard")
     import cupy
 
     import graphpool.cupy as gcupy
@@ -260,29 +452,150 @@ def bench_cupy_hazard() -> dict[str, Any]:
     return out
 
 
-def run(backend: str | None = None, quick: bool = False, json_path: str | None = None) -> int:
-    """Run the benchmarks for this backend and print a table of the results."""
+# ----------------------------------------------------------------------------- output
+def _fmt_size(n: int) -> str:
+    for unit, k in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << k and n % (1 << k) == 0:
+            return f"{n >> k} {unit}"
+    return f"{n} B"
+
+
+def _fmt_value(key: str, value: Any) -> tuple[str, str]:
+    """(figure, unit) for a table cell: times in microseconds to 3 significant figures,
+    ratios to 2 decimals with an x."""
+    if isinstance(value, bool):
+        return ("yes" if value else "NO"), ""
+    if isinstance(value, float):
+        if key.endswith("(us)"):
+            return f"{value:.3g}" if value < 100 else f"{value:,.0f}", "us"
+        return f"{value:.2f}", "x"
+    if isinstance(value, list):
+        return ", ".join(_fmt_size(v) if isinstance(v, int) else str(v) for v in value), ""
+    return str(value), ""
+
+
+# Keys kept in the JSON for the GPU scripts but not shown: the table shows the same figure
+# under a label that says what it is (a ratio's direction, the checker's mode).
+_LEGACY_PREFIXES = ("ratio ",)
+_LEGACY_KEYS = ("speedup", "CUDAGraph.replay (us)")
+_LABELS = {"bare launch": "bare launch (graphpool's device wrapper)"}
+
+
+def _shown(key: str) -> bool:
+    return key not in _LEGACY_KEYS and not key.startswith(_LEGACY_PREFIXES)
+
+
+def _label(key: str) -> str:
+    key = key.removesuffix(" (us)")
+    return _LABELS.get(key, key)
+
+
+_TITLES = {
+    "malloc_free_pair_us": "cached malloc+free pair, one size",
+    "malloc_free_mixed_us": "cached malloc+free pair, mixed sizes (cycling)",
+    "routing": "pair while a capture is underway (rounds alternate with the no-capture pair)",
+    "replay": "graph replay vs raw launch (synchronized between runs)",
+    "cupy_graph_vs_eager": "CUDA's graph speedup (CuPy kernels; CUDA's gain, not graphpool's)",
+    "cupy_hazard": "the CuPy capture hazard",
+}
+
+
+def table(results: dict[str, Any]) -> str:
+    """The results as a readable table: sections, labels, rounded figures with units."""
+    lines = [
+        f"graphpool bench: backend {results['backend']} ({results['device']}), "
+        f"{'compiled' if results['compiled'] else 'plain Python'}, "
+        f"{results['meta']['number']} calls x {results['meta']['repeat']} rounds"
+        + (" (quick)" if results["meta"]["quick"] else ""),
+        "ratios: A/B time is A's time divided by B's (above 1: A is slower)",
+    ]
+    rows: list[tuple[str, str, str]] = []
+
+    def section(title: str) -> None:
+        rows.append(("", "", ""))
+        rows.append((f"== {title}", "", ""))
+
+    for name, title in _TITLES.items():
+        data = results.get(name)
+        if not isinstance(data, dict):
+            continue
+        section(title)
+        if name == "malloc_free_pair_us":  # per size; its plain keys are times in us
+            for size, row in data.items():
+                for k, v in row.items():
+                    if _shown(k):
+                        key = k if "/" in k else k + " (us)"
+                        rows.append((f"{_fmt_size(int(size))}: {_label(k)}", *_fmt_value(key, v)))
+            continue
+        for k, v in data.items():
+            if _shown(k):
+                rows.append((_label(k), *_fmt_value(k, v)))
+    figures = [r for r in rows if r[1] and not r[0].startswith("==")]
+    width = max(len(r[0]) for r in figures)
+    vwidth = max(len(r[1]) for r in figures if r[2])
+    for label, value, unit in rows:
+        if label.startswith("==") or not value:
+            lines.append(label)
+        elif not unit and not value[:1].isdigit():  # text: left-aligned
+            lines.append(f"  {label.ljust(width)}  {value}")
+        else:
+            lines.append(f"  {label.ljust(width)}  {value.rjust(vwidth)} {unit}".rstrip())
+    skipped = results.get("skipped") or []
+    lines += ["", f"== comparisons skipped ({len(skipped)})"]
+    lines += [f"  {s['comparison']}: {s['why']}" for s in skipped] or ["  none"]
+    return "\n".join(lines)
+
+
+def run(
+    backend: str | None = None,
+    quick: bool = False,
+    json_path: str | None = None,
+    *,
+    as_json: bool = False,
+    progress: bool = True,
+) -> int:
+    """Run the benchmarks for this backend; print a table (or, ``as_json``, the JSON).
+
+    ``json_path``: also write the JSON there.
+    """
+    global _progress
+    _progress = Progress(progress)
     if backend is not None:
         gp.set_backend(backend)
-    number, repeat = (2000, 5) if quick else (20000, 15)
+    number, repeat = (1000, 3) if quick else (20000, 15)
+    skipped: list[dict[str, str]] = []
     results: dict[str, Any] = {
         "backend": gp.backend(),
         "device": runtime.get().device(0).name,
         "compiled": gp.compiled(),
+        "meta": {"number": number, "repeat": repeat, "quick": quick},
     }
     gc.collect()
     gc.disable()  # keep collector pauses out of the per-call times
     try:
-        results["malloc_free_pair_us"] = bench_malloc_free(number, repeat)
+        results["malloc_free_pair_us"] = bench_malloc_free(number, repeat, skipped)
+        results["malloc_free_mixed_us"] = bench_mixed_sizes(number, repeat, skipped)
         results["routing"] = bench_routing(number, repeat)
         results["replay"] = bench_replay(number, repeat)
-        if gp.backend() == "cuda":
-            results["cupy_graph_vs_eager"] = bench_cupy_graph_vs_eager(repeat)
-            results["cupy_hazard"] = bench_cupy_hazard()
+        if gp.backend() != "cuda":
+            why = "needs the cuda backend and CuPy (this is the simulator)"
+            skipped.append({"comparison": "CUDA graph vs eager kernels (CuPy)", "why": why})
+            skipped.append({"comparison": "the CuPy capture hazard", "why": why})
+        else:
+            try:
+                import cupy  # noqa: F401
+            except ImportError:
+                for what in ("CUDA graph vs eager kernels (CuPy)", "the CuPy capture hazard"):
+                    skipped.append({"comparison": what, "why": "cupy not installed"})
+            else:
+                results["cupy_graph_vs_eager"] = bench_cupy_graph_vs_eager(repeat)
+                results["cupy_hazard"] = bench_cupy_hazard()
     finally:
         gc.enable()
+    results["skipped"] = skipped
+    _progress("done")
     text = json.dumps(results, indent=2, default=str)
-    print(text)
+    print(text if as_json else table(results))
     if json_path:
         with open(json_path, "w") as fh:
             fh.write(text + "\n")

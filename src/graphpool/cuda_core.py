@@ -80,7 +80,8 @@ def _make_class() -> Any:
             ptr = buf.ptr
             self._buffers[ptr] = buf
             try:
-                if stream is not None and hasattr(stream, "__cuda_stream__"):
+                with_stream = stream is not None and hasattr(stream, "__cuda_stream__")
+                if with_stream and hasattr(Buffer, "from_handle"):
                     try:
                         return Buffer.from_handle(ptr, size, mr=self, stream=stream)
                     except TypeError:  # 0.x: no stream keyword

@@ -171,6 +171,8 @@ class MemoryCase:
     after_delete: dict[str, int]  # STATS deltas once the graph is deleted
     b_after_delete: float  # per element, 6
     back_to_start: bool  # every level back where it started once a and b are dropped
+    start_levels: dict[str, int] | None = None  # the levels compared for back_to_start, before
+    end_levels: dict[str, int] | None = None  # and after (a test asserts these, not the flag)
 
 
 def memory_case(xp: Any, numel: int, pool: str) -> MemoryCase:
@@ -216,8 +218,10 @@ def memory_case(xp: Any, numel: int, pool: str) -> MemoryCase:
         for st in (*STATS, "allocation", "allocated_bytes")
         for p in ("all", "small_pool", "large_pool")
     ]
-    back = all(end[k] == start[k] for k in keys)
-    return MemoryCase(after_capture, replayed, after_delete, b_after_delete, back)
+    start_levels = {k: start[k] for k in keys}
+    end_levels = {k: end[k] for k in keys}
+    back = end_levels == start_levels
+    return MemoryCase(after_capture, replayed, after_delete, b_after_delete, back, start_levels, end_levels)
 
 
 def hazard(xp: Any, n: int = 1 << 20) -> tuple[int, float, float]:

@@ -244,7 +244,7 @@ def _unsafe(what: str, call: Any, *args: Any) -> Any:
             "query events or allocate device memory outside graphpool, and this call "
             "invalidated it; a 'thread_local' capture forbids it on its own thread. Capture "
             "with capture_error_mode='thread_local' or 'relaxed' to let other threads "
-            "synchronize, or wait until capture_end()."
+            "synchronize, or wait until capture_end().",
         ) from exc
 
 

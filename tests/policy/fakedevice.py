@@ -1,5 +1,19 @@
 """A tiny scripted device for policy unit tests: a bump allocator with a byte budget,
-events the test completes by hand, and capture status the test sets by hand."""
+events the test completes by hand, and capture status the test sets by hand.
+
+Events, two ways:
+
+* By default (``FakeDevice()``) every recorded event stays pending until the test
+  completes it (``complete_all()``, ``event_synchronize`` or ``dev.events[ev] = True``),
+  whatever its stream: the test scripts completion by hand.
+* ``FakeDevice(streams=True)`` honours streams: a stream runs the "slow work" a test
+  queues on it (``queue_work(stream)``) until the test finishes it (``finish_work(stream)``),
+  and an event recorded on a stream completes exactly when the work queued on that stream
+  before the record is done. An event recorded on an idle stream is complete at once, so
+  an event recorded on the wrong stream shows.
+
+``recorded`` logs every ``(event, stream)`` record in order.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +37,7 @@ class FakeDevice:
     index = 0
     name = "fake"
 
-    def __init__(self, total: int = 1 << 34) -> None:
+    def __init__(self, total: int = 1 << 34, *, streams: bool = False) -> None:
         self.total = total
         self.used = 0
         self.live: dict[int, int] = {}
@@ -37,6 +51,11 @@ class FakeDevice:
         self.id_calls = 0
         self.attached: dict[int, int] = {}  # token -> stream
         self.released: list[int] = []
+        self.streams = streams
+        self.queued: dict[int, int] = {}  # stream -> units of work ever queued on it
+        self.done: dict[int, int] = {}  # stream -> units of it finished
+        self.targets: dict[int, tuple[int, int]] = {}  # event -> (stream, work it waits for)
+        self.recorded: list[tuple[int, int]] = []
 
     # memory
     def malloc(self, nbytes: int) -> int | None:
@@ -64,17 +83,49 @@ class FakeDevice:
 
     def record_event(self, event: int, stream: int) -> None:
         self.calls.append("record")
-        self.events[event] = False
+        self.recorded.append((event, stream))
+        if self.streams:
+            target = self.queued.get(stream, 0)
+            self.targets[event] = (stream, target)
+            self.events[event] = self.done.get(stream, 0) >= target
+        else:
+            self.events[event] = False
 
     def query_event(self, event: int) -> bool:
         self.calls.append("query")
+        self._refresh(event)
         return self.events[event]
 
     def event_synchronize(self, event: int) -> None:
+        """Wait for the event: its stream's work queued before the record finishes."""
         self.calls.append("sync")
+        if event in self.targets:
+            stream, target = self.targets[event]
+            self.done[stream] = max(self.done.get(stream, 0), target)
         self.events[event] = True
 
+    def _refresh(self, event: int) -> None:
+        if event in self.targets and not self.events[event]:
+            stream, target = self.targets[event]
+            self.events[event] = self.done.get(stream, 0) >= target
+
+    # slow work on streams (``streams=True``)
+    def queue_work(self, stream: int, units: int = 1) -> None:
+        """Queue ``units`` of slow work on ``stream``; it runs until ``finish_work``."""
+        self.queued[stream] = self.queued.get(stream, 0) + units
+
+    def finish_work(self, stream: int, units: int | None = None) -> None:
+        """Finish ``units`` (default: all) of the work queued on ``stream``, in order."""
+        queued = self.queued.get(stream, 0)
+        done = self.done.get(stream, 0)
+        self.done[stream] = queued if units is None else min(queued, done + units)
+
+    def busy(self, stream: int) -> bool:
+        return self.done.get(stream, 0) < self.queued.get(stream, 0)
+
     def complete_all(self) -> None:
+        for stream, queued in self.queued.items():
+            self.done[stream] = queued
         for ev in self.events:
             self.events[ev] = True
 

@@ -71,10 +71,23 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
         for counter in ("current", "peak", "allocated", "freed")
     } | {"num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"}
     assert set(st) == expected
-    assert set(STAT_NAMES) <= {k.split(".")[0] for k in st}
-    assert set(POOL_NAMES) == {"all", "small_pool", "large_pool"}
-    assert set(SCALAR_NAMES) <= set(st)
-    assert all(v == 0 for v in st.values())
+    # the module's name lists match the keys exactly, in PyTorch's order
+    assert STAT_NAMES == (
+        "allocation",
+        "allocated_bytes",
+        "requested_bytes",
+        "segment",
+        "reserved_bytes",
+        "active",
+        "active_bytes",
+        "inactive_split",
+        "inactive_split_bytes",
+    )
+    assert POOL_NAMES == ("all", "small_pool", "large_pool")
+    assert SCALAR_NAMES == ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+    assert {k.split(".")[0] for k in st if "." in k} == set(STAT_NAMES)
+    assert [k for k in st if "." not in k] == list(SCALAR_NAMES)
+    assert st == dict.fromkeys(expected, 0)
     ok(a)
 
 
@@ -481,7 +494,8 @@ def test_peaks_and_accumulated_counters_and_their_resets() -> None:
     assert st["reserved_bytes.all.current"] == 2 * MiB
     assert st["allocated_bytes.all.peak"] == 512  # peaks untouched
     ok(a)
-    assert q
+    blk = a.lookup(q)  # the live allocation survives the reset
+    assert blk is not None and (blk.ptr, blk.size, blk.allocated) == (q, 512, True)
 
 
 def test_free_after_reset_accumulated_keeps_invariants() -> None:

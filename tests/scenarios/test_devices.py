@@ -17,7 +17,7 @@ N = 1 << 16
 
 def _need_two() -> None:
     if gp.device_count() < 2:
-        pytest.skip("needs two devices")
+        pytest.skip("host has too few GPUs: needs two devices")
 
 
 def test_allocations_and_stats_are_per_device(backend: Any) -> None:

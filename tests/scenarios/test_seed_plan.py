@@ -151,7 +151,11 @@ def test_memory_stats_and_use_result_after_destroy_graph(
         "active_bytes": numel * 4,
     }
     assert r.b_after_delete == 6
-    assert r.back_to_start
+    # every level back where it started: the figures themselves, not scenarios.py's verdict
+    assert r.start_levels is not None and r.end_levels is not None
+    assert len(r.end_levels) == 6 * 3  # 6 statistics x (all, small_pool, large_pool)
+    assert r.end_levels == r.start_levels
+    assert r.back_to_start is True
 
 
 def test_cupy_hazard_closed(backend: Any) -> None:

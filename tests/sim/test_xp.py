@@ -18,8 +18,12 @@ from graphpool.errors import CUDAError
 from graphpool.sim import SimBackend, SimDevice, xp
 
 _NEEDED = ("alloc", "current_stream", "set_backend", "graph", "Stream", "stream", "CUDAGraph")
-if not all(hasattr(gp, n) for n in _NEEDED):
-    pytest.skip("graphpool's public API is not there yet", allow_module_level=True)
+
+
+def test_the_public_api_these_tests_use_is_there() -> None:
+    """Each name missing fails here (and in the tests using it), never skips the file."""
+    assert [n for n in _NEEDED if not hasattr(gp, n)] == []
+
 
 MiB = 1024 * 1024
 
@@ -88,11 +92,9 @@ def test_big_float32_sums_are_exact() -> None:
 
 
 def test_memory_comes_from_graphpool_and_returns_on_collection() -> None:
-    if not hasattr(gp, "memory_allocated"):
-        pytest.skip("no memory_allocated")
     base = gp.memory_allocated()
     a = xp.ones(1000)
-    assert gp.memory_allocated() >= base + 4000
+    assert gp.memory_allocated() == base + -(-a.nbytes // 512) * 512  # rounded up to 512 B
     del a
     gc.collect()
     assert gp.memory_allocated() == base
@@ -103,7 +105,7 @@ def test_work_follows_the_current_stream(sim: SimDevice) -> None:
     with gp.stream(s):
         a = xp.ones(100)
         b = a + 1
-        assert sim.pending_ops(s.handle) >= 2
+        assert sim.pending_ops(s.handle) == 2  # the fill, then the add
         assert b.sum().item() == 200
         assert sim.pending_ops(s.handle) == 0
 

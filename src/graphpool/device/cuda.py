@@ -150,18 +150,63 @@ def _stream(handle: int) -> int:
     return handle if handle != LEGACY_STREAM else _LEGACY
 
 
-@functools.lru_cache(maxsize=1)
-def is_available() -> bool:
-    """True when cuda.bindings imports, the driver initialises and a device exists.
+# Why ``is_available()`` said no: ``unavailable_reason()`` starts with one of these.
+NO_BINDINGS = "no CUDA bindings"  # cuda-python's cuda.bindings is not installed
+NO_DRIVER = "no CUDA driver"  # the runtime found no (or too old a) driver
+NO_GPU = "no CUDA GPU"  # the driver works and reports no device
+BROKEN = "CUDA layer broken"  # anything else: an import or a call failed unexpectedly
+_NO_DRIVER_ERRORS = (
+    "cudaErrorInsufficientDriver",
+    "cudaErrorStubLibrary",
+    "cudaErrorCallRequiresNewerDriver",
+)
+_NO_GPU_ERRORS = ("cudaErrorNoDevice", "cudaErrorDevicesUnavailable")
 
-    Never raises; cached after the first call (it cannot change within a process).
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """None when the CUDA backend is usable; else why not, starting with NO_BINDINGS,
+    NO_DRIVER, NO_GPU or BROKEN and a colon.
+
+    NO_BINDINGS, NO_DRIVER and NO_GPU describe a machine without CUDA; BROKEN means the
+    CUDA layer is there but failed (a bindings import error from inside the package, an
+    unexpected error code or exception), which on a GPU host is a fault to report, not a
+    reason to fall back quietly. Never raises; cached (it cannot change within a process).
     """
     try:
         rt = _load()
+    except ModuleNotFoundError as exc:
+        if exc.name in ("cuda", "cuda.bindings", "cuda.bindings.runtime"):
+            return f"{NO_BINDINGS}: {exc}"
+        return f"{BROKEN}: importing cuda.bindings failed: {exc!r}"
+    except Exception as exc:
+        return f"{BROKEN}: importing cuda.bindings failed: {exc!r}"
+    try:
         err, count = rt.cudaGetDeviceCount()
-        return not err and int(count) >= 1
-    except Exception:
-        return False
+    except Exception as exc:
+        return f"{BROKEN}: cudaGetDeviceCount raised {exc!r}"
+    if err:
+        name = getattr(err, "name", str(int(err)))
+        if name in _NO_DRIVER_ERRORS:
+            return f"{NO_DRIVER}: cudaGetDeviceCount returned {name}"
+        if name in _NO_GPU_ERRORS:
+            return f"{NO_GPU}: cudaGetDeviceCount returned {name}"
+        return f"{BROKEN}: cudaGetDeviceCount returned {name}"
+    try:
+        n = int(count)
+    except Exception as exc:
+        return f"{BROKEN}: cudaGetDeviceCount gave {count!r} ({exc!r})"
+    if n < 1:
+        return f"{NO_GPU}: cudaGetDeviceCount reports {n} devices"
+    return None
+
+
+def is_available() -> bool:
+    """True when cuda.bindings imports, the driver initialises and a device exists.
+
+    Never raises; cached after the first call. ``unavailable_reason()`` says why not.
+    """
+    return unavailable_reason() is None
 
 
 def versions() -> dict[str, str]:
@@ -499,4 +544,4 @@ class CudaBackend:
         _check("cudaSetDevice", _rt.cudaSetDevice(index)[0])
 
 
-__all__ = ["CudaBackend", "CudaDevice", "is_available", "versions"]
+__all__ = ["CudaBackend", "CudaDevice", "is_available", "unavailable_reason", "versions"]

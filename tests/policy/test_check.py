@@ -1,0 +1,570 @@
+"""Self-tests of the invariant checker (policy/check.py): one corruption per check.
+
+``build()`` makes one allocator state that has a bit of everything (split segments,
+several free blocks of one stream, a block waiting on an event, spare Block objects, a
+live private pool with small and large segments, a freeable pool, a graph keeping a
+block, and optionally a capture still underway with a deferred free). Each case below
+corrupts exactly one thing a check guards and asserts ``check_invariants`` names it.
+
+To add a check: write a ``corrupt_*`` helper (it receives the ``State`` and may use its
+named blocks) and add a ``Case`` to ``CASES`` with the message fragment the check raises.
+A check that cannot fire without an earlier check firing first is listed with the
+earlier check's message and says so in ``note``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from fakedevice import SHRUNK, FakeDevice
+
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.block import Block, iter_segment
+from graphpool.policy.check import check_invariants
+from graphpool.policy.freelist import FreeList
+from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
+from graphpool.policy.stats import PoolStats
+
+S1, S2, S3, S4, S5 = 1, 2, 3, 4, 5
+P = PoolId(7, 0)  # the live pool (its graph is alive, or its capture underway)
+Q = PoolId(8, 0)  # a freeable pool (its graph was reset; segments remain)
+R = PoolId(10, 0)  # a pool whose one segment its live outputs fill
+
+
+@dataclass
+class State:
+    dev: FakeDevice
+    a: CachingAllocator
+    rec: CaptureRecord  # the capture into P (active when built with capturing=True)
+    free_first: Block  # free, at the front of an S1 small segment (neighbour allocated)
+    free_tail: Block  # free, at the end of the same segment
+    allocated: Block  # allocated, between them
+    large_alloc: Block  # allocated, front of a large S1 segment
+    large_tail: Block  # its free remainder
+    waiting: Block  # freed after record_stream: held by a pending event
+    kept: Block  # an ordinary block freed during the capture: kept by the graph
+    private_small: Block  # allocated in P's small pool
+    extra: dict[str, Block] = field(default_factory=dict)
+
+    def segment_of(self, block: Block) -> list[Block]:
+        head = block
+        while head.prev is not None:
+            head = head.prev
+        return iter_segment(head)
+
+
+def build(capturing: bool = False, keep: bool = True) -> State:
+    """The rich state. ``capturing``: P's capture still underway. ``keep``: the capture
+    frees an ordinary block, which its graph keeps (a hold no event or deferral explains)."""
+    dev = FakeDevice()
+    a = CachingAllocator(dev, sizes=SHRUNK)
+    # S3: a small segment carved in 16 blocks then freed: 15 spare Block objects, enough
+    # for every split below to leave some over.
+    for ptr in [a.malloc(512, stream=S3) for _ in range(16)]:
+        a.free(ptr)
+    # S1 small segment (8192): x1..x4 of 1024 each and a 4096 remainder.
+    x1, x2, x3, x4 = (a.malloc(1024, stream=S1) for _ in range(4))
+    a.free(x3)
+    a.free(x4)  # merges x3, x4 and the remainder
+    a.free(x1)  # [free 1024][x2][free 6144]
+    # S1 large segment: [8192 allocated][32768 free]
+    y = a.malloc(8192, stream=S1)
+    # A block on S2 used on S3, freed: held by a pending event on S3.
+    z = a.malloc(1024, stream=S2)
+    a.malloc(1024, stream=S2)  # keeps z from merging with the remainder
+    a.record_stream(z, S3)
+    a.free(z)
+    # Pool Q: captured, reset: freeable, its segment kept.
+    rq = a.begin_capture(Q, lambda: dev.begin(S5), stream=S5)
+    q1 = a.malloc(2048, stream=S5)
+    dev.end(S5)
+    a.end_capture(rq)
+    a.free(q1)
+    a.release_capture(rq)
+    # Pool R: one small segment filled by four live outputs of a graph still alive.
+    rr = a.begin_capture(R, lambda: dev.begin(S5), stream=S5)
+    for _ in range(4):
+        a.malloc(2048, stream=S5)
+    dev.end(S5)
+    a.end_capture(rr)
+    # Pool P: a capture on S4 with small and large private segments.
+    k = a.malloc(512, stream=S2) if keep else 0  # an ordinary block the capture frees: kept
+    rec = a.begin_capture(P, lambda: dev.begin(S4), stream=S4)
+    p_small = a.malloc(1024, stream=S4)
+    d = a.malloc(1024, stream=S4)  # freed after record_stream: deferred until the capture ends
+    a.malloc(30000, stream=S4)
+    a.record_stream(d, S3)
+    if keep:
+        a.free(k)
+    a.free(d)
+    if not capturing:
+        dev.end(S4)
+        a.end_capture(rec)
+    check_invariants(a)  # the state itself is sound
+    blk = a._active
+    first = _find(a, x1)
+    st = State(
+        dev=dev,
+        a=a,
+        rec=rec,
+        free_first=first,
+        free_tail=first.next.next,  # type: ignore[union-attr]
+        allocated=blk[x2],
+        large_alloc=blk[y],
+        large_tail=blk[y].next,  # type: ignore[arg-type]
+        waiting=_find(a, z),
+        kept=_find(a, k) if keep else blk[x2],
+        private_small=blk[p_small],
+    )
+    assert st.free_first.ptr == x1 and not st.free_first.allocated
+    assert st.free_tail.next is None and st.free_tail.size == 6144
+    assert st.waiting.holds == 1
+    assert not keep or st.kept.holds == 1
+    assert len(a._spare) > 0  # spare Block objects to corrupt the list of
+    assert Q in a._freeable and P in a._pools and R in a._pools and R not in a._freeable
+    return st
+
+
+def _find(a: CachingAllocator, ptr: int) -> Block:
+    for base in a._seg_bases:
+        for b in iter_segment(a._segments[base]):
+            if b.ptr == ptr:
+                return b
+    raise LookupError(hex(ptr))
+
+
+def _fl(st: State, block: Block) -> tuple[FreeList, int]:
+    """The free list filing ``block`` and its index in its stream's bins."""
+    fl = block.pool
+    bins = fl.bins[block.stream]
+    return fl, next(i for i, b in enumerate(bins.blocks) if b is block)
+
+
+def _detached(st: State, pool: FreeList, stream: int = S1) -> Block:
+    """A Block object in no segment (as a spare is)."""
+    return Block(1 << 50, 512, stream, pool)
+
+
+class _StatsWithDict(PoolStats):
+    """PoolStats whose flattened form a test rewrites (for checks of as_dict's own output)."""
+
+    __slots__ = ("edit",)
+
+    def as_dict(self) -> dict[str, int]:
+        out = super().as_dict()
+        self.edit(out)
+        return out
+
+
+def _swap_stats(st: State, edit: Callable[[dict[str, int]], None]) -> None:
+    """Replace the device's statistics by a copy whose as_dict() goes through ``edit``."""
+    old = st.a.stats
+    new = _StatsWithDict()
+    for name in PoolStats.__slots__:
+        setattr(new, name, getattr(old, name))
+    new.edit = edit
+    st.a.stats = new
+
+
+# --------------------------------------------------------------------- corruptions
+def corrupt_seg_bases(st: State) -> None:
+    st.a._seg_bases.reverse()
+
+
+def corrupt_head_prev(st: State) -> None:
+    st.free_first.prev = _detached(st, st.free_first.pool)
+
+
+def corrupt_alignment(st: State) -> None:
+    st.free_tail.size += 1
+
+
+def corrupt_empty(st: State) -> None:
+    st.free_tail.size = 0
+
+
+def corrupt_pool_mix(st: State) -> None:
+    st.allocated.pool = st.a._large
+
+
+def corrupt_gap(st: State) -> None:
+    st.free_tail.ptr += 512
+    st.free_tail.size -= 512
+
+
+def corrupt_back_link(st: State) -> None:
+    st.allocated.next.prev = None  # type: ignore[union-attr]
+
+
+def corrupt_unmerged(st: State) -> None:
+    """Split the free tail into two free blocks, both filed: the checker must want them merged."""
+    b = st.free_tail
+    fl, _ = _fl(st, b)
+    fl.remove(b)
+    half = Block(b.ptr + 512, b.size - 512, b.stream, fl)
+    b.size = 512
+    b.next, half.prev = half, b
+    fl.insert(b)
+    fl.insert(half)
+
+
+def corrupt_bins_length(st: State) -> None:
+    st.free_first.pool.bins[S1].sizes.append(1 << 20)
+
+
+def corrupt_bins_order(st: State) -> None:
+    bins = st.free_first.pool.bins[S1]
+    bins.sizes.reverse()
+    bins.blocks.reverse()
+
+
+def corrupt_filed_twice(st: State) -> None:
+    fl, i = _fl(st, st.free_first)
+    bins = fl.bins[S1]
+    bins.sizes.insert(i, bins.sizes[i])
+    bins.blocks.insert(i, bins.blocks[i])
+
+
+def corrupt_wrong_stream(st: State) -> None:
+    fl = st.free_first.pool
+    fl.bins[99] = fl.bins.pop(S1)
+
+
+def corrupt_size_mismatch(st: State) -> None:
+    fl, i = _fl(st, st.free_tail)
+    fl.bins[S1].sizes[i] += 512
+
+
+def corrupt_allocated_filed(st: State) -> None:
+    st.free_first.allocated = True
+
+
+def corrupt_held_filed(st: State) -> None:
+    st.free_first.holds = 1
+
+
+def corrupt_wrong_freelist(st: State) -> None:
+    """File S1's small free blocks in the large free list (in place of its own S1 bins)."""
+    st.a._large.bins[S1] = st.a._small.bins.pop(S1)
+
+
+def corrupt_two_freelists(st: State) -> None:
+    """A private pool sharing the ordinary small free list: its blocks are filed twice.
+
+    The only way to file a block in two free lists without first filing it in one that
+    is not its pool (caught earlier) is one FreeList object listed twice."""
+    st.a._pools[P].small = st.a._small
+
+
+def corrupt_unfiled(st: State) -> None:
+    st.free_first.pool.remove(st.free_first)
+
+
+def corrupt_untracked(st: State) -> None:
+    del st.a._active[st.allocated.ptr]
+
+
+def corrupt_negative_holds(st: State) -> None:
+    st.allocated.holds = -1
+
+
+def corrupt_spare_in_use(st: State) -> None:
+    st.a._spare.append(st.allocated)
+
+
+def corrupt_spare_filed(st: State) -> None:
+    spare = _detached(st, st.a._small)
+    st.a._small.insert(spare)
+    st.a._spare.append(spare)
+
+
+def corrupt_spare_twice(st: State) -> None:
+    spare = _detached(st, st.a._small)
+    st.a._spare += [spare, spare]
+
+
+def corrupt_tracked_count(st: State) -> None:
+    st.a._active[1 << 51] = st.allocated
+
+
+def corrupt_stat_current(st: State) -> None:
+    st.a.stats.small.allocation_cur += 1
+
+
+def corrupt_stat_peak(st: State) -> None:
+    """as_dict() reports peak = max(peak, current): only a wrong as_dict can break it."""
+    _swap_stats(st, lambda d: d.__setitem__("allocation.small_pool.peak", 0))
+
+
+def corrupt_stat_negative(st: State) -> None:
+    """A negative current level differs from the blocks' tally (never negative) first."""
+    st.a.stats.small.inactive_split_cur = -1
+
+
+def corrupt_stat_all_sum(st: State) -> None:
+    """as_dict() computes ``all`` as the sum of the kinds: only a wrong as_dict can break it."""
+    _swap_stats(st, lambda d: d.__setitem__("allocation.all.freed", d["allocation.all.freed"] + 1))
+
+
+def corrupt_stat_all_peak(st: State) -> None:
+    st.a.stats.all_peak["allocation"] += 100
+
+
+def corrupt_private_stat(st: State) -> None:
+    st.a._pools[P].stats.large.reserved_bytes_cur += 512
+
+
+def corrupt_segment_count(st: State) -> None:
+    st.a._pools[P].segment_count += 1
+
+
+def corrupt_use_count(st: State) -> None:
+    st.a._pools[P].use_count = -1
+
+
+def corrupt_freeable_sync(st: State) -> None:
+    st.a._freeable[P] = st.a._pools[P]
+
+
+def corrupt_empty_freeable(st: State) -> None:
+    pid = PoolId(9, 0)
+    empty = PrivatePool(pid)
+    st.a._pools[pid] = empty
+    st.a._freeable[pid] = empty
+
+
+def corrupt_freeable_unregistered(st: State) -> None:
+    st.a._freeable[PoolId(9, 0)] = PrivatePool(PoolId(9, 0))
+
+
+def corrupt_orphan_segment(st: State) -> None:
+    del st.a._pools[R]
+
+
+def corrupt_capture_count(st: State) -> None:
+    st.a._capturing += 1
+
+
+def corrupt_capture_inactive(st: State) -> None:
+    st.rec.active = False
+
+
+def corrupt_capture_released(st: State) -> None:
+    st.rec.released = True
+
+
+def corrupt_extra_waiting(st: State) -> None:
+    st.a._waiting[S3].append(st.a._waiting[S3][0])
+
+
+def corrupt_extra_deferred_during_capture(st: State) -> None:
+    st.a._deferred.append(st.allocated)
+
+
+def corrupt_deferred_left(st: State) -> None:
+    """A deferral left after the captures ended, with a hold that accounts for it."""
+    st.a._deferred.append(st.kept)
+    st.kept.holds += 1
+
+
+def _record(st: State, pool: PrivatePool, seq: int) -> CaptureRecord:
+    rec = CaptureRecord(pool, "fake", 0, seq)
+    rec.stream, rec.capture_id = 77, 12345
+    return rec
+
+
+def corrupt_world_below(st: State) -> None:
+    st.a._world.active = 0
+
+
+def corrupt_capture_id(st: State) -> None:
+    st.rec.capture_id += 1
+
+
+def corrupt_capture_not_recorded(st: State) -> None:
+    del st.a._records[st.rec.sequence]
+
+
+def corrupt_foreign_stream(st: State) -> None:
+    st.a._foreign[99] = st.rec
+
+
+def corrupt_foreign_unregistered(st: State) -> None:
+    fake = _record(st, st.a._pools[P], 999)
+    fake.foreign = True
+    st.a._foreign[77] = fake
+
+
+def corrupt_record_released(st: State) -> None:
+    st.rec.released = True
+
+
+def corrupt_record_pool(st: State) -> None:
+    st.a._records[999] = _record(st, PrivatePool(PoolId(9, 0)), 999)
+
+
+def corrupt_record_token(st: State) -> None:
+    st.rec.foreign, st.rec.token = True, 5
+
+
+def corrupt_orphan_token(st: State) -> None:
+    st.a._tokens[999] = st.rec
+
+
+def corrupt_use_count_records(st: State) -> None:
+    st.a._pools[P].use_count += 1
+
+
+def corrupt_fresh_without_creator(st: State) -> None:
+    st.a._pools[P].fresh.add(st.segment_of(st.private_small)[0])
+
+
+def corrupt_record_fresh(st: State) -> None:
+    st.rec.fresh += 1
+
+
+def corrupt_creator_not_fresh(st: State) -> None:
+    st.a._pools[P].fresh.clear()
+
+
+def corrupt_hold_elsewhere(st: State) -> None:
+    st.a._deferred.append(_detached(st, st.allocated.pool))
+
+
+def corrupt_allocated_held(st: State) -> None:
+    st.allocated.holds += 1
+    st.a._deferred.append(st.allocated)
+
+
+@dataclass(frozen=True)
+class Case:
+    corrupt: Callable[[State], None]
+    message: str  # a fragment of the AssertionError's text
+    capturing: bool = False  # build the state with the capture still underway
+    keep: bool = True  # build the state with a block kept by the graph
+    note: str = ""  # the check this case targets, when an earlier one must fire instead
+
+
+CASES: dict[str, Case] = {
+    "segment bases": Case(corrupt_seg_bases, "segment bases out of sync"),
+    "head predecessor": Case(corrupt_head_prev, "segment head has a predecessor"),
+    "alignment": Case(corrupt_alignment, "block not aligned"),
+    "empty block": Case(corrupt_empty, "empty block"),
+    "pools within a segment": Case(corrupt_pool_mix, "blocks of one segment in different pools"),
+    "gap": Case(corrupt_gap, "gap or overlap between neighbours"),
+    "back link": Case(corrupt_back_link, "broken back link"),
+    "unmerged neighbours": Case(corrupt_unmerged, "two adjacent free blocks were not merged"),
+    "bins length": Case(corrupt_bins_length, "free-list sizes and blocks differ in length"),
+    "bins order": Case(corrupt_bins_order, "free-list blocks out of (size, address) order"),
+    "filed twice": Case(corrupt_filed_twice, "a block filed twice in a free list"),
+    "wrong stream": Case(corrupt_wrong_stream, "free block filed under another stream"),
+    "size mismatch": Case(corrupt_size_mismatch, "free-list size does not match its block"),
+    "allocated filed": Case(corrupt_allocated_filed, "allocated or held block in a free list"),
+    "held filed": Case(corrupt_held_filed, "allocated or held block in a free list"),
+    "wrong free list": Case(corrupt_wrong_freelist, "block filed in a free list that is not its pool"),
+    "two free lists": Case(corrupt_two_freelists, "a block filed in two free lists"),
+    "free not filed": Case(corrupt_unfiled, "free but not filed, or filed but not free"),
+    "untracked allocation": Case(corrupt_untracked, "allocated but not tracked"),
+    "negative holds": Case(corrupt_negative_holds, "negative hold count"),
+    "spare in use": Case(corrupt_spare_in_use, "still in use"),
+    "spare filed": Case(corrupt_spare_filed, "still filed as free"),
+    "spare twice": Case(corrupt_spare_twice, "a spare block listed twice"),
+    "tracked count": Case(corrupt_tracked_count, "tracked allocations != allocated blocks"),
+    "stat current": Case(corrupt_stat_current, "device allocation.all.current is"),
+    "stat peak": Case(corrupt_stat_peak, "device allocation.small_pool.peak below current"),
+    "stat negative": Case(
+        corrupt_stat_negative,
+        "device inactive_split.all.current is",
+        note="'current negative' cannot fire: the blocks' tally is never negative, so a "
+        "negative level trips 'current is X, blocks say Y' first",
+    ),
+    "stat all = sum": Case(corrupt_stat_all_sum, "device allocation.all.freed != small + large"),
+    "stat all peak": Case(corrupt_stat_all_peak, "allocation.all.peak above the sum of the kinds' peaks"),
+    "private pool stat": Case(corrupt_private_stat, "pool (7, 0) reserved_bytes.all.current is"),
+    "pool segment count": Case(corrupt_segment_count, "pool (7, 0) segment count wrong"),
+    "negative use count": Case(corrupt_use_count, "negative use count"),
+    "freeable in sync": Case(corrupt_freeable_sync, "freeable set out of sync with use counts"),
+    "empty freeable pool": Case(corrupt_empty_freeable, "an empty freeable pool was kept"),
+    "freeable registered": Case(corrupt_freeable_unregistered, "freeable pool not registered"),
+    "orphan segment": Case(corrupt_orphan_segment, "segment of a pool that no longer exists"),
+    "capture count": Case(corrupt_capture_count, "captures-underway count != registered captures"),
+    "capture not active": Case(corrupt_capture_inactive, "registered capture is not active", True),
+    "capture released": Case(corrupt_capture_released, "registered capture is not active", True),
+    "holds vs waiting": Case(corrupt_extra_waiting, "captures, events and deferrals", keep=False),
+    "holds vs deferred": Case(
+        corrupt_extra_deferred_during_capture, "captures, events and deferrals", capturing=True, keep=False
+    ),
+    "deferred left": Case(corrupt_deferred_left, "deferred frees left after every capture ended"),
+    "world below device": Case(
+        corrupt_world_below, "the runtime's capture count is below this device's", True
+    ),
+    "capture id": Case(corrupt_capture_id, "capture registered under another id", True),
+    "capture not recorded": Case(
+        corrupt_capture_not_recorded, "underway capture missing from the records", True
+    ),
+    "foreign stream": Case(corrupt_foreign_stream, "foreign capture filed under another stream", True),
+    "foreign unregistered": Case(corrupt_foreign_unregistered, "foreign capture not registered", True),
+    "record released": Case(corrupt_record_released, "released capture still in the records"),
+    "record pool": Case(corrupt_record_pool, "record of a dropped pool"),
+    "record token": Case(corrupt_record_token, "foreign capture without its release token"),
+    "orphan token": Case(corrupt_orphan_token, "release token of no record"),
+    "use count vs records": Case(corrupt_use_count_records, "records"),
+    "fresh without creator": Case(corrupt_fresh_without_creator, "fresh segment without creator"),
+    "record fresh count": Case(corrupt_record_fresh, "segments it may take back, not", True),
+    "creator not fresh": Case(corrupt_creator_not_fresh, "segment creator not listed as fresh", True),
+    "hold elsewhere": Case(
+        corrupt_hold_elsewhere, "a hold on a block that is no longer in any segment", True
+    ),
+    "allocated and held": Case(corrupt_allocated_held, "is allocated and held", True),
+}
+
+
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("capturing", [False, True])
+def test_the_built_state_is_sound_and_rich(capturing: bool, keep: bool) -> None:
+    st = build(capturing, keep)
+    a = st.a
+    assert a._capturing == int(capturing)
+    # S3, S1 small and large, S2 small, Q small, R small, P small and large
+    assert len(a._seg_bases) == 8
+    assert sum(len(q) for q in a._waiting.values()) == (1 if capturing else 2)
+    assert len(a._deferred) == (1 if capturing else 0)
+    holds = sum(b.holds for base in a._seg_bases for b in iter_segment(a._segments[base]))
+    assert holds == 1 + 1 + keep  # z's event, d's event or deferral, the graph's hold on k
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checker_catches(name: str) -> None:
+    case = CASES[name]
+    st = build(case.capturing, case.keep)
+    case.corrupt(st)
+    with pytest.raises(AssertionError, match="allocator invariant broken") as info:
+        check_invariants(st.a)
+    assert case.message in str(info.value), (case.note, str(info.value))
+
+
+def _check_messages() -> list[str]:
+    """The constant text of every ``_expect(cond, message)`` in check.py, longest literal part."""
+    import ast
+    import inspect
+
+    from graphpool.policy import check
+
+    out = []
+    for node in ast.walk(ast.parse(inspect.getsource(check))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_expect":
+            msg = node.args[1]
+            parts = [msg] if isinstance(msg, ast.Constant) else getattr(msg, "values", [])
+            texts = [p.value for p in parts if isinstance(p, ast.Constant) and isinstance(p.value, str)]
+            out.append(max(texts, key=len).strip())
+    return out
+
+
+def test_every_check_has_a_case() -> None:
+    """A new ``_expect`` in check.py without a case here fails this test."""
+    messages = _check_messages()
+    assert len(messages) == 53  # the checks today; update with a case for each new one
+    covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
+    assert [m for m in messages if m not in covered] == []

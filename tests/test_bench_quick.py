@@ -1,0 +1,141 @@
+"""CI smoke test of ``python -m graphpool bench --quick`` on the simulator."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src"
+
+# Keys the lead's GPU scripts (benchmarks/gpu_run.sh) read: they must stay.
+LEGACY = {
+    "routing": {
+        "no capture (us)",
+        "capture on another stream (us)",
+        "ratio capture on another stream / no capture",
+        "on the capturing stream (us)",
+        "ratio on the capturing stream / no capture",
+    },
+    "replay": {"CUDAGraph.replay (us)", "bare launch (us)", "ratio replay / bare launch"},
+}
+PAIR_KEYS = {
+    "graphpool alloc+free",
+    "graphpool alloc+free, current stream",
+    "graphpool alloc+drop",
+    "policy malloc+free",
+}
+
+
+def _bench(*args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
+    env = dict(os.environ, PYTHONPATH=str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [sys.executable, "-m", "graphpool", "bench", "--quick", "--backend", "sim", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    return r, time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def table_and_json(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, dict[str, Any], float]:
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    r, seconds = _bench("--json", str(path))
+    assert r.returncode == 0, r.stderr
+    return r.stdout, r.stderr, json.loads(path.read_text()), seconds
+
+
+def test_quick_bench_is_quick(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
+    assert table_and_json[3] < 20
+
+
+def test_table(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
+    table = table_and_json[0]
+    lines = table.splitlines()
+    assert lines[0].startswith("graphpool bench: backend sim")
+    assert "(quick)" in lines[0]
+    assert lines[1] == "ratios: A/B time is A's time divided by B's (above 1: A is slower)"
+    for header in (
+        "== cached malloc+free pair, one size",
+        "== cached malloc+free pair, mixed sizes (cycling)",
+        "== pair while a capture is underway (rounds alternate with the no-capture pair)",
+        "== graph replay vs raw launch (synchronized between runs)",
+        "== comparisons skipped (4)",
+    ):
+        assert header in lines
+    # figures are rounded, with units; every ratio says its direction
+    row = next(line for line in lines if line.strip().startswith("512 B: policy malloc+free"))
+    assert row.endswith(" us") and len(row.split()[-2].replace(".", "")) <= 4
+    ratios = [line for line in lines if line.endswith(" x")]
+    assert len(ratios) == 4
+    assert all("/" in line and " time " in line for line in ratios), ratios
+    assert "ratio " not in table  # the legacy keys, ambiguous about direction, stay out of the table
+    assert "  CuPy" not in table and "malloc+free pair vs CuPy MemoryPool: " in table
+    assert table.count("this is the simulator") == 4
+    assert "{" not in table  # not JSON
+
+
+def test_progress_on_stderr(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
+    progress = table_and_json[1].splitlines()
+    assert progress[0].startswith("[bench") and progress[-1].endswith("] done")
+    assert any("graph replay vs raw launch" in line for line in progress)
+
+
+def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
+    r = table_and_json[2]
+    assert set(r) == {
+        "backend",
+        "device",
+        "compiled",
+        "meta",
+        "malloc_free_pair_us",
+        "malloc_free_mixed_us",
+        "routing",
+        "replay",
+        "skipped",
+    }
+    assert r["backend"] == "sim"
+    assert r["meta"] == {"number": 1000, "repeat": 3, "quick": True}
+    assert set(r["malloc_free_pair_us"]) == {"512", "65536", "4194304"}
+    for row in r["malloc_free_pair_us"].values():
+        assert set(row) == PAIR_KEYS  # no CuPy on the simulator: no ratios to it
+        assert all(v > 0 for v in row.values())
+    mixed = r["malloc_free_mixed_us"]
+    assert mixed["sizes"] == [512, 65536, 1048576, 4194304, 25165824]
+    assert set(mixed) == {"sizes", "graphpool alloc+free (us)", "policy malloc+free (us)"}
+    for section, keys in LEGACY.items():
+        assert keys <= set(r[section]), section
+    assert r["routing"]["rounds"] == 3
+    assert r["routing"]["capture on another stream/no capture time"] == pytest.approx(
+        r["routing"]["capture on another stream (us)"] / r["routing"]["no capture (us)"]
+    )
+    rep = r["replay"]
+    assert rep["raw launch is"] == "raw launch (simulated device)"
+    assert rep["CUDAGraph.replay, checker off (us)"] == rep["CUDAGraph.replay (us)"]
+    assert rep["replay (checker on)/raw launch time"] == pytest.approx(
+        rep["CUDAGraph.replay, checker on (us)"] / rep["raw launch (us)"]
+    )
+    assert rep["calls per run"] == 500
+    assert [s["comparison"] for s in r["skipped"]] == [
+        "malloc+free pair vs CuPy MemoryPool",
+        "mixed-size pair vs CuPy MemoryPool",
+        "CUDA graph vs eager kernels (CuPy)",
+        "the CuPy capture hazard",
+    ]
+
+
+def test_json_to_stdout() -> None:
+    r, _ = _bench("--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    data = json.loads(r.stdout)
+    assert data["backend"] == "sim" and "routing" in data

@@ -1,0 +1,199 @@
+"""graphpool.cupy on the simulator, through the CuPy twin (tests/twins.py).
+
+The same checks as tests/test_integrations_cupy.py (GPU only), run in CI: the integration
+module itself (install, malloc, stream following, uninstall) on the simulated devices.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import graphpool as gp
+import graphpool.cupy as gcupy
+import twins
+from graphpool import runtime, scenarios
+
+
+def _settle() -> None:
+    gc.collect()
+    gp.synchronize()
+    gp.empty_cache()
+
+
+@pytest.fixture
+def cp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    fake = twins.make_cupy()
+    monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
+    for name, value in (("_cp", None), ("_installed", False), ("_previous", None)):
+        monkeypatch.setattr(gcupy, name, value)
+    monkeypatch.setattr(gcupy, "_gp_streams", {})
+    monkeypatch.setattr(gcupy, "_cp_streams", {})
+    twins.use_sim_as_cuda()
+    _settle()
+    gcupy.install()
+    try:
+        yield fake
+    finally:
+        gcupy.uninstall()
+        _settle()
+        gp.check_invariants()
+        gp.set_backend("sim")
+
+
+def _segment_of(ptr: int) -> dict[str, Any]:
+    for seg in gp.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return seg
+    raise AssertionError(f"0x{ptr:x} is not in any graphpool segment")
+
+
+def test_install_needs_the_cuda_backend(cp: Any) -> None:
+    gcupy.uninstall()
+    gp.set_backend("sim")
+    with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
+        gcupy.install()
+    assert gcupy.is_installed() is False
+    twins.use_sim_as_cuda()
+    gcupy.install()
+
+
+def test_arrays_allocate_through_graphpool(cp: Any) -> None:
+    base = gp.memory_allocated()
+    a = cp.ones(1 << 20, dtype=cp.float32)
+    assert gp.memory_allocated() == base + 4 * (1 << 20)
+    assert isinstance(a.data.mem, cp.cuda.UnownedMemory)
+    assert isinstance(a.data.mem._owner, gp.DeviceBuffer)  # the owner keeps the block
+    assert _segment_of(a.data.ptr)["segment_pool_id"] is None
+    assert float(a.sum()) == float(1 << 20)
+    assert cp.cuda.default_pool.n_device_malloc == 0  # CuPy's own pool untouched
+    del a
+    gc.collect()
+    assert gp.memory_allocated() == base
+
+
+def test_cupy_follows_graphpool_streams(cp: Any) -> None:
+    s = gp.Stream()
+    assert cp.cuda.get_current_stream().ptr == 0
+    with gp.stream(s):
+        assert cp.cuda.get_current_stream().ptr == s.handle
+        x = cp.arange(1000, dtype=cp.float32)
+        y = x * 2
+        assert _segment_of(y.data.ptr)["stream"] == s.handle  # allocated for s
+        dev = runtime.get().device(0)
+        assert dev.pending_ops(s.handle) == 2  # the kernels went to s, not the default stream
+        total = float(y.sum())
+    assert cp.cuda.get_current_stream().ptr == 0
+    assert total == 2 * sum(range(1000))
+    del x, y
+
+
+def test_stream_followed_on_another_cupy_device(cp: Any) -> None:
+    """gp.stream on device 1 while CuPy's current device is 0: CuPy's stream of device 1 follows."""
+    with gp.device(1):
+        s = gp.Stream()
+    with gp.stream(s):
+        assert cp.cuda.get_current_stream(1).ptr == s.handle
+        assert cp.cuda.get_current_stream(0).ptr == 0
+        assert cp.cuda.runtime.getDevice() == 0  # CuPy's current device put back
+
+
+def test_install_inside_a_stream_context_follows_at_once(cp: Any) -> None:
+    gcupy.uninstall()
+    s = gp.Stream()
+    with gp.stream(s):
+        gcupy.install()
+        assert cp.cuda.get_current_stream().ptr == s.handle
+
+
+def test_graph_with_cupy_kernels_replays(cp: Any) -> None:
+    n = 100_000
+    a = cp.ones(n, dtype=cp.float32)
+    gp.synchronize()
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        cs = cp.cuda.get_current_stream()
+        assert cs.ptr == gp.current_stream().handle != 0
+        assert cs.is_capturing() is True
+        t = a * 2  # freed during the capture
+        b = t + 1
+        del t
+    assert cp.cuda.get_current_stream().ptr == 0
+    assert _segment_of(b.data.ptr)["segment_pool_id"] == tuple(g.pool())
+    g.replay()
+    np.testing.assert_array_equal(cp.asnumpy(b), np.full(n, 3, np.float32))
+    a.fill(5)
+    g.replay()
+    np.testing.assert_array_equal(cp.asnumpy(b), np.full(n, 11, np.float32))
+    # eager allocations right after do not take the graph's memory (CuPy issue #9655)
+    y = cp.full(n, 7, dtype=cp.float32)
+    g.replay()
+    np.testing.assert_array_equal(cp.asnumpy(y), np.full(n, 7, np.float32))
+    del b, y
+    g.reset()
+
+
+def test_the_hazard_closed_with_graphpool_open_with_cupys_pool(cp: Any) -> None:
+    n = 1 << 16
+    wrong, y_total, out_total = scenarios.hazard(cp, n)
+    assert (wrong, y_total, out_total) == (0, 7.0 * n, 3.0 * n)
+    # The twin's own pool reproduces the hazard graphpool closes: a block freed during the
+    # capture goes to the next eager array, which the replay then overwrites. (Streams are
+    # still followed; only the allocator is CuPy's own.)
+    cp.cuda.set_allocator(None)
+    warm = [cp.empty(n, dtype=cp.float32) for _ in range(3)]  # cached: no cudaMalloc in capture
+    del warm
+    wrong, y_total, _ = scenarios.hazard(cp, n)
+    assert (wrong, y_total) == (n, 2.0 * n)  # y took t's block: the replay wrote a * 2 there
+    cp.cuda.set_allocator(gcupy.malloc)
+
+
+def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
+    gcupy.install()  # already installed by the fixture: no-op
+    assert gcupy.is_installed() is True
+    assert cp.cuda.get_allocator() is gcupy.malloc
+    assert runtime.stream_listeners.count(gcupy._follow) == 1
+    gcupy.uninstall()
+    gcupy.uninstall()
+    assert gcupy.is_installed() is False
+    prev = cp.cuda.get_allocator()
+    assert prev == cp.cuda.default_pool.malloc
+    assert gcupy._follow not in runtime.stream_listeners
+    base = gp.memory_allocated()
+    a = cp.ones(1 << 16, dtype=cp.float32)  # CuPy's own pool now
+    assert gp.memory_allocated() == base
+    s = gp.Stream()
+    with gp.stream(s):
+        assert cp.cuda.get_current_stream().ptr == 0  # no longer followed
+    del a
+    with gcupy.installed():
+        assert cp.cuda.get_allocator() is gcupy.malloc
+        b = cp.ones(1 << 16, dtype=cp.float32)
+        assert gp.memory_allocated() == base + 4 * (1 << 16)
+    assert cp.cuda.get_allocator() == prev
+    del b
+    gc.collect()
+    assert gp.memory_allocated() == base
+    gcupy.install()  # the fixture's teardown uninstalls
+
+
+def test_uninstall_keeps_an_allocator_set_since(cp: Any) -> None:
+    """If the user set another allocator after install(), uninstall() leaves it."""
+
+    def mine(n: int) -> Any:
+        return cp.cuda.default_pool.malloc(n)
+
+    cp.cuda.set_allocator(mine)
+    gcupy.uninstall()
+    assert cp.cuda.get_allocator() is mine
+
+
+def test_cupy_stream_cache_and_null(cp: Any) -> None:
+    s = gp.Stream()
+    assert gcupy.cupy_stream(s) is gcupy.cupy_stream(s)
+    assert gcupy.cupy_stream(s).ptr == s.handle
+    assert gcupy.cupy_stream(gp.default_stream()) is cp.cuda.Stream.null

@@ -1,0 +1,261 @@
+"""graphpool.numba and graphpool.cuda_core on the simulator, through the twins (tests/twins.py).
+
+The same checks as tests/test_integrations_numba.py and test_integrations_cuda_core.py
+(GPU only), run in CI on the integration modules themselves.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import graphpool as gp
+import graphpool.cuda_core as gcore
+import graphpool.numba as gnumba
+import twins
+from graphpool import runtime
+
+
+def _settle() -> None:
+    gc.collect()
+    gp.synchronize()
+    gp.empty_cache()
+
+
+def _segment_of(ptr: int) -> dict[str, Any]:
+    for seg in gp.memory_snapshot():
+        if seg["address"] <= ptr < seg["address"] + seg["total_size"]:
+            return seg
+    raise AssertionError(f"0x{ptr:x} is not in any graphpool segment")
+
+
+@pytest.fixture
+def sim_as_cuda() -> Iterator[None]:
+    twins.use_sim_as_cuda()
+    _settle()
+    try:
+        yield
+    finally:
+        _settle()
+        gp.check_invariants()
+        gp.set_backend("sim")
+
+
+# ============================================================================== Numba
+@pytest.fixture
+def numba_cuda(monkeypatch: pytest.MonkeyPatch, sim_as_cuda: None) -> Any:
+    numba, cuda = twins.make_numba()
+    monkeypatch.setitem(sys.modules, "numba", numba)
+    monkeypatch.setitem(sys.modules, "numba.cuda", cuda)
+    monkeypatch.setattr(gnumba, "_plugin", None)
+    return cuda
+
+
+def test_numba_emm_plugin(numba_cuda: Any) -> None:
+    cuda = numba_cuda
+    gnumba.install()
+    ctx = cuda.current_context()
+    assert isinstance(ctx.memory_manager, gnumba.GraphpoolEMMPlugin), type(ctx.memory_manager)
+    assert gnumba.GraphpoolEMMPlugin.__qualname__ == "GraphpoolEMMPlugin"
+    free, total = ctx.get_memory_info()
+    assert (free, total) == runtime.get().device(0).mem_info()
+
+    base = gp.memory_allocated()
+    host = np.arange(100_000, dtype=np.float32)
+    d = cuda.to_device(host)
+    assert gp.memory_allocated() == base + -(-host.nbytes // 512) * 512
+    ptr = d.device_ctypes_pointer.value
+    assert _segment_of(ptr)["stream"] == 0  # graphpool's current stream
+    np.testing.assert_array_equal(d.copy_to_host(), host)
+    e = cuda.device_array_like(d)
+    e.copy_to_device(d)
+    np.testing.assert_array_equal(e.copy_to_host(), host)
+    with pytest.raises(NotImplementedError, match="IPC"):
+        ctx.get_ipc_handle(d.gpu_data)
+    del d, e
+    gc.collect()
+    cuda.synchronize()
+    assert gp.memory_allocated() == base
+
+
+def test_numba_allocates_on_graphpools_current_stream(numba_cuda: Any) -> None:
+    gnumba.install()
+    cuda = numba_cuda
+    s = gp.Stream()
+    with gp.stream(s):
+        d = cuda.device_array_like(np.zeros(1000, np.float32))
+    assert _segment_of(d.device_ctypes_pointer.value)["stream"] == s.handle
+    del d
+
+
+def test_numba_plugin_reset_and_dummy_instance(numba_cuda: Any) -> None:
+    gnumba.install()
+    cls = gnumba.plugin_class()
+    dummy = cls(context=None)  # what set_memory_manager made: no context
+    assert dummy.interface_version == 1
+    assert dummy._device_index() == runtime.current_device_index()
+    ctx = numba_cuda.current_context()
+    base = gp.memory_allocated()
+    mp = ctx.memalloc(4096)
+    assert gp.memory_allocated() == base + 4096
+    with ctx.memory_manager.defer_cleanup():
+        pass
+    ctx.reset()  # Numba resets the context: every buffer dropped
+    gc.collect()
+    assert gp.memory_allocated() == base
+    del mp
+
+
+def test_numba_refused_on_the_real_simulator(numba_cuda: Any) -> None:
+    gnumba.install()
+    ctx = numba_cuda.current_context()
+    gp.set_backend("sim")
+    with pytest.raises(RuntimeError, match="'cuda' backend"):
+        ctx.memalloc(512)
+    twins.use_sim_as_cuda()
+
+
+def test_numba_module_attribute_hooks(numba_cuda: Any) -> None:
+    assert gnumba._numba_memory_manager is gnumba.plugin_class()
+    with pytest.raises(AttributeError):
+        _ = gnumba.nothing_here
+
+
+def test_numba_context_pointer_type(numba_cuda: Any) -> None:
+    gnumba.install()
+    ctx = numba_cuda.current_context()
+    mp = ctx.memalloc(512)
+    assert isinstance(mp.device_pointer, ctypes.c_void_p)
+    del mp
+
+
+# ========================================================================== cuda.core
+@pytest.fixture(params=["1.x", "0.x", "0.1"])
+def core(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, sim_as_cuda: None) -> Any:
+    api = request.param
+    fake = twins.make_cuda_core(api)
+    try:
+        importlib.import_module("cuda")
+    except ImportError:  # no cuda-python here: a bare namespace package
+        monkeypatch.setitem(sys.modules, "cuda", types.ModuleType("cuda"))
+    if api == "1.x":
+        monkeypatch.setitem(sys.modules, "cuda.core", fake)
+    else:  # cuda.core without the names: the integration falls back to .experimental
+        monkeypatch.setitem(sys.modules, "cuda.core", types.ModuleType("cuda.core"))
+        monkeypatch.setitem(sys.modules, "cuda.core.experimental", fake)
+    monkeypatch.setattr(gcore, "_cls", None)
+    return fake
+
+
+def test_memory_resource_allocates_from_graphpool(core: Any, request: pytest.FixtureRequest) -> None:
+    from graphpool.cuda_core import GraphpoolMemoryResource, stream_handle
+
+    dev = core.Device(0)
+    dev.set_current()
+    s = dev.create_stream()
+    mr = GraphpoolMemoryResource(0)
+    assert isinstance(mr, core.MemoryResource)
+    assert (mr.device_id, mr.is_device_accessible, mr.is_host_accessible, mr.is_managed) == (
+        0,
+        True,
+        False,
+        False,
+    )
+    base = gp.memory_allocated()
+    n = 1 << 20
+    buf = mr.allocate(n, stream=s)
+    assert buf.size == n
+    assert buf.memory_resource is mr
+    ptr = int(buf.handle)
+    assert gp.memory_allocated() == base + n
+    assert _segment_of(ptr)["stream"] == stream_handle(s) == s.handle
+    d = runtime.get().device(0)
+    d.memset(ptr, 7, n, stream_handle(s))
+    assert set(d.read(ptr, 4096, stream_handle(s))) == {7}
+    buf.close(s)
+    gc.collect()
+    assert gp.memory_allocated() == base
+    s.sync()
+
+
+def test_buffer_gets_the_stream_when_the_api_takes_it(core: Any, request: pytest.FixtureRequest) -> None:
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    buf = mr.allocate(512, stream=s)
+    assert buf.alloc_stream is (s if core._twin_api == "1.x" else None)
+    buf.close()
+
+
+def test_allocate_with_a_raw_handle_on_cuda_core_0_1(core: Any) -> None:
+    """A raw stream handle (no __cuda_stream__) reaches the 0.1 constructor fallback."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    buf = mr.allocate(512, stream=s.handle)
+    assert _segment_of(int(buf.handle))["stream"] == s.handle
+    buf.close(s.handle)
+
+
+def test_default_stream_and_collection(core: Any) -> None:
+    core.Device(0).set_current()
+    mr = gcore.GraphpoolMemoryResource()
+    base = gp.memory_allocated()
+    buf = mr.allocate(4096)  # graphpool's current stream (the legacy default stream)
+    assert _segment_of(int(buf.handle))["stream"] == 0
+    del buf  # collected: deallocated through the resource
+    gc.collect()
+    assert gp.memory_allocated() == base
+
+
+def test_deallocate_on_another_stream_orders_reuse(core: Any, request: pytest.FixtureRequest) -> None:
+    """Closed on stream t, a buffer of stream s is reused on s only after t's work so far."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    dev = core.Device(0)
+    s, t = dev.create_stream(), dev.create_stream()
+    sim = runtime.get().device(0)
+    buf = mr.allocate(4096, stream=s)
+    ptr = int(buf.handle)
+    sim.launch_sleep(t.handle, rounds=50)  # t is busy...
+    sim.memset(ptr, 0xAA, 4096, t.handle)  # ...then writes the buffer
+    buf.close(t)
+    gc.collect()
+    other = mr.allocate(4096, stream=s)
+    assert int(other.handle) != ptr  # not while t's work may still touch it (record_stream)
+    sim.stream_synchronize(t.handle)
+    again = mr.allocate(4096, stream=s)
+    assert int(again.handle) == ptr  # reused once t's work is done
+    assert sim.read(ptr, 4096, s.handle) == b"\xaa" * 4096  # t's write came first
+    other.close(s)
+    again.close(s)
+
+
+def test_stream_handle_forms(core: Any) -> None:
+    s = core.Device(0).create_stream()
+    assert gcore.stream_handle(s) == s.handle
+    assert gcore.stream_handle(1234) == 1234
+    g = gp.Stream()
+    assert gcore.stream_handle(g) == g.handle
+    assert gcore.stream_handle(types.SimpleNamespace(handle=77)) == 77
+    with pytest.raises(TypeError, match="cannot tell the CUDA stream"):
+        gcore.stream_handle(object())
+
+
+def test_refused_on_the_real_simulator(core: Any) -> None:
+    mr = gcore.GraphpoolMemoryResource(0)
+    gp.set_backend("sim")
+    with pytest.raises(RuntimeError, match="'cuda' backend"):
+        mr.allocate(512)
+    twins.use_sim_as_cuda()
+
+
+def test_invalid_device_refused(core: Any) -> None:
+    with pytest.raises(ValueError, match="invalid device 5"):
+        gcore.GraphpoolMemoryResource(5)
+    assert repr(gcore.GraphpoolMemoryResource(1)) == "<graphpool.cuda_core.GraphpoolMemoryResource device=1>"

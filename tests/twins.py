@@ -1,0 +1,620 @@
+"""Simulator twins of CuPy, Numba and cuda.core: small fakes of exactly the framework API
+graphpool's integrations touch (src/graphpool/cupy.py, numba.py, cuda_core.py), so CI
+runs the integration code itself on the simulator.
+
+The integrations refuse any backend but "cuda" (they drive a real GPU through the
+framework). The twins therefore run graphpool on ``SimAsCuda``: the simulator under the
+name "cuda". Framework objects live on the same simulated devices: a fake CuPy kernel is
+queued on the simulated stream CuPy's current stream names, fake Numba copies go through
+the simulated device, fake cuda.core streams are simulated streams.
+
+What each fake reproduces (and the integration relies on):
+
+* CuPy: ``cuda.runtime.getDevice``, ``cuda.Device`` (context manager), per-thread current
+  stream per device (``get_current_stream``, ``Stream.use``, ``Stream.null``,
+  ``ExternalStream``, ``is_capturing``), ``set_allocator``/``get_allocator`` with a default
+  pool of CuPy's own (caching, not graphpool's), ``UnownedMemory`` holding its owner,
+  ``MemoryPointer``; 1-D arrays allocating through the current allocator and launching
+  their kernels on CuPy's current stream (closing over addresses only, as GPU kernels do).
+* Numba: ``HostOnlyCUDAMemoryManager`` (the context keyword, ``reset``,
+  ``defer_cleanup``), ``set_memory_manager`` instantiating a dummy with ``context=None``
+  to read ``interface_version`` as Numba does, ``MemoryPointer`` calling its finalizer
+  when collected, ``MemoryInfo``, ``current_context``, ``to_device``,
+  ``device_array_like``, ``copy_to_host``/``copy_to_device``.
+* cuda.core: an abstract ``MemoryResource``, ``Buffer`` (``from_handle`` with or without a
+  ``stream`` keyword, or the 0.1 constructor; ``close(stream)``; deallocation through the
+  resource when collected), ``Device(i).set_current/create_stream``, streams with
+  ``__cuda_stream__``.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import contextlib
+import ctypes
+import sys
+import threading
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from graphpool import runtime
+from graphpool.device.protocol import CAPTURE_STATUS_NONE
+from graphpool.sim import SimBackend
+
+
+class SimAsCuda(SimBackend):
+    """The simulator under the name "cuda", so the integrations accept it."""
+
+    name = "cuda"
+
+
+def use_sim_as_cuda() -> None:
+    runtime.set_backend("cuda", backend=SimAsCuda())
+
+
+def _sim(device: int) -> Any:
+    return runtime.get().device(device)
+
+
+# =============================================================================== CuPy
+def make_cupy() -> types.ModuleType:
+    """A fresh fake ``cupy`` module (its own per-thread state and default pool)."""
+    cp = types.ModuleType("cupy")
+    cuda = types.ModuleType("cupy.cuda")
+    cp.cuda = cuda  # type: ignore[attr-defined]
+    cp.__version__ = "0-twin"  # type: ignore[attr-defined]
+    tls = threading.local()
+
+    def _device() -> int:
+        return getattr(tls, "device", 0)
+
+    class _Runtime:
+        @staticmethod
+        def getDevice() -> int:
+            return _device()
+
+    class Device:
+        def __init__(self, device: int = 0) -> None:
+            self.id = int(device)
+            self._prev: list[int] = []
+
+        def use(self) -> None:
+            tls.device = self.id
+
+        def __enter__(self) -> Device:
+            self._prev.append(_device())
+            tls.device = self.id
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            tls.device = self._prev.pop()
+
+    class Stream:
+        null: Stream
+
+        def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None) -> None:
+            if ptr is not None:
+                self.ptr = int(ptr)
+                self.device_id = _device()
+            elif null:
+                self.ptr = 0
+                self.device_id = -1
+            else:
+                self.device_id = _device()
+                self.ptr = _sim(self.device_id).create_stream()
+            self._prev: list[Stream] = []
+
+        def use(self) -> Stream:
+            streams = getattr(tls, "streams", None)
+            if streams is None:
+                streams = tls.streams = {}
+            streams[_device()] = self
+            return self
+
+        def __enter__(self) -> Stream:
+            self._prev.append(get_current_stream())
+            return self.use()
+
+        def __exit__(self, *exc: object) -> None:
+            self._prev.pop().use()
+
+        def _dev(self) -> Any:
+            return _sim(_device() if self.device_id < 0 else self.device_id)
+
+        def is_capturing(self) -> bool:
+            return bool(self._dev().capture_info(self.ptr)[0] != CAPTURE_STATUS_NONE)
+
+        def synchronize(self) -> None:
+            self._dev().stream_synchronize(self.ptr)
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Stream) and other.ptr == self.ptr
+
+        def __hash__(self) -> int:
+            return hash(self.ptr)
+
+    Stream.null = Stream(null=True)
+
+    def ExternalStream(ptr: int, device_id: int = -1) -> Stream:
+        s = Stream(ptr=ptr)
+        if device_id >= 0:
+            s.device_id = device_id
+        return s
+
+    def get_current_stream(device_id: int | None = None) -> Stream:
+        device = _device() if device_id is None else device_id
+        return getattr(tls, "streams", {}).get(device, Stream.null)
+
+    class UnownedMemory:
+        def __init__(self, ptr: int, size: int, owner: Any, device_id: int | None = None) -> None:
+            self.ptr = int(ptr)
+            self.size = int(size)
+            self._owner = owner
+            self.device_id = _device() if device_id is None else device_id
+
+    class MemoryPointer:
+        def __init__(self, mem: Any, offset: int) -> None:
+            self.mem = mem
+            self.ptr = mem.ptr + offset
+            self.device_id = mem.device_id
+
+    class _PooledMemory:
+        """CuPy's own pool's block: back to its pool (not the driver) when dropped."""
+
+        def __init__(self, pool: MemoryPool, ptr: int, size: int, device_id: int) -> None:
+            self.pool, self.ptr, self.size, self.device_id = pool, ptr, size, device_id
+
+        def __del__(self) -> None:
+            self.pool._free.setdefault((self.device_id, self.size), []).append(self.ptr)
+
+    class MemoryPool:
+        """CuPy's caching pool, simplified: a block freed goes back to the pool and is handed
+        to the next request of its size, whatever stream or capture it was used in."""
+
+        def __init__(self) -> None:
+            self._free: dict[tuple[int, int], list[int]] = {}
+            self.n_device_malloc = 0
+
+        def malloc(self, nbytes: int) -> MemoryPointer:
+            device = _device()
+            size = max(512, -(-int(nbytes) // 512) * 512)
+            free = self._free.get((device, size))
+            if free:
+                ptr = free.pop()
+            else:
+                ptr = _sim(device).malloc(size)
+                if ptr is None:
+                    raise MemoryError(f"fake CuPy pool: out of memory allocating {size} bytes")
+                self.n_device_malloc += 1
+            return MemoryPointer(_PooledMemory(self, ptr, size, device), 0)
+
+    default_pool = MemoryPool()
+    state: dict[str, Any] = {"allocator": default_pool.malloc}
+
+    def set_allocator(allocator: Callable[[int], Any] | None = None) -> None:
+        state["allocator"] = default_pool.malloc if allocator is None else allocator
+
+    def get_allocator() -> Callable[[int], Any]:
+        return state["allocator"]
+
+    def alloc(nbytes: int) -> Any:
+        return state["allocator"](nbytes)
+
+    for name, value in {
+        "runtime": _Runtime,
+        "Device": Device,
+        "Stream": Stream,
+        "ExternalStream": ExternalStream,
+        "get_current_stream": get_current_stream,
+        "UnownedMemory": UnownedMemory,
+        "MemoryPointer": MemoryPointer,
+        "MemoryPool": MemoryPool,
+        "set_allocator": set_allocator,
+        "get_allocator": get_allocator,
+        "alloc": alloc,
+        "default_pool": default_pool,
+    }.items():
+        setattr(cuda, name, value)
+
+    class ndarray:
+        """A 1-D (or 0-d) array; every operation is a kernel on CuPy's current stream."""
+
+        def __init__(self, shape: int | tuple[int, ...], dtype: Any = np.float64, memptr: Any = None) -> None:
+            self.shape = (int(shape),) if isinstance(shape, int | np.integer) else tuple(shape)
+            self.dtype = np.dtype(dtype)
+            self.size = int(np.prod(self.shape)) if self.shape else 1
+            self.nbytes = self.size * self.dtype.itemsize
+            self.data = memptr if memptr is not None else alloc(max(self.nbytes, 1))
+
+        def _launch(self, kernel: Callable[[], None]) -> None:
+            s = get_current_stream()
+            _sim(_device()).launch_kernel(s.ptr, kernel, "cupy-twin")
+
+        def _view_args(self) -> tuple[int, int, np.dtype[Any]]:
+            return self.data.ptr, self.nbytes, self.dtype
+
+        def _binary(self, other: Any, op: Callable[[Any, Any], Any]) -> ndarray:
+            out = ndarray(self.shape, self.dtype)
+            dev = _sim(_device())
+            a = self._view_args()
+            b = other._view_args() if isinstance(other, ndarray) else other
+            o = out._view_args()
+
+            def kernel() -> None:
+                x = dev.view(a[0], a[1]).view(a[2])
+                y = dev.view(b[0], b[1]).view(b[2]) if isinstance(b, tuple) else b
+                dev.view(o[0], o[1]).view(o[2])[...] = op(x, y)
+
+            self._launch(kernel)
+            return out
+
+        def __add__(self, other: Any) -> ndarray:
+            return self._binary(other, lambda x, y: x + y)
+
+        def __sub__(self, other: Any) -> ndarray:
+            return self._binary(other, lambda x, y: x - y)
+
+        def __mul__(self, other: Any) -> ndarray:
+            return self._binary(other, lambda x, y: x * y)
+
+        __radd__ = __add__
+        __rmul__ = __mul__
+
+        def copy(self) -> ndarray:
+            return self._binary(0, lambda x, y: x)
+
+        def fill(self, value: Any) -> None:
+            dev = _sim(_device())
+            p, n, dt = self._view_args()
+
+            def kernel() -> None:
+                dev.view(p, n).view(dt)[...] = value
+
+            self._launch(kernel)
+
+        def sum(self) -> ndarray:
+            out = ndarray((), self.dtype)
+            dev = _sim(_device())
+            a = self._view_args()
+            o = out._view_args()
+
+            def kernel() -> None:
+                dev.view(o[0], o[1]).view(o[2])[...] = dev.view(a[0], a[1]).view(a[2]).sum()
+
+            self._launch(kernel)
+            return out
+
+        def get(self) -> np.ndarray:
+            get_current_stream().synchronize()
+            p, n, dt = self._view_args()
+            return np.array(_sim(_device()).view(p, n).view(dt)).reshape(self.shape)
+
+        def item(self) -> Any:
+            return self.get().reshape(-1)[0].item()
+
+        def __float__(self) -> float:
+            return float(self.item())
+
+    def empty(shape: Any, dtype: Any = np.float64) -> ndarray:
+        return ndarray(shape, dtype)
+
+    def full(shape: Any, value: Any, dtype: Any = np.float64) -> ndarray:
+        a = ndarray(shape, dtype)
+        a.fill(value)
+        return a
+
+    def ones(shape: Any, dtype: Any = np.float64) -> ndarray:
+        return full(shape, 1, dtype)
+
+    def zeros(shape: Any, dtype: Any = np.float64) -> ndarray:
+        return full(shape, 0, dtype)
+
+    def arange(n: int, dtype: Any = np.int64) -> ndarray:
+        a = ndarray(n, dtype)
+        dev = _sim(_device())
+        p, nb, dt = a._view_args()
+
+        def kernel() -> None:
+            dev.view(p, nb).view(dt)[...] = np.arange(n)
+
+        a._launch(kernel)
+        return a
+
+    def asnumpy(a: ndarray) -> np.ndarray:
+        return a.get()
+
+    for name, value in {
+        "ndarray": ndarray,
+        "empty": empty,
+        "full": full,
+        "ones": ones,
+        "zeros": zeros,
+        "arange": arange,
+        "asnumpy": asnumpy,
+        "float32": np.float32,
+        "float64": np.float64,
+        "int32": np.int32,
+        "int64": np.int64,
+    }.items():
+        setattr(cp, name, value)
+    return cp
+
+
+# ============================================================================== Numba
+_SUPPORTED_EMM_INTERFACE_VERSION = 1
+
+
+def make_numba() -> tuple[types.ModuleType, types.ModuleType]:
+    """Fresh fake ``numba`` and ``numba.cuda`` modules (no context made yet)."""
+    numba = types.ModuleType("numba")
+    cuda = types.ModuleType("numba.cuda")
+    numba.cuda = cuda  # type: ignore[attr-defined]
+    state: dict[str, Any] = {"manager": None, "context": None}
+
+    MemoryInfo = collections.namedtuple("MemoryInfo", "free total")
+
+    class _PendingDeallocs:
+        def __init__(self) -> None:
+            self.disabled = 0
+
+        @contextlib.contextmanager
+        def disable(self) -> Iterator[None]:
+            self.disabled += 1
+            try:
+                yield
+            finally:
+                self.disabled -= 1
+
+        def clear(self) -> None:
+            pass
+
+    class BaseCUDAMemoryManager(abc.ABC):  # noqa: B024 - Numba's base has no abstract method here
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            if "context" not in kwargs:
+                raise RuntimeError("Memory manager requires a context")
+            self.context = kwargs.pop("context")
+
+    class HostOnlyCUDAMemoryManager(BaseCUDAMemoryManager):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.allocations: dict[int, Any] = {}
+            self.deallocations = _PendingDeallocs()
+
+        def reset(self) -> None:
+            self.allocations.clear()
+            self.deallocations.clear()
+
+        @contextlib.contextmanager
+        def defer_cleanup(self) -> Iterator[None]:
+            with self.deallocations.disable():
+                yield
+
+    class MemoryPointer:
+        def __init__(
+            self, context: Any, pointer: Any, size: int, owner: Any = None, finalizer: Any = None
+        ) -> None:
+            self.context = context
+            self.device_pointer = pointer
+            self.size = size
+            self._owner = owner
+            self._finalizer = weakref.finalize(self, finalizer) if finalizer is not None else None
+
+        @property
+        def device_ctypes_pointer(self) -> ctypes.c_void_p:
+            value = self.device_pointer.value if isinstance(self.device_pointer, ctypes.c_void_p) else None
+            return ctypes.c_void_p(value if value is not None else int(self.device_pointer))
+
+        def free(self) -> None:
+            if self._finalizer is not None:
+                self._finalizer()
+
+    class _Device:
+        def __init__(self, id: int) -> None:
+            self.id = id
+
+    class Context:
+        def __init__(self, device: int) -> None:
+            self.device = _Device(device)
+            self.memory_manager = state["manager"](context=self)
+            self.memory_manager.initialize()
+
+        def memalloc(self, size: int) -> Any:
+            return self.memory_manager.memalloc(size)
+
+        def get_memory_info(self) -> Any:
+            return self.memory_manager.get_memory_info()
+
+        def get_ipc_handle(self, memory: Any) -> Any:
+            return self.memory_manager.get_ipc_handle(memory)
+
+        def reset(self) -> None:
+            self.memory_manager.reset()
+
+    def set_memory_manager(mm_plugin: Any) -> None:
+        dummy = mm_plugin(context=None)  # as Numba: read the interface version off an instance
+        if dummy.interface_version != _SUPPORTED_EMM_INTERFACE_VERSION:
+            raise RuntimeError(f"EMM plugin interface version {dummy.interface_version} is not supported")
+        if state["context"] is not None:
+            raise RuntimeError("the memory manager is chosen before the context is made")
+        state["manager"] = mm_plugin
+
+    def current_context() -> Context:
+        if state["context"] is None:
+            if state["manager"] is None:
+                raise RuntimeError("twin: only the graphpool plugin is modelled; install it first")
+            state["context"] = Context(0)
+        return state["context"]
+
+    class DeviceNDArray:
+        def __init__(self, shape: tuple[int, ...], dtype: Any, gpu_data: Any = None) -> None:
+            self.shape = shape
+            self.dtype = np.dtype(dtype)
+            self.size = int(np.prod(shape))
+            self.nbytes = self.size * self.dtype.itemsize
+            self.gpu_data = gpu_data if gpu_data is not None else current_context().memalloc(self.nbytes)
+
+        @property
+        def device_ctypes_pointer(self) -> ctypes.c_void_p:
+            return self.gpu_data.device_ctypes_pointer
+
+        def _ptr(self) -> int:
+            return int(self.device_ctypes_pointer.value or 0)
+
+        def copy_to_host(self) -> np.ndarray:
+            dev = _sim(current_context().device.id)
+            raw = dev.read(self._ptr(), self.nbytes, 0)  # the legacy stream, synchronizing
+            return np.frombuffer(raw, dtype=self.dtype).reshape(self.shape).copy()
+
+        def copy_to_device(self, other: Any) -> None:
+            dev = _sim(current_context().device.id)
+            if isinstance(other, DeviceNDArray):
+                dev.memcpy(self._ptr(), other._ptr(), self.nbytes, 0)
+            else:
+                dev.write(self._ptr(), np.ascontiguousarray(other).tobytes(), 0)
+            dev.stream_synchronize(0)
+
+    def to_device(host: np.ndarray, stream: int = 0) -> DeviceNDArray:
+        d = DeviceNDArray(host.shape, host.dtype)
+        d.copy_to_device(host)
+        return d
+
+    def device_array_like(a: Any) -> DeviceNDArray:
+        return DeviceNDArray(a.shape, a.dtype)
+
+    def synchronize() -> None:
+        _sim(current_context().device.id).device_synchronize()
+
+    for name, value in {
+        "HostOnlyCUDAMemoryManager": HostOnlyCUDAMemoryManager,
+        "BaseCUDAMemoryManager": BaseCUDAMemoryManager,
+        "MemoryPointer": MemoryPointer,
+        "MemoryInfo": MemoryInfo,
+        "set_memory_manager": set_memory_manager,
+        "current_context": current_context,
+        "to_device": to_device,
+        "device_array_like": device_array_like,
+        "synchronize": synchronize,
+        "_state": state,
+    }.items():
+        setattr(cuda, name, value)
+    return numba, cuda
+
+
+# ========================================================================== cuda.core
+def make_cuda_core(api: str) -> types.ModuleType:
+    """A fake ``cuda.core`` module. ``api``: "1.x" (``Buffer.from_handle`` takes a stream),
+    "0.x" (``from_handle`` without one, as cuda.core.experimental) or "0.1" (no ``from_handle``:
+    the ``Buffer(ptr, size, mr)`` constructor)."""
+    core = types.ModuleType("cuda.core" if api == "1.x" else "cuda.core.experimental")
+    core._twin_api = api  # type: ignore[attr-defined]
+    tls = threading.local()
+
+    class MemoryResource(abc.ABC):
+        def __init__(self) -> None:
+            self._twin_initialized = True  # cuda.core's __init__ takes no argument
+
+        @abc.abstractmethod
+        def allocate(self, size: int, stream: Any = None) -> Any: ...
+
+        @abc.abstractmethod
+        def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None: ...
+
+        @property
+        @abc.abstractmethod
+        def is_device_accessible(self) -> bool: ...
+
+        @property
+        @abc.abstractmethod
+        def is_host_accessible(self) -> bool: ...
+
+        @property
+        @abc.abstractmethod
+        def device_id(self) -> int: ...
+
+    class Buffer:
+        def __init__(self, ptr: int, size: int, mr: Any = None) -> None:
+            self._ptr = int(ptr)
+            self._size = int(size)
+            self._mr = mr
+            self.alloc_stream: Any = None
+
+        @property
+        def handle(self) -> int:
+            return self._ptr
+
+        @property
+        def size(self) -> int:
+            return self._size
+
+        @property
+        def memory_resource(self) -> Any:
+            return self._mr
+
+        def close(self, stream: Any = None) -> None:
+            if self._ptr and self._mr is not None:
+                self._mr.deallocate(self._ptr, self._size, stream)
+            self._ptr = 0
+            self._mr = None
+
+        def __del__(self) -> None:
+            self.close()
+
+    if api == "1.x":
+
+        def from_handle(cls: type, ptr: int, size: int, mr: Any = None, stream: Any = None) -> Any:
+            b = cls(ptr, size, mr)
+            b.alloc_stream = stream
+            return b
+
+        Buffer.from_handle = classmethod(from_handle)  # type: ignore[attr-defined]
+    elif api == "0.x":
+
+        def from_handle_0x(cls: type, ptr: int, size: int, mr: Any = None) -> Any:
+            return cls(ptr, size, mr)
+
+        Buffer.from_handle = classmethod(from_handle_0x)  # type: ignore[attr-defined]
+
+    class Stream:
+        def __init__(self, device: int, handle: int) -> None:
+            self.device = device
+            self.handle = handle
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, self.handle)
+
+        def sync(self) -> None:
+            _sim(self.device).stream_synchronize(self.handle)
+
+    class Device:
+        def __init__(self, device_id: int = 0) -> None:
+            self.device_id = device_id
+
+        def set_current(self) -> None:
+            tls.device = self.device_id
+
+        def create_stream(self) -> Stream:
+            return Stream(self.device_id, _sim(self.device_id).create_stream())
+
+    for name, value in {
+        "MemoryResource": MemoryResource,
+        "Buffer": Buffer,
+        "Device": Device,
+        "Stream": Stream,
+    }.items():
+        setattr(core, name, value)
+    return core
+
+
+# ============================================================================ fixtures
+@contextlib.contextmanager
+def injected(monkeypatch: pytest.MonkeyPatch, modules: dict[str, Any]) -> Iterator[None]:
+    """Put fake modules in sys.modules (and take them out after), the rest of sys.modules kept."""
+    for name, mod in modules.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    yield
