@@ -9,6 +9,8 @@ from graphpool import build as _build
 from graphpool.buffer import DeviceBuffer
 from graphpool.build import compiled
 from graphpool.errors import (
+    BackendReplacedError,
+    BackendUnavailableError,
     CaptureError,
     CUDAError,
     DoubleFreeError,
@@ -79,19 +81,21 @@ def make_graphed_callable(fn: object, sample_args: tuple[object, ...]) -> object
 def _warn_if_stale() -> None:
     names = _build.stale()
     if names:
-        import warnings
+        from graphpool._warnings import warn
 
-        warnings.warn(
+        # at the importer's line, not this file's
+        warn(
             f"graphpool: {', '.join(names)} changed after they were compiled, and the compiled "
             "modules run instead. Reinstall (pip install -e .), or go pure Python with "
-            "GRAPHPOOL_COMPILE=0 pip install -e .",
-            stacklevel=2,
+            "GRAPHPOOL_COMPILE=0 pip install -e ."
         )
 
 
 _warn_if_stale()
 
 __all__ = [
+    "BackendReplacedError",
+    "BackendUnavailableError",
     "CUDAError",
     "CUDAGraph",
     "CaptureError",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from graphpool.errors import BackendUnavailableError
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m graphpool", description=__doc__)
@@ -27,6 +29,15 @@ def main(argv: list[str] | None = None) -> int:
         if name == "snapshot":
             p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except BackendUnavailableError as exc:  # no GPU here: one line that says so, no traceback
+        print(f"python -m graphpool: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the chosen command."""
     if args.command == "demo":
         from graphpool.demo import run
 

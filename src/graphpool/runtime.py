@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from graphpool.device.protocol import Backend, Device
+from graphpool.errors import BackendReplacedError, BackendUnavailableError, GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 
@@ -19,6 +20,8 @@ if TYPE_CHECKING:
     from graphpool.streams import Stream
 
 BACKENDS = ("cuda", "sim")
+CUDA_SPACE = "cuda"
+"""The handle space of every "cuda" runtime: CUDA streams and events outlive a set_backend."""
 
 
 class Runtime:
@@ -30,6 +33,9 @@ class Runtime:
         self.generation = generation
         self.sizes = sizes
         self.count = backend.device_count()
+        # The namespace of this backend's handles and addresses. CUDA's are the process's
+        # own, valid under every "cuda" runtime; a simulator's belong to its backend object.
+        self.space: object = CUDA_SPACE if backend.name == "cuda" else backend
         self.allocators: list[CachingAllocator | None] = [None] * self.count
         self._lock = threading.Lock()
 
@@ -78,7 +84,14 @@ def _make_backend(name: str) -> Backend:
     if name == "cuda":
         from graphpool.device.cuda import CudaBackend
 
-        return CudaBackend()
+        try:
+            return CudaBackend()
+        except (ImportError, GraphpoolError) as exc:  # say why in one line, not a driver error
+            raise BackendUnavailableError(
+                f"the 'cuda' backend needs an NVIDIA GPU and its driver, and no usable CUDA driver or "
+                f"GPU was found ({exc}). Use the simulator instead: gp.set_backend('sim'), "
+                "GRAPHPOOL_BACKEND=sim, or --backend sim."
+            ) from None
     if name == "sim":
         from graphpool.sim import SimBackend
 
@@ -131,6 +144,22 @@ def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig 
         if b.name != name:
             raise ValueError(f"backend object is {b.name!r}, not {name!r}")
         _install(b, sizes or DEFAULT)
+
+
+def space() -> object:
+    """The handle space of the current runtime (see ``Runtime.space``), made on first use."""
+    return get().space
+
+
+def replaced(what: str, made_in: object) -> BackendReplacedError:
+    """The error for ``what``, made under handle space ``made_in``, used after set_backend."""
+    old = made_in if isinstance(made_in, str) else getattr(made_in, "name", repr(made_in))
+    new = get().name
+    return BackendReplacedError(
+        f"{what} was made under the {old!r} backend, which was replaced by set_backend({new!r}); "
+        "its handles and addresses mean nothing to the new backend. Make a new one after "
+        "set_backend, and switch backends only when no object of the old one is in use."
+    )
 
 
 def thread_state() -> _ThreadState:
