@@ -326,3 +326,84 @@ def test_a_capture_cannot_wait_on_another_devices_event(sim: Any) -> None:
         with gp.graph(g):
             gp.current_stream().wait_event(e)
     assert not gp.is_current_stream_capturing()
+
+
+# ------------------------------------------------------------------ 8. CuPy's current stream
+class _FakeStream:
+    """Just enough of a CuPy stream: a handle, and ``use()`` making it current."""
+
+    def __init__(self, fake: _FakeCupy, ptr: int) -> None:
+        self.fake, self.ptr = fake, ptr
+
+    def use(self) -> _FakeStream:
+        self.fake.current = self
+        return self
+
+
+class _FakeCupy:
+    """A stand-in for the ``cupy`` module: what graphpool.cupy touches, on the simulator."""
+
+    def __init__(self) -> None:
+        import types
+
+        fake = self
+        self.null = _FakeStream(self, 0)
+        self.current = self.null
+        self.allocator: Any = None
+
+        class Device:
+            def __init__(self, index: int) -> None:
+                pass
+
+            def __enter__(self) -> None:
+                return None
+
+            def __exit__(self, *exc: object) -> None:
+                return None
+
+        def external(handle: int, device: int) -> _FakeStream:
+            return _FakeStream(fake, handle)
+
+        self.cuda = types.SimpleNamespace(
+            Stream=types.SimpleNamespace(null=self.null),
+            ExternalStream=external,
+            Device=Device,
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            get_current_stream=lambda device_id=None: fake.current,
+            get_allocator=lambda: fake.allocator,
+            set_allocator=lambda fn: setattr(fake, "allocator", fn),
+        )
+
+
+def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``with cupy.cuda.Stream(): with gp.graph(g): ...`` must leave CuPy on its stream.
+
+    graphpool's stream before the block is the legacy default (graphpool does not follow
+    CuPy's ``with`` blocks); restoring CuPy from it used to leave CuPy on Stream.null for
+    the rest of the user's block. The same on a GPU: test_integrations_cupy.py.
+    """
+    import graphpool.cupy as gcupy
+
+    class FakeCuda(SimBackend):
+        name = "cuda"
+
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name, value in (("_cp_streams", {}), ("_gp_streams", {}), ("_installed", False), ("_cp", None)):
+        monkeypatch.setattr(gcupy, name, value)
+    monkeypatch.setattr(runtime, "stream_listeners", [])
+    runtime.set_backend("cuda", backend=FakeCuda())
+    gcupy.install()
+    users = _FakeStream(fake, 0xABC0).use()  # `with cupy.cuda.Stream() as users:` entered
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        assert fake.current.ptr == gp.current_stream().handle != 0  # CuPy follows the capture
+        out = __import__("graphpool.sim.xp", fromlist=["ones"]).ones(4)
+    assert fake.current is users  # was Stream.null
+    with gp.stream(gp.Stream()):
+        assert fake.current is not users
+    assert fake.current is users
+    del out
+    g.reset()
+    gcupy.uninstall()
+    gp.set_backend("sim")

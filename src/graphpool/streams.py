@@ -8,6 +8,7 @@ running (PyTorch pools its streams for the same reason).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -270,6 +271,7 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
     s._check_backend()
     prev_device = current_device()
     prev_stream = current_stream(s.device)
+    cupy_prev = _cupy_current_stream(s.device)
     if s.device != prev_device:
         set_device(s.device)
     set_stream(s)
@@ -279,8 +281,35 @@ def stream(s: Stream | None) -> Iterator[Stream | None]:
         if prev_stream._space is runtime.space():
             set_stream(prev_stream)
         # else set_backend ran inside the block: the thread's streams started over already
+        if cupy_prev is not None:
+            _cupy_restore_stream(cupy_prev, s.device)
         if s.device != prev_device:
             set_device(prev_device)
+
+
+def _cupy_current_stream(device: int) -> Any:
+    """CuPy's current stream of ``device`` while graphpool is CuPy's allocator, else None.
+
+    ``gp.stream`` makes CuPy follow graphpool's stream on entry; on exit it must give CuPy
+    back the stream CuPy had, which graphpool may not know: inside ``with
+    cupy.cuda.Stream():`` graphpool's own previous stream is the legacy default, and
+    following that would leave CuPy on ``Stream.null`` for the rest of the user's block.
+    """
+    mod = sys.modules.get("graphpool.cupy")
+    if mod is None or not mod.is_installed() or runtime.get().name != "cuda":
+        return None
+    cp = mod._cp
+    with cp.cuda.Device(device):
+        return cp.cuda.get_current_stream()
+
+
+def _cupy_restore_stream(cs: Any, device: int) -> None:
+    """Make ``cs`` CuPy's current stream of ``device`` again (see _cupy_current_stream)."""
+    mod = sys.modules.get("graphpool.cupy")
+    if mod is None or not mod.is_installed():
+        return
+    with mod._cp.cuda.Device(device):
+        cs.use()
 
 
 def synchronize(device: int | None = None) -> None:
