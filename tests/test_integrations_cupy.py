@@ -148,14 +148,14 @@ def test_cupy_stream_block_survives_a_graph_block(cp: Any) -> None:
     gp.synchronize()
     for non_blocking in (False, True):
         with cp.cuda.Stream(non_blocking=non_blocking) as users:
-            assert cp.cuda.get_current_stream() == users
+            assert cp.cuda.get_current_stream().ptr == users.ptr
             g = gp.CUDAGraph()
             with gp.graph(g):
                 assert cp.cuda.get_current_stream().ptr == gp.current_stream().handle != 0
                 b = a + 1
-            assert cp.cuda.get_current_stream() == users  # was Stream.null
+            assert cp.cuda.get_current_stream().ptr == users.ptr != 0  # was Stream.null
             c = a * 2  # queued on the user's stream
-            assert cp.cuda.get_current_stream() == users
+            assert cp.cuda.get_current_stream().ptr == users.ptr
         assert cp.cuda.get_current_stream().ptr == 0  # CuPy's own block restored the null stream
         users.synchronize()
         g.replay()
