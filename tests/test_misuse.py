@@ -407,3 +407,22 @@ def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: py
     g.reset()
     gcupy.uninstall()
     gp.set_backend("sim")
+
+
+def test_set_backend_is_refused_during_a_capture(sim: Any) -> None:
+    """Replacing the backend mid-capture stranded the capture: its allocator stayed in
+    capture mode for good (empty_cache refused), and the graph could never be ended."""
+    from graphpool.sim import xp
+
+    old = runtime.get()
+    g = gp.CUDAGraph()
+    with pytest.raises(gp.CaptureError, match="set_backend"):
+        with gp.graph(g):
+            out = xp.ones(8)
+            gp.set_backend("sim")
+    assert runtime.get() is old
+    assert not old.allocators[0]._capturing
+    del out
+    gc.collect()
+    gp.empty_cache()
+    assert gp.memory_reserved() == 0

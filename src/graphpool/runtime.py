@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from graphpool.device.protocol import Backend, Device
-from graphpool.errors import BackendReplacedError, BackendUnavailableError, GraphpoolError
+from graphpool.errors import BackendReplacedError, BackendUnavailableError, CaptureError, GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 
@@ -140,6 +140,7 @@ def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig 
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     with _lock:
+        _refuse_during_capture()
         b = backend if backend is not None else _make_backend(name)
         if b.name != name:
             raise ValueError(f"backend object is {b.name!r}, not {name!r}")
@@ -160,6 +161,24 @@ def replaced(what: str, made_in: object) -> BackendReplacedError:
         "its handles and addresses mean nothing to the new backend. Make a new one after "
         "set_backend, and switch backends only when no object of the old one is in use."
     )
+
+
+def _refuse_during_capture() -> None:
+    """CaptureError if a capture is underway: replacing the backend would strand it.
+
+    The capture could then never end (its stream belongs to the old backend), and its
+    allocator would stay in capture mode, refusing empty_cache, for good.
+    """
+    rt = _runtime
+    if rt is None:
+        return
+    for index, a in enumerate(rt.allocators):
+        if a is not None and a._capturing:
+            raise CaptureError(
+                f"set_backend() cannot run while a graph capture is underway on device {index} of "
+                f"the {rt.name!r} backend: end the capture (capture_end(), or leave the gp.graph "
+                "block) or reset() its graph first"
+            )
 
 
 def thread_state() -> _ThreadState:
