@@ -369,6 +369,33 @@ class Sequence:
         ]
         self.call(name, self.pick(calls))
 
+    def a_export(self, name: str) -> None:
+        b = self.pick(self.bufs + self.freed)
+        if b is None:
+            return
+        gp = self.gp
+        from graphpool import dlpack
+
+        calls: list[Callable[[], Any]] = [
+            lambda: b.__cuda_array_interface__,
+            lambda: b.__dlpack__(),
+            lambda: b.__dlpack__(stream="x"),
+            lambda: b.__dlpack__(stream=-7),
+            lambda: b.__dlpack__(dl_device=(1, 0)),
+            lambda: b.__dlpack__(dl_device="cuda"),
+            lambda: b.__dlpack__(copy=True),
+            lambda: b.__dlpack__(max_version="a"),
+            lambda: b.__dlpack__(max_version=(0, 5)),
+            lambda: dlpack.as_tensor(b, "float32", (b.nbytes,)).__dlpack__(),
+            lambda: dlpack.as_tensor(b, "nonsense", (1,)).__dlpack__(),
+            lambda: dlpack.as_tensor(b, "float32", (-1,)).__dlpack__(),
+            lambda: dlpack.as_tensor(b, "float32", "x").__dlpack__(),
+            lambda: gp.make_graphed_callable(lambda x: x + 1, (self.xp.ones(4),)),
+            lambda: gp.make_graphed_callable(lambda x: x, (1,)),
+            lambda: gp.make_graphed_callable(5, (self.xp.ones(4),)),
+        ]
+        self.call(name, self.pick(calls))
+
     def a_copy_pickle(self, name: str) -> None:
         import copy
         import pickle
