@@ -122,6 +122,43 @@ def test_capture_begin_with_cupy(cp: Any) -> None:
     g.reset()
 
 
+def test_cupy_stream_block_survives_a_graph_block(cp: Any) -> None:
+    """``with cupy.cuda.Stream(): with gp.graph(g): ...`` leaves CuPy on the user's stream.
+
+    Finding (issue 10, by reading ``streams.stream`` and ``cupy._follow``): graphpool does
+    not follow CuPy's own ``with stream:`` blocks, so inside one graphpool's current stream
+    is still the legacy default. ``gp.graph`` (through ``gp.stream``) makes CuPy follow the
+    capturing stream on entry, and on exit restored graphpool's previous stream, the legacy
+    default, which ``_follow`` maps to ``cupy.cuda.Stream.null``: for the rest of the user's
+    block CuPy queued its work on the legacy stream instead of the user's (with a
+    non-blocking user stream, unordered with the work queued before). ``gp.stream`` now
+    saves CuPy's current stream on entry and gives it back on exit (streams.py); the
+    simulator checks the same with a stand-in CuPy (test_misuse.py).
+    """
+    n = 4096
+    a = cp.arange(n, dtype=cp.float32)
+    (a + 1).sum()  # load the kernels before capturing
+    gp.synchronize()
+    for non_blocking in (False, True):
+        with cp.cuda.Stream(non_blocking=non_blocking) as users:
+            assert cp.cuda.get_current_stream().ptr == users.ptr
+            g = gp.CUDAGraph()
+            with gp.graph(g):
+                assert cp.cuda.get_current_stream().ptr == gp.current_stream().handle != 0
+                b = a + 1
+            assert cp.cuda.get_current_stream().ptr == users.ptr != 0  # was Stream.null
+            c = a * 2  # queued on the user's stream
+            assert cp.cuda.get_current_stream().ptr == users.ptr
+        assert cp.cuda.get_current_stream().ptr == 0  # CuPy's own block restored the null stream
+        users.synchronize()
+        g.replay()
+        np.testing.assert_array_equal(cp.asnumpy(b), np.arange(n, dtype=np.float32) + 1)
+        np.testing.assert_array_equal(cp.asnumpy(c), np.arange(n, dtype=np.float32) * 2)
+        del b, c
+        g.reset()
+        gc.collect()
+
+
 def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
     import graphpool.cupy as gcupy
 

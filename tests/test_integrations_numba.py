@@ -53,6 +53,10 @@ SCRIPT = textwrap.dedent(
         pass
     else:
         raise AssertionError("IPC handles should be refused")
+    before = gp.memory_stats()
+    z = ctx.memalloc(0)  # zero bytes: a NULL pointer that holds no memory (SPEC 2)
+    assert gp.memory_stats()["allocation.all.allocated"] == before["allocation.all.allocated"]
+    del z
     del d, e
     gc.collect()
     cuda.synchronize()

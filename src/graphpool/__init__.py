@@ -13,6 +13,8 @@ from graphpool import build as _build
 from graphpool.buffer import DeviceBuffer
 from graphpool.build import compiled
 from graphpool.errors import (
+    BackendReplacedError,
+    BackendUnavailableError,
     CaptureError,
     CaptureRefusedError,
     CUDAError,
@@ -160,19 +162,21 @@ def make_graphed_callables(
 def _warn_if_stale() -> None:
     names = _build.stale()
     if names:
-        import warnings
+        from graphpool._warnings import warn
 
-        warnings.warn(
+        # at the importer's line, not this file's
+        warn(
             f"graphpool: {', '.join(names)} changed after they were compiled, and the compiled "
             "modules run instead. Reinstall (pip install -e .), or go pure Python with "
-            "GRAPHPOOL_COMPILE=0 pip install -e .",
-            stacklevel=2,
+            "GRAPHPOOL_COMPILE=0 pip install -e ."
         )
 
 
 _warn_if_stale()
 
 __all__ = [
+    "BackendReplacedError",
+    "BackendUnavailableError",
     "CUDAError",
     "CUDAGraph",
     "CaptureError",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from graphpool.errors import BackendUnavailableError
+
 DESCRIPTION = """\
 graphpool: a stream-aware caching allocator for CUDA device memory, with private
 memory pools for CUDA graph capture. Without a GPU everything runs on a simulated
@@ -100,6 +102,15 @@ def snapshot(backend: str | None, as_json: bool = False) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the process exit status."""
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except BackendUnavailableError as exc:  # no GPU here: one line that says so, no traceback
+        print(f"python -m graphpool: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the chosen command."""
     if args.command == "demo":
         from graphpool.demo import run
 

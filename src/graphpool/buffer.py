@@ -4,13 +4,25 @@ The buffer frees its memory on ``free()``, on leaving a ``with`` block, or when 
 collected. Its finalizer never raises and never takes the allocator's lock: it queues
 the free, which the allocator's next call carries out.
 
+Only ``gp.alloc`` makes buffers: the constructor wants a private key, so no caller can
+wrap a pointer it does not own (a forged buffer would free someone else's block when
+collected). A buffer cannot be copied shallowly or pickled (a second owner of one
+pointer would free it twice); ``copy.deepcopy`` makes a real copy, a new allocation on
+the same stream with the bytes copied there.
+
+``gp.alloc(0)`` gives a null buffer (``ptr`` 0, ``nbytes`` 0): it holds no memory, and
+freeing or collecting it does nothing but mark it freed.
+
 Compiled (setup.py), ``DeviceBuffer`` is a native class and cannot be weakly referenced;
-the plain-Python build declares no ``__weakref__`` either, so both behave alike.
+the plain-Python build declares no ``__weakref__`` either, so both behave alike. Compiled,
+an attribute that ``__init__`` always sets is read without a check, so the finalizer
+must never read one of an object whose ``__init__`` failed: ``_live`` is declared
+deletable, which makes every read of it checked, and it is set last.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from graphpool.errors import DoubleFreeError
 
@@ -19,21 +31,44 @@ if TYPE_CHECKING:
     from graphpool.streams import Stream
 
 
+_KEY: Final = object()
+"""The private key ``DeviceBuffer`` wants: only graphpool.memory holds it."""
+
+
+def _refuse(what: str) -> TypeError:
+    return TypeError(
+        f"a graphpool DeviceBuffer cannot be {what}: it owns its allocation, and a second owner "
+        "would free it twice. Copy the data with your framework (cupy.copy, torch.clone, "
+        "xp_array.copy()), or use copy.deepcopy(buf) for a new buffer holding the same bytes."
+    )
+
+
 class DeviceBuffer:
-    """``nbytes`` of device memory at ``ptr`` on ``device``, allocated for ``stream``."""
+    """``nbytes`` of device memory at ``ptr`` on ``device``, allocated for ``stream``.
+
+    Made by ``gp.alloc`` only; calling the class raises TypeError.
+    """
 
     __slots__ = ("ptr", "nbytes", "stream", "_alloc", "_live")
+    __deletable__ = ("_live",)  # compiled: reads of _live check that it is set (module docstring)
 
     ptr: int
     nbytes: int
     stream: Stream
 
-    def __init__(self, ptr: int, nbytes: int, stream: Stream, alloc: CachingAllocator) -> None:
+    def __init__(
+        self, ptr: int, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
+    ) -> None:
+        if key is not _KEY:
+            raise TypeError(
+                "graphpool.DeviceBuffer cannot be made directly; allocate one with "
+                "gp.alloc(nbytes, stream=None)"
+            )
         self.ptr = ptr
         self.nbytes = nbytes
         self.stream = stream
         self._alloc = alloc
-        self._live = True
+        self._live = True  # last: the finalizer acts only on a fully made buffer
 
     @property
     def device(self) -> int:
@@ -46,11 +81,23 @@ class DeviceBuffer:
         return not self._live
 
     def free(self) -> None:
-        """Give the memory back now. A second call raises DoubleFreeError."""
+        """Give the memory back now. A second call raises DoubleFreeError.
+
+        Valid even after ``set_backend``: the buffer goes back to the allocator it came from.
+        """
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
         self._live = False
-        self._alloc.free_owned(self.ptr)
+        if self.ptr:  # a null buffer (gp.alloc(0)) holds nothing
+            self._alloc.free_owned(self.ptr)
+
+    def _check_backend(self) -> None:
+        """Raise BackendReplacedError if the backend this buffer was made under was replaced."""
+        from graphpool import runtime
+
+        made_in = self.stream._space
+        if made_in is not runtime.space():
+            raise runtime.replaced(repr(self), made_in)
 
     def record_stream(self, stream: Stream) -> None:
         """Declare that ``stream`` uses this memory too (docs/behaviour.rst, "Streams")."""
@@ -58,11 +105,14 @@ class DeviceBuffer:
 
         if not isinstance(stream, Stream):
             raise TypeError(f"record_stream needs a graphpool Stream, not {type(stream).__name__}")
+        self._check_backend()
+        stream._check_backend()
         if stream.device != self.device:
             raise ValueError(f"buffer of device {self.device} used by a stream of device {stream.device}")
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
-        self._alloc.record_stream(self.ptr, stream.handle)
+        if self.ptr:
+            self._alloc.record_stream(self.ptr, stream.handle)
 
     def __enter__(self) -> DeviceBuffer:
         return self
@@ -72,9 +122,14 @@ class DeviceBuffer:
             self.free()
 
     def __del__(self) -> None:
-        if self._live:
+        try:
+            live = self._live
+        except AttributeError:  # __init__ failed or never ran: nothing is owned
+            return
+        if live:
             self._live = False
-            self._alloc.defer_free(self.ptr)
+            if self.ptr:
+                self._alloc.defer_free(self.ptr)
 
     def _free_after(self, stream: int) -> None:
         """Queue the free of a buffer that stream handle ``stream`` used too: the block is reused
@@ -82,13 +137,41 @@ class DeviceBuffer:
         and no device call, so it is safe from finalizers and while ``stream`` captures."""
         if self._live:
             self._live = False
-            self._alloc.defer_free(self.ptr, stream)
+            if self.ptr:
+                self._alloc.defer_free(self.ptr, stream)
 
+    # -------------------------------------------------------- copy and pickle
+    def __copy__(self) -> DeviceBuffer:
+        raise _refuse("copied with copy.copy")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeviceBuffer:
+        """A new buffer on the same stream holding a copy of the bytes (queued on that stream)."""
+        if not self._live:
+            raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was freed; there is nothing to copy")
+        self._check_backend()
+        ptr = self._alloc.malloc(self.nbytes, stream=self.stream.handle) if self.nbytes else 0
+        out = DeviceBuffer(ptr, self.nbytes, self.stream, self._alloc, _KEY)
+        if self.nbytes:
+            self._alloc.device.memcpy(out.ptr, self.ptr, self.nbytes, self.stream.handle)
+        memo[id(self)] = out
+        return out
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "a graphpool DeviceBuffer cannot be pickled: it is device memory of this process. "
+            "Copy it to the host first (e.g. with your framework's .get() or .cpu())."
+        )
+
+    def __reduce__(self) -> Any:
+        return self.__reduce_ex__(0)
+
+    # ----------------------------------------------------------------- export
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """Version 3 of Numba's CUDA array interface: a 1-D array of ``nbytes`` bytes."""
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was freed")
+        self._check_backend()
         handle = self.stream.handle
         return {
             "shape": (self.nbytes,),
@@ -111,6 +194,7 @@ class DeviceBuffer:
         """Export as a DLPack capsule of ``nbytes`` uint8 values (zero-copy)."""
         from graphpool import dlpack
 
+        self._check_backend()
         return dlpack.export(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:

@@ -31,6 +31,18 @@ class ReplayHazardError(GraphpoolError, RuntimeError):
     """A replay would read or overwrite memory another graph of its pool still needs."""
 
 
+class BackendReplacedError(GraphpoolError, RuntimeError):
+    """An object made under a backend that ``set_backend`` has since replaced was used.
+
+    Its handles and addresses belong to the old backend's devices: using them with the new
+    backend would act on the wrong device (on the simulator, silently on other memory).
+    """
+
+
+class BackendUnavailableError(GraphpoolError, RuntimeError):
+    """The backend asked for cannot run here (for "cuda": no CUDA driver or GPU found)."""
+
+
 class CUDAError(GraphpoolError, RuntimeError):
     """A CUDA call (real or simulated) failed; ``code`` and ``name`` identify the error."""
 
@@ -58,6 +70,8 @@ class CaptureRefusedError(CUDAError, CaptureError):
 
 
 __all__ = [
+    "BackendReplacedError",
+    "BackendUnavailableError",
     "CUDAError",
     "CaptureError",
     "CaptureRefusedError",

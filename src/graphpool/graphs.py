@@ -249,6 +249,24 @@ class CUDAGraph:
         state = "capturing" if self._capturing else ("captured" if self._exec is not None else "empty")
         return f"<graphpool.CUDAGraph {self.label} {state}>"
 
+    def __copy__(self) -> CUDAGraph:
+        """Refused: a copy would share the graph's CUDA handles and destroy them when collected."""
+        raise TypeError(
+            f"a graphpool CUDAGraph ({self.label}) cannot be copied: it owns its captured CUDA graph "
+            "and private pool. Capture a new CUDAGraph instead."
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CUDAGraph:
+        """Refused, as ``__copy__``: CUDA graphs are cloned by capturing again."""
+        return self.__copy__()
+
+    def __reduce__(self) -> Any:
+        """Refused: a captured graph is device state of this process."""
+        raise TypeError(
+            f"a graphpool CUDAGraph ({self.label}) cannot be pickled: it is device state of this "
+            "process. Capture it again where it is needed."
+        )
+
 
 class _SideStreams(threading.local):
     """Each thread's side stream per (runtime generation, device): gp.graph's default stream."""

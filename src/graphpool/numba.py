@@ -53,6 +53,8 @@ def _make_plugin() -> type[HostOnlyCUDAMemoryManager]:
             """``size`` bytes from graphpool on its current stream of the context's device."""
             if runtime.get().name != "cuda":
                 raise RuntimeError("graphpool's Numba plugin needs graphpool's 'cuda' backend")
+            if size == 0:  # a NULL pointer that owns nothing, as Numba makes for empty arrays
+                return cuda.MemoryPointer(self.context, _device_pointer(0), 0)
             buf = alloc(size, stream=current_stream(self._device_index()))
             ptr = buf.ptr
             buffers = self._buffers

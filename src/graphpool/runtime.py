@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from graphpool.device.protocol import Backend, Device
+from graphpool.errors import BackendReplacedError, BackendUnavailableError, CaptureError, GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import CaptureWorld
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from graphpool.streams import Stream
 
 BACKENDS = ("cuda", "sim")
+CUDA_SPACE = "cuda"
+"""The handle space of every "cuda" runtime: CUDA streams and events outlive a set_backend."""
 
 
 class Runtime:
@@ -31,6 +34,9 @@ class Runtime:
         self.generation = generation
         self.sizes = sizes
         self.count = backend.device_count()
+        # The namespace of this backend's handles and addresses. CUDA's are the process's
+        # own, valid under every "cuda" runtime; a simulator's belong to its backend object.
+        self.space: object = CUDA_SPACE if backend.name == "cuda" else backend
         self.allocators: list[CachingAllocator | None] = [None] * self.count
         self.world = CaptureWorld()  # CUDA's capture rules are process-wide: one count for all
         self._lock = threading.Lock()
@@ -120,7 +126,14 @@ def _make_backend(name: str) -> Backend:
     if name == "cuda":
         from graphpool.device.cuda import CudaBackend
 
-        return CudaBackend()
+        try:
+            return CudaBackend()
+        except (ImportError, GraphpoolError) as exc:  # say why in one line, not a driver error
+            raise BackendUnavailableError(
+                f"the 'cuda' backend needs an NVIDIA GPU and its driver, and no usable CUDA driver or "
+                f"GPU was found ({exc}). Use the simulator instead: gp.set_backend('sim'), "
+                "GRAPHPOOL_BACKEND=sim, or --backend sim."
+            ) from None
     if name == "sim":
         from graphpool.sim.device import SimBackend
 
@@ -169,10 +182,45 @@ def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig 
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}: choose one of {', '.join(BACKENDS)}")
     with _lock:
+        _refuse_during_capture()
         b = backend if backend is not None else _make_backend(name)
         if b.name != name:
             raise ValueError(f"backend object is {b.name!r}, not {name!r}")
         _install(b, sizes or DEFAULT)
+
+
+def space() -> object:
+    """The handle space of the current runtime (see ``Runtime.space``), made on first use."""
+    return get().space
+
+
+def replaced(what: str, made_in: object) -> BackendReplacedError:
+    """The error for ``what``, made under handle space ``made_in``, used after set_backend."""
+    old = made_in if isinstance(made_in, str) else getattr(made_in, "name", repr(made_in))
+    new = get().name
+    return BackendReplacedError(
+        f"{what} was made under the {old!r} backend, which was replaced by set_backend({new!r}); "
+        "its handles and addresses mean nothing to the new backend. Make a new one after "
+        "set_backend, and switch backends only when no object of the old one is in use."
+    )
+
+
+def _refuse_during_capture() -> None:
+    """CaptureError if a capture is underway: replacing the backend would strand it.
+
+    The capture could then never end (its stream belongs to the old backend), and its
+    allocator would stay in capture mode, refusing empty_cache, for good.
+    """
+    rt = _runtime
+    if rt is None:
+        return
+    for index, a in enumerate(rt.allocators):
+        if a is not None and a._capturing:
+            raise CaptureError(
+                f"set_backend() cannot run while a graph capture is underway on device {index} of "
+                f"the {rt.name!r} backend: end the capture (capture_end(), or leave the gp.graph "
+                "block) or reset() its graph first"
+            )
 
 
 def thread_state() -> _ThreadState:

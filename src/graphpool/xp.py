@@ -80,6 +80,13 @@ class MemoryPointer:
     def __repr__(self) -> str:
         return f"MemoryPointer(ptr={self.ptr:#x})"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> MemoryPointer:
+        """A pointer into a real copy of the memory, at the same offset (never a second owner)."""
+        import copy
+
+        mem = copy.deepcopy(self.mem, memo)
+        return MemoryPointer(mem, int(mem.ptr) + (self.ptr - int(self.mem.ptr)))
+
 
 # -- kernels: module-level factories, so closures see only ints, dtypes and the device --
 def _load(dev: SimDevice, arg: _Arg) -> Any:
@@ -191,6 +198,14 @@ class ndarray:
     def _arg(self) -> _Arg:
         return (self._ptr, self.nbytes, self._dtype)
 
+    def _check_backend(self) -> None:
+        """Raise BackendReplacedError if ``set_backend`` replaced the backend this array lives on.
+
+        Its address would name other memory on the new backend's devices (a silently wrong
+        result). One identity test of the array's stream's handle space.
+        """
+        self._buf._check_backend()
+
     def __len__(self) -> int:
         if not self._shape:
             raise TypeError("len() of unsized object")
@@ -198,6 +213,7 @@ class ndarray:
 
     # -- kernels ----------------------------------------------------------------
     def _launch(self, fn: Callable[[], None], name: str) -> None:
+        self._check_backend()
         dev, stream = _context()
         if dev is not self._dev:
             raise ValueError(f"array on device {self._dev.index} used while device {dev.index} is current")
@@ -210,6 +226,7 @@ class ndarray:
 
     def copy(self) -> ndarray:
         """A new array with the same contents (a device-to-device copy on the current stream)."""
+        self._check_backend()
         out = ndarray(self._shape, self._dtype)
         dev, stream = _context()
         if self.nbytes:
@@ -218,6 +235,7 @@ class ndarray:
 
     def astype(self, dtype: Any) -> ndarray:
         """A new array of ``dtype`` holding this one's values."""
+        self._check_backend()
         out = ndarray(self._shape, dtype)
         out._launch(_k_cast(self._dev, out._ptr, out.nbytes, out._dtype, self._arg()), "astype")
         return out
@@ -229,7 +247,9 @@ class ndarray:
         name: str,
         reflected: bool = False,
     ) -> ndarray:
+        self._check_backend()
         if isinstance(other, ndarray):
+            other._check_backend()
             if other._dev is not self._dev:
                 raise ValueError("operands live on different devices")
             if self._shape and other._shape and self._shape != other._shape:
@@ -271,6 +291,7 @@ class ndarray:
 
     def sum(self) -> ndarray:
         """The sum as a 0-d array (accumulated in 64 bits: integer-valued sums are exact)."""
+        self._check_backend()
         out = ndarray((), np.ones(1, self._dtype).sum().dtype)
         if not self.nbytes:
             out.fill(0)
@@ -280,10 +301,13 @@ class ndarray:
 
     # -- to the host (synchronizing) ------------------------------------------
     def get(self) -> np.ndarray:
-        """The contents as a NumPy array; waits for the current stream's work."""
+        """The contents as a NumPy array; waits for the work of the current stream of the array's
+        device (which need not be the current device: CuPy reads across devices too)."""
+        self._check_backend()
         if not self.nbytes:
             return np.empty(self._shape, self._dtype)
-        dev, stream = _context()
+        dev = self._dev
+        stream = int(_streams.current_stream(dev.index).handle)
         raw = dev.read(self._ptr, self.nbytes, stream)
         return np.frombuffer(raw, dtype=self._dtype).copy().reshape(self._shape)
 
@@ -294,10 +318,27 @@ class ndarray:
         return self.get().reshape(()).item()
 
     def __repr__(self) -> str:
-        dev, stream = _context()
+        self._check_backend()
+        dev = self._dev
+        stream = int(_streams.current_stream(dev.index).handle)
         if dev.capture_info(stream)[0] != CAPTURE_STATUS_NONE:  # reading would break the capture
             return f"<xp.ndarray {self._shape} {self._dtype} at {self._ptr:#x} (capturing)>"
         return repr(self.get()).replace("array(", "xp.array(", 1)
+
+    # -- copying and pickling: real copies, as CuPy makes ------------------------
+    def __copy__(self) -> ndarray:
+        """``copy.copy``: a new array with the same contents, as CuPy's ``__copy__`` gives."""
+        return self.copy()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ndarray:
+        """``copy.deepcopy``: a new array with the same contents (never a second owner)."""
+        out = self.copy()
+        memo[id(self)] = out
+        return out
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle the contents (read to the host), as CuPy does; unpickling makes a new array."""
+        return (asarray, (self.get(), self._dtype.name))
 
 
 def empty(shape: int | tuple[int, ...], dtype: Any = np.float32) -> ndarray:

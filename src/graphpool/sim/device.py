@@ -113,6 +113,7 @@ class SimDevice:
         self._holders: dict[int, tuple[int, ...]] = {}  # graph or exec handle -> its tokens
         self._released: list[int] = []
         self._last_launch: dict[int, _Marker] = {}  # exec -> the end of its latest launch
+        self._peers: list[SimDevice] = [self]  # the backend's devices (SimBackend sets it)
 
     def __repr__(self) -> str:
         return f"SimDevice(index={self.index}, memory_bytes={self.memory_bytes})"
@@ -236,6 +237,11 @@ class SimDevice:
 
     def stream_wait_event(self, stream: int, event: int) -> None:
         call = "cudaStreamWaitEvent"
+        if event not in self._events:
+            peer = next((d for d in self._peers if d is not self and event in d._events), None)
+            if peer is not None:
+                self._wait_peer(call, stream, peer, event)
+                return
         with self._lock:
             st = self._stream(call, stream)
             state = self._event(call, event)
@@ -255,6 +261,37 @@ class SimDevice:
                 )
             elif not state.done:
                 st.queue.append(_Op("wait", marker=state))
+
+    def _wait_peer(self, call: str, stream: int, peer: SimDevice, event: int) -> None:
+        """``stream`` waits on an event of another device, as CUDA allows.
+
+        The simulator has no cross-device queue, so the other device runs its work up to the
+        event now (a schedule CUDA could also pick), and nothing is queued here. A capturing
+        stream cannot depend on work outside its capture (cudaErrorStreamCaptureIsolation).
+        """
+        with self._lock:
+            st = self._stream(call, stream)
+            cap = st.capture
+            if cap is not None:
+                if cap.status == CAPTURE_STATUS_INVALIDATED:
+                    return
+                capture.invalidate(cap)
+                raise cuda_error(
+                    call,
+                    "cudaErrorStreamCaptureIsolation",
+                    f"stream {stream} is capturing and the event belongs to device {peer.index}",
+                )
+        with peer._lock:  # never both locks at once: two threads may wait crosswise
+            state = peer._event(call, event)
+            if isinstance(state, _CaptureMark):
+                raise cuda_error(
+                    call,
+                    "cudaErrorStreamCaptureIsolation",
+                    f"event {event} was recorded in a capture on device {peer.index}",
+                )
+            if state is not None:
+                marker = state
+                peer._run_until(lambda: marker.done)
 
     def _wait_captured(self, call: str, st: _Stream, mark: _CaptureMark) -> None:
         """``st`` waits on an event recorded in a capture: a dependency in it, or a join."""
@@ -582,6 +619,8 @@ class SimBackend:
         if count < 1 or size < 1:
             raise ValueError(f"need device_count >= 1 and memory_bytes >= 1, got {count}, {size}")
         self._devices = [SimDevice(i, size) for i in range(count)]
+        for dev in self._devices:
+            dev._peers = self._devices  # cross-device event waits (SimDevice.stream_wait_event)
         self._current = threading.local()
 
     def __repr__(self) -> str:

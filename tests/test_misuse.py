@@ -1,0 +1,428 @@
+"""Misuse that once crashed the interpreter or gave silently wrong results (issue 10).
+
+Crashes are checked in a child interpreter running the graphpool this test imports (the
+compiled build once segfaulted on several of these), so a crash fails one test instead
+of killing the run. Each point also has an in-process test of the error it must raise.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+from graphpool.sim import SimBackend
+
+PKG_PARENT = str(Path(gp.__file__).resolve().parents[1])
+
+
+def run_child(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a new interpreter on the simulator, importing this graphpool."""
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT, GRAPHPOOL_BACKEND="sim")
+    prelude = "import copy, pickle, graphpool as gp\nfrom graphpool.sim import xp\n"
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+# ------------------------------------------------------------- 1. no crash: child process
+CRASHERS = {
+    "no_args": "gp.DeviceBuffer()",
+    "bad_args": "gp.DeviceBuffer('a', 1, gp.current_stream(), None)",
+    "forged": "gp.DeviceBuffer(1, 1, gp.current_stream(), None)",
+    "new": "gp.DeviceBuffer.__new__(gp.DeviceBuffer)",
+    "copy_buf": "copy.copy(gp.alloc(128))",
+    "deepcopy_dict": "copy.deepcopy({'w': gp.alloc(8)})",
+    "deepcopy_xp": "copy.deepcopy(xp.ones(10))",
+    "pickle_buf": "pickle.dumps(gp.alloc(8))",
+    "copy_graph": "copy.copy(gp.CUDAGraph())",
+    "deepcopy_graph": "copy.deepcopy(gp.CUDAGraph())",
+    "pickle_graph": "pickle.dumps(gp.CUDAGraph())",
+    "copy_event": "copy.copy(gp.Event())",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CRASHERS))
+def test_misuse_never_kills_the_interpreter(name: str) -> None:
+    code = (
+        "try:\n"
+        f"    {CRASHERS[name]}\n"
+        "except (TypeError, ValueError, gp.GraphpoolError) as e:\n"
+        "    assert str(e), 'an error without a message'\n"
+        "import gc; gc.collect(); gp.synchronize(); gp.empty_cache(); gp.check_invariants()\n"
+        "assert gp.memory_reserved() == 0, gp.memory_reserved()\n"
+        "print('survived')\n"
+    )
+    done = run_child(code)
+    assert done.returncode == 0 and "survived" in done.stdout, (done.returncode, done.stderr[-2000:])
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+# ------------------------------------------------------------------ 1, 2. DeviceBuffer
+def test_device_buffer_cannot_be_made_from_outside(sim: Any) -> None:
+    with pytest.raises(TypeError):
+        gp.DeviceBuffer()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        gp.DeviceBuffer("a", 1, gp.current_stream(), runtime.allocator())  # type: ignore[arg-type]
+
+
+def test_a_forged_buffer_cannot_free_another_owners_block(sim: Any) -> None:
+    a = runtime.allocator()
+    real = gp.alloc(4096)
+    with pytest.raises(TypeError, match=r"gp\.alloc"):
+        gp.DeviceBuffer(real.ptr, 4096, gp.current_stream(), a)
+    gc.collect()  # the refused object's finalizer must not free real's block
+    assert a.lookup(real.ptr) is not None and a.lookup(real.ptr).allocated
+    other = gp.alloc(4096)
+    assert other.ptr != real.ptr
+    real.free()
+    other.free()
+    gp.check_invariants()
+
+
+def test_copy_of_a_buffer_is_refused_and_deepcopy_is_a_real_copy(sim: Any) -> None:
+    from graphpool.sim import xp
+
+    src = xp.arange(16, dtype=xp.int32)
+    buf = src._buf
+    with pytest.raises(TypeError, match="copy"):
+        copy.copy(buf)
+    dup = copy.deepcopy({"w": buf})["w"]
+    assert dup is not buf and dup.ptr != buf.ptr and dup.nbytes == buf.nbytes
+    dev = runtime.get().device(0)
+    gp.synchronize()
+    assert dev.read(dup.ptr, dup.nbytes, 0) == dev.read(buf.ptr, buf.nbytes, 0)
+    dup.free()
+    with pytest.raises(gp.DoubleFreeError):
+        dup.free()  # one owner: the copy is its own allocation
+    del src, buf
+    gc.collect()
+    gp.check_invariants()
+
+
+def test_pickling_a_buffer_says_why(sim: Any) -> None:
+    buf = gp.alloc(8)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(buf)
+    buf.free()
+
+
+def test_events_refuse_copies_streams_copy_to_themselves(sim: Any) -> None:
+    s = gp.Stream()
+    assert copy.copy(s) is s and copy.deepcopy(s) is s
+    with pytest.raises(TypeError):
+        pickle.dumps(s)
+    e = gp.Event()
+    with pytest.raises(TypeError):
+        copy.copy(e)
+    with pytest.raises(TypeError):
+        pickle.dumps(e)
+
+
+# ------------------------------------------------------------------ 3. graphs
+def test_graph_copy_and_pickle_are_refused(sim: Any) -> None:
+    g = gp.CUDAGraph()
+    for fn in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="CUDAGraph"):
+            fn(g)
+
+
+# ------------------------------------------------------------------ 1. xp arrays
+def test_xp_copies_are_real_copies_and_pickle_round_trips(sim: Any) -> None:
+    from graphpool.sim import xp
+
+    a = xp.arange(10)
+    for b in (copy.copy(a), copy.deepcopy(a), copy.deepcopy([a])[0], pickle.loads(pickle.dumps(a))):
+        assert b is not a and b.data.ptr != a.data.ptr
+        assert np.array_equal(b.get(), a.get())
+    b = copy.deepcopy(a)
+    b.fill(7)
+    assert a.get()[3] == 3  # independent memory
+
+
+# ------------------------------------------------------------------ 4. zero bytes
+def test_alloc_zero_is_a_null_buffer_that_holds_nothing(backend: Any) -> None:
+    gc.collect()
+    before = gp.memory_stats()
+    buf = gp.alloc(0)
+    assert buf.ptr == 0 and buf.nbytes == 0 and not buf.freed
+    assert gp.memory_stats() == before  # no segment, no block, no counter moved
+    assert buf.__cuda_array_interface__["data"] == (0, False)
+    buf.record_stream(gp.Stream())
+    buf.free()
+    assert buf.freed
+    with pytest.raises(gp.DoubleFreeError):
+        buf.free()
+    gp.alloc(0, stream=gp.Stream())  # collected at once: a no-op too
+    gp.alloc(np.int64(0))
+    gc.collect()
+    assert gp.memory_stats() == before
+    with pytest.raises(TypeError):
+        gp.alloc(False)  # a bool is still not a size
+    dup = copy.deepcopy(gp.alloc(0))
+    assert dup.ptr == 0
+
+
+def test_alloc_zero_during_capture_holds_nothing(sim: Any) -> None:
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        z = gp.alloc(0)
+        xp_ones = __import__("graphpool.xp", fromlist=["ones"]).ones(4)
+    assert z.ptr == 0
+    g.replay()
+    del xp_ones, z
+    g.reset()
+
+
+# ------------------------------------------------------------------ 5. set_backend
+def _replaced(fn: Any) -> None:
+    with pytest.raises(gp.BackendReplacedError, match="set_backend"):
+        fn()
+
+
+def test_objects_of_a_replaced_backend_refuse_to_work(sim: Any) -> None:
+    from graphpool.sim import xp
+
+    a = xp.ones(10)
+    s = gp.Stream()
+    e = gp.Event()
+    e.record(s)
+    buf = gp.alloc(64)
+    gp.set_backend("sim")
+    _replaced(lambda: (a + 1).get())  # was silently zeros
+    _replaced(lambda: a.get())
+    _replaced(lambda: a.sum())
+    _replaced(lambda: a.copy())
+    _replaced(lambda: xp.ones(10) + a)
+    _replaced(lambda: a.fill(2))
+    _replaced(s.synchronize)
+    _replaced(lambda: s.wait_stream(gp.current_stream()))
+    _replaced(lambda: gp.current_stream().wait_stream(s))
+    _replaced(lambda: gp.current_stream().wait_event(e))
+    _replaced(s.record_event)
+    _replaced(lambda: gp.alloc(8, stream=s))
+    _replaced(lambda: gp.stream(s).__enter__())
+    _replaced(e.query)
+    _replaced(e.synchronize)
+    _replaced(lambda: e.record(gp.current_stream()))
+    _replaced(lambda: buf.record_stream(gp.current_stream()))
+    _replaced(lambda: buf.__cuda_array_interface__)
+    _replaced(lambda: copy.deepcopy(buf))
+    buf.free()  # freeing still works: the buffer goes back to the allocator it came from
+    fresh = xp.ones(10) + 1
+    assert fresh.get().sum() == 20
+    gp.check_invariants()
+
+
+def test_streams_of_an_older_cuda_runtime_stay_valid(sim: Any) -> None:
+    """CUDA handles are the process's: a new "cuda" runtime accepts an older one's streams."""
+
+    class FakeCuda(SimBackend):
+        name = "cuda"
+
+    runtime.set_backend("cuda", backend=FakeCuda())
+    s = gp.Stream()
+    runtime.set_backend("cuda", backend=FakeCuda())
+    s._check_backend()  # no error
+    gp.set_backend("sim")
+    with pytest.raises(gp.BackendReplacedError, match="'cuda' backend"):
+        s._check_backend()
+
+
+# ------------------------------------------------------------------ 6. errors say why
+def test_set_backend_cuda_without_a_gpu_says_so_in_one_line(sim: Any) -> None:
+    from graphpool.device.cuda import is_available
+
+    if is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(gp.BackendUnavailableError, match="no usable CUDA driver or GPU"):
+        gp.set_backend("cuda")
+    assert gp.backend() == "sim"  # nothing changed
+    env = dict(os.environ, PYTHONPATH=PKG_PARENT)
+    done = subprocess.run(
+        [sys.executable, "-m", "graphpool", "demo", "--backend", "cuda"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "no usable CUDA driver or GPU" in done.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", 0.0, True, [0]])
+def test_a_bad_device_argument_says_what_is_expected(sim: Any, bad: Any) -> None:
+    for fn in (gp.memory_stats, gp.memory_allocated, gp.empty_cache, gp.memory_snapshot, gp.synchronize):
+        with pytest.raises(TypeError, match="device index"):
+            fn(bad)
+
+
+def test_a_numpy_integer_names_a_device(sim: Any) -> None:
+    assert gp.memory_stats(np.int64(0)) == gp.memory_stats(0)
+
+
+def test_graphpool_warnings_point_at_the_callers_line() -> None:
+    from graphpool._warnings import warn
+
+    def inner() -> None:
+        warn("hello")
+
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        inner()  # inner lives in this file, outside graphpool: it is the caller
+    assert got and got[0].filename == __file__
+
+
+# ------------------------------------------------------------------ 7. sim vs CUDA
+def test_wait_stream_on_another_devices_stream(backend: Any) -> None:
+    if gp.device_count() < 2:
+        pytest.skip("needs two devices")
+    xp = backend.xp
+    with gp.device(1):
+        s1 = gp.Stream()
+        with gp.stream(s1):
+            backend.spin(s1)
+            a = xp.ones(1000)
+            b = a + 1
+    s0 = gp.Stream()
+    s0.wait_stream(s1)  # CUDA allows waiting on another device's work
+    with gp.stream(s0):
+        s0.synchronize()
+    with gp.device(1):
+        assert float(b.sum().item()) == 2000.0
+
+
+def test_read_an_array_of_another_device(backend: Any) -> None:
+    if gp.device_count() < 2:
+        pytest.skip("needs two devices")
+    xp = backend.xp
+    with gp.device(1):
+        a = xp.arange(8)
+        b = a * 2
+    assert gp.current_device() == 0
+    got = b.get()  # device 1's array read while device 0 is current, as CuPy allows
+    assert list(np.asarray(got)) == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert gp.current_device() == 0
+
+
+def test_a_capture_cannot_wait_on_another_devices_event(sim: Any) -> None:
+    with gp.device(1):
+        s1 = gp.Stream()
+        e = s1.record_event()
+    g = gp.CUDAGraph()
+    with pytest.raises(gp.GraphpoolError):
+        with gp.graph(g):
+            gp.current_stream().wait_event(e)
+    assert not gp.is_current_stream_capturing()
+
+
+# ------------------------------------------------------------------ 8. CuPy's current stream
+class _FakeStream:
+    """Just enough of a CuPy stream: a handle, and ``use()`` making it current."""
+
+    def __init__(self, fake: _FakeCupy, ptr: int) -> None:
+        self.fake, self.ptr = fake, ptr
+
+    def use(self) -> _FakeStream:
+        self.fake.current = self
+        return self
+
+
+class _FakeCupy:
+    """A stand-in for the ``cupy`` module: what graphpool.cupy touches, on the simulator."""
+
+    def __init__(self) -> None:
+        import types
+
+        fake = self
+        self.null = _FakeStream(self, 0)
+        self.current = self.null
+        self.allocator: Any = None
+
+        class Device:
+            def __init__(self, index: int) -> None:
+                pass
+
+            def __enter__(self) -> None:
+                return None
+
+            def __exit__(self, *exc: object) -> None:
+                return None
+
+        def external(handle: int, device: int) -> _FakeStream:
+            return _FakeStream(fake, handle)
+
+        self.cuda = types.SimpleNamespace(
+            Stream=types.SimpleNamespace(null=self.null),
+            ExternalStream=external,
+            Device=Device,
+            runtime=types.SimpleNamespace(getDevice=lambda: 0),
+            get_current_stream=lambda device_id=None: fake.current,
+            get_allocator=lambda: fake.allocator,
+            set_allocator=lambda fn: setattr(fake, "allocator", fn),
+        )
+
+
+def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``with cupy.cuda.Stream(): with gp.graph(g): ...`` must leave CuPy on its stream.
+
+    graphpool's stream before the block is the legacy default (graphpool does not follow
+    CuPy's ``with`` blocks); restoring CuPy from it used to leave CuPy on Stream.null for
+    the rest of the user's block. The same on a GPU: test_integrations_cupy.py.
+    """
+    import graphpool.cupy as gcupy
+
+    class FakeCuda(SimBackend):
+        name = "cuda"
+
+    fake = _FakeCupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    for name, value in (("_cp_streams", {}), ("_gp_streams", {}), ("_installed", False), ("_cp", None)):
+        monkeypatch.setattr(gcupy, name, value)
+    monkeypatch.setattr(runtime, "stream_listeners", [])
+    runtime.set_backend("cuda", backend=FakeCuda())
+    gcupy.install()
+    users = _FakeStream(fake, 0xABC0).use()  # `with cupy.cuda.Stream() as users:` entered
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        assert fake.current.ptr == gp.current_stream().handle != 0  # CuPy follows the capture
+        out = __import__("graphpool.xp", fromlist=["ones"]).ones(4)
+    assert fake.current is users  # was Stream.null
+    with gp.stream(gp.Stream()):
+        assert fake.current is not users
+    assert fake.current is users
+    del out
+    g.reset()
+    gcupy.uninstall()
+    gp.set_backend("sim")
+
+
+def test_set_backend_is_refused_during_a_capture(sim: Any) -> None:
+    """Replacing the backend mid-capture stranded the capture: its allocator stayed in
+    capture mode for good (empty_cache refused), and the graph could never be ended."""
+    from graphpool.sim import xp
+
+    old = runtime.get()
+    g = gp.CUDAGraph()
+    with pytest.raises(gp.CaptureError, match="set_backend"):
+        with gp.graph(g):
+            out = xp.ones(8)
+            gp.set_backend("sim")
+    assert runtime.get() is old
+    assert not old.allocators[0]._capturing
+    del out
+    gc.collect()
+    gp.empty_cache()
+    assert gp.memory_reserved() == 0
