@@ -25,7 +25,7 @@ SRC = Path(graphpool.__file__).parent
 FRAMEWORKS = {"cupy", "numba", "torch", "jax", "cuda"}
 
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("errors", ("graphpool.errors",)),
+    ("errors", ("graphpool.errors", "graphpool._warnings")),
     ("device", ("graphpool.device", "graphpool.sim")),
     ("policy", ("graphpool.policy",)),
     (
@@ -199,7 +199,7 @@ def test_imports_point_down_the_layers() -> None:
 
 
 def test_policy_is_plain_python() -> None:
-    allowed = ("graphpool.policy", "graphpool.device.protocol", "graphpool.errors")
+    allowed = ("graphpool.policy", "graphpool.device.protocol", "graphpool.errors", "graphpool._warnings")
     lock = "fastrlock"  # the allocator's lock (CuPy's): no CUDA, no framework
     for name, path in MODULES.items():
         if not name.startswith("graphpool.policy"):
@@ -219,6 +219,24 @@ def test_only_the_cuda_module_imports_cuda_bindings() -> None:
         if any(n == "cuda.bindings" or n.startswith("cuda.bindings.") for n in imported_names(name))
     }
     assert users == {"device/cuda.py"}
+
+
+def test_cuda_is_reached_in_the_device_layer_only() -> None:
+    """Besides device/cuda.py, only the C module beside it (the per-allocation capture query
+    and graph user objects) talks to the CUDA driver."""
+    loaders = sorted(
+        p.relative_to(SRC).as_posix()
+        for p in SRC.rglob("*")
+        if p.suffix in (".py", ".c") and "libcuda" in p.read_text(errors="ignore")
+    )
+    assert loaders == ["device/_capture.c"]
+    users = sorted(
+        n
+        for n, path in MODULES.items()
+        for node in _nodes(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and any(a.name == "_capture" for a in node.names)
+    )
+    assert users == ["graphpool.device.cuda"]
 
 
 def test_core_modules_import_no_framework_at_module_level() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from graphpool import runtime
+from graphpool import _warnings, runtime
 from graphpool.memory import alloc
 from graphpool.streams import Stream, current_stream
 
@@ -76,6 +76,10 @@ def _make_class() -> Any:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""
             if runtime.get().name != "cuda":
                 raise RuntimeError("GraphpoolMemoryResource needs graphpool's 'cuda' backend")
+            if size == 0:  # a null buffer; nothing to track (all share the address 0)
+                if hasattr(Buffer, "from_handle"):
+                    return Buffer.from_handle(0, 0, mr=self)
+                return Buffer(0, 0, self)
             buf = alloc(size, stream=self._stream(stream))
             ptr = buf.ptr
             self._buffers[ptr] = buf
@@ -99,6 +103,8 @@ def _make_class() -> Any:
             Never takes the allocator's lock (it may run from a finalizer): the DeviceBuffer
             is dropped and its free is queued.
             """
+            if int(ptr) == 0:  # a null buffer holds nothing
+                return
             buf = self._buffers.pop(int(ptr), None)
             if buf is None:
                 return
@@ -169,9 +175,7 @@ def _begin_building(self: Any, *args: Any, **kwargs: Any) -> Any:
                 key[1], label=f"cuda.core GraphBuilder on stream 0x{key[1]:x}"
             )
         except Exception as exc:  # never break the user's capture; detection still covers it
-            import warnings
-
-            warnings.warn(f"graphpool could not register the GraphBuilder's capture: {exc}", stacklevel=2)
+            _warnings.warn(f"graphpool could not register the GraphBuilder's capture: {exc}", RuntimeWarning)
     return out
 
 

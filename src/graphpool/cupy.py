@@ -25,7 +25,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from graphpool import runtime
+from graphpool import _warnings, runtime
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.memory import alloc
 from graphpool.streams import Stream, current_stream
@@ -64,6 +64,8 @@ def malloc(nbytes: int) -> Any:
     """
     cp = _cp
     _require_cuda()
+    if nbytes == 0:  # as CuPy's own pools: a null pointer that holds nothing
+        return cp.cuda.MemoryPointer(cp.cuda.Memory(0), 0)
     device = cp.cuda.runtime.getDevice()
     handle = int(cp.cuda.get_current_stream(device).ptr)
     key = (device, handle)
@@ -128,7 +130,7 @@ def _begin_capture(self: Any, mode: Any = None) -> None:
             key[1], label=f"CuPy capture on stream 0x{key[1]:x}"
         )
     except Exception as exc:  # never break the user's capture; detection still covers it
-        warnings.warn(f"graphpool could not register CuPy's capture: {exc}", RuntimeWarning, stacklevel=2)
+        _warnings.warn(f"graphpool could not register CuPy's capture: {exc}", RuntimeWarning)
 
 
 def _end_capture(self: Any) -> Any:

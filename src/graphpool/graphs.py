@@ -12,11 +12,10 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
-import warnings
 import weakref
 from typing import Any
 
-from graphpool import runtime
+from graphpool import _warnings, runtime
 from graphpool.device.protocol import (
     CAPTURE_MODE_RELAXED,
     CAPTURE_MODES,
@@ -144,11 +143,10 @@ class CUDAGraph:
         self._capturing = False
         _register(self)
         if dev.graph_node_count(graph) == 0:
-            warnings.warn(
+            _warnings.warn(
                 f"{self.label} captured no work: was the work queued on another stream than the "
                 "capturing one?",
                 UserWarning,
-                stacklevel=2,
             )
 
     def _abort(self) -> None:
@@ -164,8 +162,8 @@ class CUDAGraph:
         """End an underway capture after an exception in its body and discard it."""
         if not self._capturing:
             return
-        assert self._stream is not None
-        dev = runtime.get().device(self._stream.device)
+        assert self._stream is not None and self._alloc is not None
+        dev = self._alloc.device  # the device it captures on, whatever backend is current
         try:
             dev.destroy_graph(dev.end_capture(self._stream.handle))
         except GraphpoolError:
@@ -182,6 +180,7 @@ class CUDAGraph:
                 "(capture_begin()/capture_end() or `with gp.graph(g):`)"
             )
         assert self._stream is not None and self._dev is not None
+        self._stream._check_backend()  # a graph of a replaced backend: a clear error
         index = self._stream.device
         s = runtime.thread_state().streams.get(index)
         if s is None:
@@ -437,7 +436,7 @@ def _finished(h: CUDAGraph, s: Stream) -> bool:
 def _report(message: str) -> None:
     if _checks == "raise":
         raise ReplayHazardError(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    _warnings.warn(message, RuntimeWarning)
 
 
 def _check_replay(g: CUDAGraph, s: Stream) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable
@@ -42,6 +41,7 @@ try:  # CuPy's lock (see CachingAllocator.__init__)
 except ImportError:  # no fastrlock wheel (PyPy): the stdlib's reentrant lock, slower
     from threading import RLock as _Lock
 
+from graphpool import _warnings
 from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_ACTIVE, Device
 from graphpool.errors import (
     CaptureError,
@@ -876,7 +876,7 @@ class CachingAllocator:
                     else:
                         self._release(item)
                 except Exception as exc:  # a finalizer's work must not fail an unrelated call
-                    warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning, stacklevel=3)
+                    _warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning)
         finally:
             if later:
                 pending.extend(later)
@@ -997,11 +997,10 @@ class CachingAllocator:
         try:
             self.device.attach_release(stream, token)
         except GraphpoolError as exc:  # no user objects here: protect the capture all the same
-            warnings.warn(
+            _warnings.warn(
                 f"graphpool: the pool of {rec.label} cannot be tied to its graph ({exc}); it is "
                 "kept until the process ends",
                 RuntimeWarning,
-                stacklevel=2,
             )
             token = 0
         except BaseException:
