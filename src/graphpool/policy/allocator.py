@@ -485,12 +485,19 @@ class CachingAllocator:
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
+        if self._capturing and owner is not None and not block.stream_uses:
+            for rec in self._captures.values():
+                if rec.pool is owner:  # a capture allocates from its pool: back to that pool
+                    if owner.fresh:
+                        self._touch(block, rec)
+                    self._free_block(block, False)
+                    return
         if self._capturing and self._foreign and thread:
             # a capture begun outside may have ended: it keeps nothing then (a queued free,
             # thread 0, may have been made before it ended: it is decided before the sweep)
             self._sweep()
         if self._capturing:
-            recs = self._captures_for_free(block, thread)
+            recs = self._captures_for_free(block)
             if owner is not None and owner.fresh:
                 for rec in recs:
                     self._touch(block, rec)
@@ -518,15 +525,16 @@ class CachingAllocator:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
-    def _captures_for_free(self, block: Block, thread: int) -> list[CaptureRecord]:
-        """The captures a free made now belongs to; no driver query. O(underway captures).
+    def _captures_for_free(self, block: Block) -> list[CaptureRecord]:
+        """The captures a free made now belongs to. O(underway captures), at most one query.
 
         A block of a pool that an underway capture allocates from goes back to that pool
         (reusing it is what pool sharing is for). A block allocated after every underway
-        capture began and freed by a thread that began none of them (``thread`` known) is
-        eager memory of eager code: it goes back at once. Any other block may have been
-        read or written by any underway capture, whoever drops it (a worker thread, a
-        garbage-collection pass): it is kept for all of them (SPEC 3, the cupy#9655 rule).
+        capture began, on a stream that takes part in none of them, is eager memory of eager
+        code (another thread's, or this thread's on another stream): it goes back at once.
+        Any other block may have been read or written by any underway capture, whoever drops
+        it (a worker thread, a garbage-collection pass): it is kept for all of them (SPEC 3,
+        the cupy#9655 rule).
         """
         owner = block.pool.owner
         recs = list(self._captures.values())
@@ -534,7 +542,7 @@ class CachingAllocator:
             for r in reversed(recs):
                 if r.pool is owner:
                     return [r]
-        if thread and all(r.thread != thread and block.serial > r.first_serial for r in recs):
+        if all(block.serial > r.first_serial for r in recs) and not self._query(block.stream):
             return []
         return recs
 
