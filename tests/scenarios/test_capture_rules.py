@@ -118,7 +118,7 @@ def test_eager_thread_memory_made_during_a_capture_is_not_pinned(backend: Any) -
         backend.xp.ones(8, dtype=backend.xp.float32)
         in_thread(eager)
         eager()  # the capturing thread's own work on a stream outside the capture: the same
-    assert len(set(seen)) == 1
+    assert len(set(seen[:3])) == 1 and len(set(seen[3:])) == 1  # each reused at once
     del g
     settle()
 
