@@ -288,7 +288,7 @@ def test_graphpool_warnings_point_at_the_callers_line() -> None:
 # ------------------------------------------------------------------ 7. sim vs CUDA
 def test_wait_stream_on_another_devices_stream(backend: Any) -> None:
     if gp.device_count() < 2:
-        pytest.skip("needs two devices")
+        pytest.skip("host has too few GPUs: needs two devices")
     xp = backend.xp
     with gp.device(1):
         s1 = gp.Stream()
@@ -306,7 +306,7 @@ def test_wait_stream_on_another_devices_stream(backend: Any) -> None:
 
 def test_read_an_array_of_another_device(backend: Any) -> None:
     if gp.device_count() < 2:
-        pytest.skip("needs two devices")
+        pytest.skip("host has too few GPUs: needs two devices")
     xp = backend.xp
     with gp.device(1):
         a = xp.arange(8)

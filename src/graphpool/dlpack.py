@@ -163,6 +163,8 @@ def _consumer_stream(stream: Any) -> int | None:
         return None  # the consumer asks for no synchronization
     if stream == 0:
         raise ValueError("DLPack stream 0 is ambiguous for CUDA: pass 1 for the legacy default stream")
+    if not 0 < stream < 1 << 64:
+        raise ValueError(f"DLPack stream must be -1, None or a CUDA stream handle, not {stream}")
     return int(stream)
 
 

@@ -130,12 +130,17 @@ class CUDAGraph:
                 "allowed during capture (synchronize, event query, device allocation) invalidates it; "
                 "capture_error_mode='thread_local' or 'relaxed' allows some of them."
             ) from exc
+        # Under the relaxed mode: instantiation is "unsafe" while another capture is underway
+        # (another thread's in global mode, or an enclosing one on this thread), as in CUDA.
+        prev = dev.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
             graph_exec = dev.instantiate(graph)
         except BaseException:
             dev.destroy_graph(graph)
             self._abort()
             raise
+        finally:
+            dev.exchange_capture_mode(prev)
         self._alloc.end_capture(self._rec)
         self._graph, self._exec = graph, graph_exec
         self._dev = dev

@@ -102,8 +102,15 @@ def _make_plugin() -> type[HostOnlyCUDAMemoryManager]:
     return GraphpoolEMMPlugin
 
 
-def _device_pointer(ptr: int) -> ctypes.c_void_p:
-    """A pointer Numba's MemoryPointer accepts (it converts c_void_p to its binding's type)."""
+def _device_pointer(ptr: int) -> Any:
+    """A pointer Numba's MemoryPointer accepts (it converts c_void_p to its binding's type,
+    but a c_void_p of 0 has the value None: the null pointer is made in the binding's type)."""
+    if ptr == 0:
+        from numba.cuda.cudadrv import driver as numba_driver
+
+        binding = getattr(numba_driver, "binding", None)
+        if binding is not None and hasattr(binding, "CUdeviceptr"):
+            return binding.CUdeviceptr(0)
     return ctypes.c_void_p(ptr)
 
 

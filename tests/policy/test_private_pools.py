@@ -831,3 +831,58 @@ def test_nested_captures_of_one_thread_each_keep_an_eager_block() -> None:
     a.release_capture(g1)
     assert a.malloc(4 * MiB, stream=S3) == x
     ok(a)
+
+
+# --------------------------------------------------------------------------- found by the machine
+class StreamsDie(FakeDevice):
+    """A fake device whose streams can be destroyed: recording an event there fails."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.destroyed: set[int] = set()
+
+    def record_event(self, event: int, stream: int) -> None:
+        if stream in self.destroyed:
+            from graphpool.errors import CUDAError
+
+            raise CUDAError("cudaEventRecord", 400, "cudaErrorInvalidResourceHandle")
+        super().record_event(event, stream)
+
+
+def test_free_after_record_stream_on_a_dead_stream_while_another_device_captures() -> None:
+    from graphpool.policy.private_pools import CaptureWorld
+
+    world = CaptureWorld()
+    dev0, dev1 = FakeDevice(), StreamsDie()
+    a0, a1 = CachingAllocator(dev0, world=world), CachingAllocator(dev1, world=world)
+    p = a1.malloc(1000, stream=S1)
+    a1.record_stream(p, S2)
+    dev1.destroyed.add(S2)
+    rec = begin(a0, dev0, P, S3)
+    a1.free(p)  # no device synchronize now (a capture is underway): kept until it ends
+    assert a1.lookup(p) is None and a1.memory_stats()["active_bytes.all.current"] == 1024
+    ok(a1)
+    end(a0, dev0, rec)
+    q = a1.malloc(1000, stream=S1)  # the device is synchronized once, then the block is free
+    assert q == p and "device_sync" in dev1.calls
+    ok(a1)
+    ok(a0)
+
+
+def test_record_streamed_free_inside_an_undetected_capture_is_kept() -> None:
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    dev.begin(S1)  # a capture begun outside graphpool, nothing allocated in it yet
+    a.free(x)  # detection asks S1 (and S2): the capture is adopted, x kept for its graph
+    assert a._capturing == 1 and x not in [b.ptr for b in a._small]
+    dev.complete_all()
+    dev.end(S1)
+    a.memory_stats()  # notices the end
+    assert a.malloc(1000, stream=S1) != x  # still kept: its graph is alive
+    (token,) = dev.attached
+    dev.release(token)  # the graph and its execs are destroyed
+    a.memory_stats()
+    dev.complete_all()
+    a.empty_cache()
+    ok(a)

@@ -83,6 +83,7 @@ class Live:
     stream: int
     pool: PoolId | None
     uses: set[int] = field(default_factory=set)
+    born: int = 0  # the model's clock when it was allocated
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Cap:
     pid: PoolId
     stream: int
     released: bool = False
+    begun: int = 0  # the model's clock when the capture began
 
 
 @dataclass
@@ -115,6 +117,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.graph_ids = itertools.count(1)
         self.capture_calls_from: int | None = None  # dev.calls index when captures began
         self.maxima: dict[tuple[Any, str], int] = {}
+        self.clock = 0  # counts mallocs and capture begins, in order
 
     # ------------------------------------------------------------- helpers
     def route(self, stream: int) -> Cap | None:
@@ -200,7 +203,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         others = [(p, p + v.size) for p, v in self.live.items()]
         assert not overlaps(lo, hi, others), "overlapping allocations"
         assert not overlaps(lo, hi, self.blocked_ranges()), "memory handed out while kept or awaiting events"
-        self.live[ptr] = Live(nbytes, blk.size, stream, got)
+        self.clock += 1
+        self.live[ptr] = Live(nbytes, blk.size, stream, got, born=self.clock)
 
     def _free(self, ptr: int, queue: bool = False) -> None:
         v = self.live.pop(ptr)
@@ -215,7 +219,10 @@ class AllocatorMachine(RuleBasedStateMachine):
                 candidates = [mine]
             else:
                 candidates = list(self.active.values())
-            if all(c.pid != v.pool for c in candidates):
+            eager = mine is None and all(v.born > c.begun for c in self.active.values())
+            # SPEC 3: eager memory made after every capture began, on a stream in none of
+            # them, is eager code's; anything else outside the captures' pools is kept
+            if all(c.pid != v.pool for c in candidates) and not (eager and v.pool is None):
                 recs = candidates
         if queue:
             self.a.defer_free(ptr)  # what a finalizer does: no lock, carried out later
@@ -298,7 +305,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if not self.active:
             self.capture_calls_from = len(self.dev.calls)
         rec = self.a.begin_capture(pid, lambda: self.dev.begin(stream), stream=stream)
-        self.active[rec.capture_id] = Cap(rec, pid, stream)
+        self.clock += 1
+        self.active[rec.capture_id] = Cap(rec, pid, stream, begun=self.clock)
 
     @precondition(lambda self: self.active)
     @rule(data=st.data(), stream=st.sampled_from(STREAMS))

@@ -7,6 +7,7 @@ object); with detection off the cupy#9655 hazard is back, which shows the tests 
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,17 @@ def owner(arr: Any) -> Any:
     block = runtime.allocator().lookup(ptr(arr))
     assert block is not None
     return block.pool.owner
+
+
+def wait_released(pool: Any) -> bool:
+    """Whether ``pool`` was released within a second: CUDA runs a user object's destructor
+    asynchronously (on a driver thread) once the graph and its execs are gone."""
+    for _ in range(200):
+        gp.synchronize()
+        if pool.use_count == 0 or pool not in runtime.allocator().private_pools():
+            return True
+        time.sleep(0.005)
+    return False
 
 
 @pytest.fixture
@@ -78,7 +90,7 @@ def test_foreign_capture_is_served_from_a_private_pool_and_released_with_its_gra
         dev.destroy_graph(graph)  # the exec still holds the pool
         assert gp.memory_stats(pool=pool.id)["use_count"] == 1
         dev.destroy_graph_exec(exe)  # the last holder: the pool is released
-        assert pool not in runtime.allocator().private_pools() or pool.use_count == 0
+        assert wait_released(pool)
         assert total(out) == 4.0 * N  # outputs outlive their graph
     del x, y, out
     assert settle() == base
@@ -164,9 +176,11 @@ def test_outside_block_freed_in_a_foreign_capture_is_kept_for_its_graph(backend:
         dev.launch(exe, s.handle)
         s.synchronize()
         assert total(y) == 7.0 * N
+        recs = runtime.allocator()._records.values()
+        pool = [r for r in recs if r.foreign and r.stream == s.handle][-1].pool
         dev.destroy_graph_exec(exe)
         dev.destroy_graph(graph)
-        gp.memory_stats()  # notices the release
+        assert wait_released(pool)  # the allocator notices the release
         z = xp.full(N, 1.0, dtype=xp.float32)
         assert ptr(z) == w_ptr  # back in the ordinary pool once the graph is gone
     del y, z
@@ -191,6 +205,8 @@ def test_invalidated_foreign_capture_leaks_nothing(backend: Any) -> None:
         del t
         assert not s.query_capturing()
     del x
+    for p in runtime.allocator().private_pools():
+        assert wait_released(p)
     assert settle() == base
     assert all(p.use_count == 0 for p in runtime.allocator().private_pools())
     gp.check_invariants()

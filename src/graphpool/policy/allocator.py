@@ -133,6 +133,7 @@ class CachingAllocator:
         self._tokens: dict[int, CaptureRecord] = {}  # release token -> record (Device.attach_release)
         self._dead: set[int] = set()  # ids of captures that can never end (their thread died)
         self._deferred: list[Block] = []  # record_stream frees waiting for all captures to end
+        self._orphans: list[Block] = []  # frees whose user stream vanished: a device sync, later
         self._pools: dict[PoolId, PrivatePool] = {}
         self._freeable: dict[PoolId, PrivatePool] = {}
         self._capture_seq = 0
@@ -198,7 +199,7 @@ class CachingAllocator:
                     rec = self._route(stream)
                 elif self._detect and self._query(stream):
                     rec = self._adopt_found(stream)
-                if rec is None and self._waiting and not self._world.active:
+                if rec is None and (self._waiting or self._orphans) and not self._world.active:
                     self._process_events()
                 if rec is None:
                     fl = self._small if small else self._large
@@ -420,10 +421,10 @@ class CachingAllocator:
             if block is None:
                 self._bad_pointer(ptr, "free")
             block.allocated = False
+            if not self._capturing and self._detect:
+                self._detect_at_free(block)  # a capture begun outside may hold it
             if self._capturing or block.stream_uses:
-                self._free_held(block, threading.get_ident())
-            elif self._detect and self._query(block.stream) and self._adopt_found(block.stream):
-                self._free_held(block, threading.get_ident())  # inside a capture begun outside
+                self._free_held(block)
             else:
                 self._free_block(block, True)
             if self._debug:
@@ -470,32 +471,52 @@ class CachingAllocator:
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
+        if not self._capturing and self._detect and block.stream_uses:
+            self._detect_at_free(block)  # its stream users were not asked when it was queued
         if self._capturing or block.stream_uses:
-            self._free_held(block, 0)
+            self._free_held(block)
         else:
             self._free_block(block, True)
 
-    def _free_held(self, block: Block, thread: int) -> None:
+    def _detect_at_free(self, block: Block) -> None:
+        """Nothing registered as capturing: ask the block's stream and its other users' streams
+        (one query each) and adopt a capture found there, so the free is decided as one made
+        during it (a record_stream'd free records no event on a capturing stream)."""
+        if self._asks(block.stream):
+            self._adopt_found(block.stream)
+        uses = block.stream_uses
+        if uses:
+            for s in sorted(uses):
+                if self._asks(s):
+                    self._adopt_found(s)
+
+    def _asks(self, stream: int) -> int:
+        """The capture id of ``stream`` for a free, which must not fail half-way: a stream that
+        no longer exists (a framework destroyed it) takes part in no capture."""
+        try:
+            return self._query(stream)
+        except GraphpoolError:
+            return 0
+
+    def _free_held(self, block: Block) -> None:
         """A free that may keep the block back: during a capture, or with extra stream users.
 
-        ``thread``: the thread that freed it, 0 when unknown (a finalizer's queued free)."""
+        Whichever thread frees, and whenever a queued free is carried out, the same rules
+        decide (``_captures_for_free``); a capture begun outside graphpool that ended is
+        noticed by the next allocation (``_route``), not here."""
         fl = block.pool
         size = block.size
         owner = fl.owner
-        self.stats.on_free(fl.is_small, size)
-        if owner is not None:
-            owner.stats.on_free(fl.is_small, size)
         if self._capturing and owner is not None and not block.stream_uses:
             for rec in self._captures.values():
                 if rec.pool is owner:  # a capture allocates from its pool: back to that pool
                     if owner.fresh:
                         self._touch(block, rec)
-                    self._free_block(block, False)
+                    self._free_block(block, True)
                     return
-        if self._capturing and self._foreign and thread:
-            # a capture begun outside may have ended: it keeps nothing then (a queued free,
-            # thread 0, may have been made before it ended: it is decided before the sweep)
-            self._sweep()
+        self.stats.on_free(fl.is_small, size)
+        if owner is not None:
+            owner.stats.on_free(fl.is_small, size)
         if self._capturing:
             recs = self._captures_for_free(block)
             if owner is not None and owner.fresh:
@@ -529,9 +550,10 @@ class CachingAllocator:
         """The captures a free made now belongs to. O(underway captures), at most one query.
 
         A block of a pool that an underway capture allocates from goes back to that pool
-        (reusing it is what pool sharing is for). A block allocated after every underway
-        capture began, on a stream that takes part in none of them, is eager memory of eager
-        code (another thread's, or this thread's on another stream): it goes back at once.
+        (reusing it is what pool sharing is for). An ordinary block allocated after every
+        underway capture began, on a stream that takes part in none of them, is eager memory
+        of eager code (another thread's, or this thread's on another stream): it goes back
+        at once.
         Any other block may have been read or written by any underway capture, whoever drops
         it (a worker thread, a garbage-collection pass): it is kept for all of them (SPEC 3,
         the cupy#9655 rule).
@@ -542,8 +564,9 @@ class CachingAllocator:
             for r in reversed(recs):
                 if r.pool is owner:
                     return [r]
-        if all(block.serial > r.first_serial for r in recs) and not self._query(block.stream):
-            return []
+        else:
+            if all(block.serial > r.first_serial for r in recs) and not self._asks(block.stream):
+                return []
         return recs
 
     @staticmethod
@@ -721,9 +744,13 @@ class CachingAllocator:
             ev = self._event_pool.pop() if self._event_pool else self.device.create_event()
             try:
                 self._record_event(ev, s)
-            except GraphpoolError:
+            except GraphpoolError:  # the stream is gone: wait for the whole device instead
                 self._event_pool.append(ev)
-                self._synchronize_device()
+                if self._world.active:  # not now: after the captures (see _process_events)
+                    self._orphans.append(block)
+                    self._hold(block)
+                else:
+                    self._synchronize_device()
                 continue
             self._waiting.setdefault(s, deque()).append((ev, block))
             self._hold(block)
@@ -751,6 +778,8 @@ class CachingAllocator:
         """
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
+            if self._orphans:
+                self._release_orphans()
             for stream in list(self._waiting):
                 q = self._waiting[stream]
                 while q:
@@ -765,10 +794,20 @@ class CachingAllocator:
         finally:
             self.device.exchange_capture_mode(prev)
 
+    def _release_orphans(self) -> None:
+        """Blocks whose user stream vanished while a capture was underway: one device
+        synchronize covers whatever work that stream still had."""
+        self._synchronize_device()
+        orphans, self._orphans = self._orphans, []
+        for block in orphans:
+            self._unhold(block)
+
     def _synchronize_events(self) -> None:
         """Wait for every pending event and free its block (empty_cache and OOM only)."""
         if self._world.active:
             raise CaptureError("graphpool: no event is synchronized while a capture is underway")
+        if self._orphans:
+            self._release_orphans()
         waiting, self._waiting = self._waiting, {}
         for q in waiting.values():
             for ev, block in q:

@@ -182,14 +182,15 @@ def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Bl
         if head.creator is not None:
             owner = head.pool.owner
             _expect(owner is not None and head in owner.fresh, "segment creator not listed as fresh")
-    # holds: each is a capture keeping the block, a pending event, or a deferral
+    # holds: each is a capture keeping the block, a pending event, a deferral, or an orphan
+    # (its user stream vanished during a capture: it waits for a device synchronize)
     for rec in a._records.values():
         for b in rec.kept:
             uses[id(b)] = uses.get(id(b), 0) + 1
     for q in a._waiting.values():
         for _, b in q:
             uses[id(b)] = uses.get(id(b), 0) + 1
-    for b in a._deferred:
+    for b in a._deferred + a._orphans:
         uses[id(b)] = uses.get(id(b), 0) + 1
     live = {id(b) for b in all_blocks}
     for key in uses:

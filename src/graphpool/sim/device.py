@@ -482,6 +482,7 @@ class SimDevice:
 
     def instantiate(self, graph: int) -> int:
         with self._lock:
+            capture.check_unsafe("cudaGraphInstantiate")  # "unsafe" during a capture, as in CUDA
             nodes = self._graph("cudaGraphInstantiate", graph)
             handle = next(_handles)
             self._execs[handle] = nodes
