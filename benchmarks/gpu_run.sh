@@ -3,7 +3,9 @@
 # whole test suite on the GPU, the foreign-capture figures, the demo and the benchmarks.
 # Each log goes under $OUT. Run from the repo root on the GPU machine (no package registry
 # there; `.whl` carries mypy 2.4.1 and its needs for the build, and fastrlock):
-#   bash benchmarks/gpu_run.sh            # PART=all (default) | build | tests | figures | pure
+#   bash benchmarks/gpu_run.sh            # PART=all (default) | build | tests | figures | pure | cupy
+# PART=cupy runs CuPy's own test suite (a v14.2.0 checkout's tests carried in .cupy/) with CuPy's
+# pool and with graphpool as its allocator (benchmarks/cupy_suite.sh).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -54,4 +56,10 @@ if [ "$PART" = all ] || [ "$PART" = figures ]; then
   timeout 100 python3 -m graphpool demo --backend cuda > "$OUT/demo_gpu.txt" 2>&1; tail -3 "$OUT/demo_gpu.txt"
   timeout 200 python3 -m graphpool bench --backend cuda --json "$OUT/bench_compiled.json" --no-progress \
     > "$OUT/bench_compiled.txt" 2> "$OUT/bench_errors.txt"; tail -40 "$OUT/bench_compiled.txt"
+fi
+if [ "$PART" = cupy ]; then
+  export PYTHONPATH=/tmp/cc/src:$DEP
+  rm -f "$OUT/build.txt"
+  CUPY_SUITE_PARALLEL=1 CUPY_SUITE_TIMEOUT=${CUPY_SUITE_TIMEOUT:-420} bash benchmarks/cupy_suite.sh .cupy
+  cat "$OUT/diff.txt" 2>/dev/null | head -40
 fi
