@@ -47,8 +47,22 @@ run_tests() {  # $1: compiled | pure
     > "$OUT/pytest_$1.txt"; tail -3 "$OUT/pytest_$1.txt"
 }
 
+if [ "$PART" = final ]; then  # the suite and CuPy's tests (a subset) at once, then the figures
+  (OUT=$OUT/cupy; mkdir -p "$OUT"; PYTHONPATH=/tmp/cc/src:$DEP CUPY_SUITE_PARALLEL=1 \
+   CUPY_SUITE_TIMEOUT=${CUPY_SUITE_TIMEOUT:-250} CUPY_PYTEST_ARGS="-n 5 -q" bash benchmarks/cupy_suite.sh .cupy \
+   > "$OUT/cupy_suite.txt" 2>&1) &
+  run_tests compiled
+  wait
+  tail -5 "$OUT/cupy/cupy_suite.txt"; head -30 "$OUT/cupy/diff.txt" 2>/dev/null
+  PART=figures_only
+fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then run_tests compiled; fi
 if [ "$PART" = pure ]; then run_tests pure; fi
+if [ "$PART" = figures_only ]; then
+  export PYTHONPATH=/tmp/cc/src:$DEP
+  timeout 120 python3 benchmarks/foreign_captures_gpu.py --json "$OUT/foreign_captures.json" > "$OUT/foreign_captures.txt" 2>&1
+  tail -8 "$OUT/foreign_captures.txt" | cut -c1-300
+fi
 if [ "$PART" = all ] || [ "$PART" = figures ]; then
   export PYTHONPATH=/tmp/cc/src:$DEP
   timeout 150 python3 benchmarks/foreign_captures_gpu.py --json "$OUT/foreign_captures.json" > "$OUT/foreign_captures.txt" 2>&1
