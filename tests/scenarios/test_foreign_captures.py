@@ -156,8 +156,10 @@ def test_stream_joined_through_an_event_shares_the_capture_pool(backend: Any) ->
 
 
 def test_outside_block_freed_in_a_foreign_capture_is_kept_for_its_graph(backend: Any) -> None:
-    """The capture's kernels write an eager array, which is then dropped inside the capture
-    before any allocation there: detection at the free keeps it for the graph."""
+    """The capture's kernels write an eager array, which is then dropped inside the capture:
+    kept for the graph. Detection happens at allocations (a free never asks the driver: its
+    stream may be destroyed by then), so the capture here allocates first; a framework's
+    hook (graphpool.cupy) registers its captures at their beginning instead."""
     xp = backend.xp
     settle()
     dev = runtime.get().device(gp.current_device())
@@ -168,7 +170,8 @@ def test_outside_block_freed_in_a_foreign_capture_is_kept_for_its_graph(backend:
         s.synchronize()
         dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
         w.fill(5.0)  # the graph writes w
-        del w  # first allocator call of this capture: a free
+        tmp = w + 1.0  # the capture's first allocation: detected
+        del w, tmp
         graph = dev.end_capture(s.handle)
         exe = dev.instantiate(graph)
         y = xp.full(N, 7.0, dtype=xp.float32)
@@ -223,3 +226,27 @@ def test_graphpool_capture_is_not_adopted_twice(backend: Any) -> None:
     assert len([p for p in runtime.allocator().private_pools() if p.use_count]) == 1
     del out, g
     settle()
+
+
+def test_freeing_memory_of_a_destroyed_stream_asks_the_driver_nothing(backend: Any) -> None:
+    """Arrays outlive their streams (CuPy's test_stream.py check_del does this): a free must
+    not query the block's stream, which the driver may have forgotten (a query of a
+    destroyed stream crashed the process on the H200)."""
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    handle = dev.create_stream()
+    s = gp.Stream._wrap(gp.current_device(), handle)  # a framework's stream
+    a = runtime.allocator()
+    buf = gp.alloc(4096, s)
+    asked: list[int] = []
+    query = a._query
+    a._query = lambda stream: asked.append(stream) or query(stream)  # type: ignore[assignment]
+    try:
+        dev.destroy_stream(handle)
+        buf.free()
+        buf2 = gp.alloc(4096, gp.Stream())
+        buf2.free()
+    finally:
+        a._query = query  # type: ignore[assignment]
+    assert handle not in asked
+    gp.check_invariants()

@@ -264,6 +264,7 @@ class CachingAllocator:
                             self._touch(block, rec)
                         block.owner = rec
                         rec.written.append((ptr, block.size, block, serial))
+                        rec.streams.add(stream)
                 if self._debug:
                     self._check()
                 return ptr
@@ -421,8 +422,6 @@ class CachingAllocator:
             if block is None:
                 self._bad_pointer(ptr, "free")
             block.allocated = False
-            if not self._capturing and self._detect:
-                self._detect_at_free(block)  # a capture begun outside may hold it
             if self._capturing or block.stream_uses:
                 self._free_held(block)
             else:
@@ -433,31 +432,12 @@ class CachingAllocator:
             self._busy = False
 
     def defer_free(self, ptr: int, stream: int | None = None) -> None:
-        """Queue a free for the next allocator call. Never waits: for finalizers.
+        """Queue a free for the next allocator call. Lock-free and no device call: for
+        finalizers.
 
         ``stream``: another stream that used the block (as ``record_stream`` would say); its
         work queued so far completes before the block is reused.
-
-        Frameworks free through finalizers, so a free may be the first thing graphpool sees
-        of a capture begun outside it: with detection on and nothing registered, the
-        block's stream is asked (one query) and a capture found there is registered now if
-        the lock is free, else when the queue is drained while it still runs.
         """
-        if self._detect and not self._capturing:
-            block = self._active.get(ptr)
-            try:
-                if block is not None and self._query(block.stream) and self._lock.acquire(False):
-                    try:
-                        if not self._busy:
-                            self._busy = True
-                            try:
-                                self._adopt_found(block.stream)
-                            finally:
-                                self._busy = False
-                    finally:
-                        self._lock.release()
-            except Exception:  # a finalizer's free never fails; the drain decides as usual
-                pass
         self._pending.append(ptr if stream is None else (ptr, stream))
 
     def defer_release(self, rec: CaptureRecord) -> None:
@@ -471,32 +451,10 @@ class CachingAllocator:
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
-        if not self._capturing and self._detect and block.stream_uses:
-            self._detect_at_free(block)  # its stream users were not asked when it was queued
         if self._capturing or block.stream_uses:
             self._free_held(block)
         else:
             self._free_block(block, True)
-
-    def _detect_at_free(self, block: Block) -> None:
-        """Nothing registered as capturing: ask the block's stream and its other users' streams
-        (one query each) and adopt a capture found there, so the free is decided as one made
-        during it (a record_stream'd free records no event on a capturing stream)."""
-        if self._asks(block.stream):
-            self._adopt_found(block.stream)
-        uses = block.stream_uses
-        if uses:
-            for s in sorted(uses):
-                if self._asks(s):
-                    self._adopt_found(s)
-
-    def _asks(self, stream: int) -> int:
-        """The capture id of ``stream`` for a free, which must not fail half-way: a stream that
-        no longer exists (a framework destroyed it) takes part in no capture."""
-        try:
-            return self._query(stream)
-        except GraphpoolError:
-            return 0
 
     def _free_held(self, block: Block) -> None:
         """A free that may keep the block back: during a capture, or with extra stream users.
@@ -547,13 +505,14 @@ class CachingAllocator:
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
     def _captures_for_free(self, block: Block) -> list[CaptureRecord]:
-        """The captures a free made now belongs to. O(underway captures), at most one query.
+        """The captures a free made now belongs to. O(underway captures).
 
         A block of a pool that an underway capture allocates from goes back to that pool
         (reusing it is what pool sharing is for). An ordinary block allocated after every
-        underway capture began, on a stream that takes part in none of them, is eager memory
-        of eager code (another thread's, or this thread's on another stream): it goes back
-        at once.
+        underway capture began, on a stream none of them allocated on, is eager memory of
+        eager code (another thread's, or this thread's on another stream): it goes back at
+        once. No driver query: the block's stream may have been destroyed since (a query of
+        a destroyed stream crashes the driver).
         Any other block may have been read or written by any underway capture, whoever drops
         it (a worker thread, a garbage-collection pass): it is kept for all of them (SPEC 3,
         the cupy#9655 rule).
@@ -565,7 +524,8 @@ class CachingAllocator:
                 if r.pool is owner:
                     return [r]
         else:
-            if all(block.serial > r.first_serial for r in recs) and not self._asks(block.stream):
+            stream = block.stream
+            if all(block.serial > r.first_serial and stream not in r.streams for r in recs):
                 return []
         return recs
 

@@ -139,6 +139,7 @@ class CaptureRecord:
         "created",
         "first_serial",
         "fresh",
+        "streams",
     )
 
     def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
@@ -162,6 +163,7 @@ class CaptureRecord:
         self.created: list[Block] = []  # segment heads it made, until it succeeds
         self.first_serial = 0  # allocations with a higher serial were made after it began
         self.fresh = 0  # segments whose creator it is (Block.creator)
+        self.streams: set[int] = set()  # the streams it allocated on (its own and joined ones)
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"
