@@ -197,3 +197,60 @@ def test_cupy_stream_cache_and_null(cp: Any) -> None:
     assert gcupy.cupy_stream(s) is gcupy.cupy_stream(s)
     assert gcupy.cupy_stream(s).ptr == s.handle
     assert gcupy.cupy_stream(gp.default_stream()) is cp.cuda.Stream.null
+
+
+def test_cupys_own_begin_capture_is_registered_and_closes_the_hazard(cp: Any) -> None:
+    """The issue's program through CuPy's own capture API: the hook registers the capture at
+    begin_capture, so even a free that comes before any allocation in it is covered."""
+    assert gcupy.hooked()
+    n = 1 << 16
+    x = cp.ones(n, dtype=np.float32)
+    w = cp.zeros(n, dtype=np.float32)
+    w_ptr = int(w.data.ptr)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        s.begin_capture()
+        w.fill(5.0)  # the graph writes w, then drops it: the capture's first allocator event
+        del w
+        t = x * 3.0
+        out = t + 1.0
+        del t
+        g = s.end_capture()
+        y = cp.full(n, 7.0, dtype=np.float32)
+        assert int(y.data.ptr) != w_ptr
+        s.synchronize()
+        g.launch(s)
+        s.synchronize()
+    assert float(y.sum().item()) == 7.0 * n
+    assert float(out.sum().item()) == 4.0 * n
+    a = runtime.allocator()
+    assert a._capturing == 0  # end_capture stopped the routing
+    pools = [p for p in a.private_pools() if p.use_count]
+    assert len(pools) == 1
+    del g  # CuPy's Graph destroys its graph and executable: the pool is released
+    gp.memory_stats()
+    assert pools[0].use_count == 0
+    del y, out, x
+    _settle()
+
+
+def test_cupy_stream_wrappers_are_forgotten_with_their_buffers(
+    cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """graphpool's wrappers of CuPy's streams live only as long as a buffer of that stream."""
+    import weakref
+
+    monkeypatch.setattr(gcupy, "_gp_streams", weakref.WeakValueDictionary())
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        arr = cp.ones(16, dtype=np.float32)
+    assert len(gcupy._gp_streams) == 1
+    del arr
+    gc.collect()
+    gp.memory_stats()
+    assert len(gcupy._gp_streams) == 0
+
+
+def test_zero_bytes_are_a_null_pointer(cp: Any) -> None:
+    mem = gcupy.malloc(0)
+    assert mem.ptr == 0

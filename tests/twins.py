@@ -130,6 +130,16 @@ def make_cupy() -> types.ModuleType:
         def is_capturing(self) -> bool:
             return bool(self._dev().capture_info(self.ptr)[0] != CAPTURE_STATUS_NONE)
 
+        def begin_capture(self, mode: Any = None) -> None:
+            """CuPy's: relaxed mode by default; the legacy stream is refused."""
+            if self.ptr == 0:
+                raise RuntimeError("cannot capture on the default (legacy) stream")
+            self._dev().begin_capture(self.ptr, 2 if mode is None else mode)
+
+        def end_capture(self) -> Graph:
+            dev = self._dev()
+            return Graph(dev, dev.end_capture(self.ptr))
+
         def synchronize(self) -> None:
             self._dev().stream_synchronize(self.ptr)
 
@@ -140,6 +150,29 @@ def make_cupy() -> types.ModuleType:
             return hash(self.ptr)
 
     Stream.null = Stream(null=True)
+
+    class Graph:
+        """CuPy's Graph: owns the graph and its executable, destroys both when collected."""
+
+        def __init__(self, dev: Any, graph: int) -> None:
+            self._dev, self.graph = dev, graph
+            self.exec = dev.instantiate(graph)
+
+        def launch(self, stream: Stream | None = None) -> None:
+            s = get_current_stream() if stream is None else stream
+            self._dev.launch(self.exec, s.ptr)
+
+        def __del__(self) -> None:
+            self._dev.destroy_graph_exec(self.exec)
+            self._dev.destroy_graph(self.graph)
+
+    class Memory:
+        """CuPy's Memory; only the null one (size 0) is made here."""
+
+        def __init__(self, size: int) -> None:
+            if size:
+                raise NotImplementedError("the twin makes only null Memory")
+            self.ptr, self.size, self.device_id = 0, 0, _device()
 
     def ExternalStream(ptr: int, device_id: int = -1) -> Stream:
         s = Stream(ptr=ptr)
@@ -213,6 +246,7 @@ def make_cupy() -> types.ModuleType:
         "ExternalStream": ExternalStream,
         "get_current_stream": get_current_stream,
         "UnownedMemory": UnownedMemory,
+        "Memory": Memory,
         "MemoryPointer": MemoryPointer,
         "MemoryPool": MemoryPool,
         "set_allocator": set_allocator,
