@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from scenario_common import ptr, settle, total
 
 import graphpool as gp
 from graphpool import runtime
@@ -19,21 +20,6 @@ from graphpool.sim import SimBackend
 
 MiB = 1 << 20
 N = 1024
-
-
-def settle() -> int:
-    gc.collect()
-    gp.synchronize()
-    gp.empty_cache()
-    return gp.memory_reserved()
-
-
-def total(arr: Any) -> float:
-    return float(arr.sum().item())
-
-
-def ptr(arr: Any) -> int:
-    return int(arr.data.ptr)
 
 
 def in_thread(fn: Any) -> None:

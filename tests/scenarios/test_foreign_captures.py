@@ -6,12 +6,12 @@ object); with detection off the cupy#9655 hazard is back, which shows the tests 
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from scenario_common import ptr, settle, total
 
 import graphpool as gp
 from graphpool import runtime
@@ -19,21 +19,6 @@ from graphpool.device.protocol import CAPTURE_MODES
 from graphpool.errors import GraphpoolError
 
 N = 1 << 18  # 1 MiB of float32
-
-
-def settle() -> int:
-    gc.collect()
-    gp.synchronize()
-    gp.empty_cache()
-    return gp.memory_reserved()
-
-
-def total(arr: Any) -> float:
-    return float(arr.sum().item())
-
-
-def ptr(arr: Any) -> int:
-    return int(arr.data.ptr)
 
 
 def owner(arr: Any) -> Any:
