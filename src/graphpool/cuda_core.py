@@ -15,16 +15,19 @@ than it was allocated for is reused only after that stream's work queued so far.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphpool import _warnings, runtime
 from graphpool.memory import alloc
 from graphpool.streams import Stream, current_stream
 
-_lock = threading.Lock()
-_cls: Any = None
+if TYPE_CHECKING:
+    from cuda.core import MemoryResource
 
-GraphpoolMemoryResource: Any
+_lock = threading.Lock()
+_cls: type[MemoryResource] | None = None
+
+GraphpoolMemoryResource: type[MemoryResource]
 """The resource class, made on first access (it subclasses cuda.core's, so it needs cuda.core)."""
 
 
@@ -52,7 +55,7 @@ def stream_handle(stream: Any) -> int:
     raise TypeError(f"cannot tell the CUDA stream of {type(stream).__name__}")
 
 
-def _make_class() -> Any:
+def _make_class() -> type[MemoryResource]:
     MemoryResource, Buffer = _cuda_core()
 
     class GraphpoolMemoryResource(MemoryResource):  # type: ignore[misc, valid-type]
@@ -140,7 +143,7 @@ def _make_class() -> Any:
     return GraphpoolMemoryResource
 
 
-def resource_class() -> Any:
+def resource_class() -> type[MemoryResource]:
     """The ``GraphpoolMemoryResource`` class (defined on first call, importing cuda.core).
 
     Also hooks cuda.core's ``GraphBuilder`` (``install_hooks``): allocations from the
@@ -224,7 +227,7 @@ def uninstall_hooks() -> None:
         _hooked.clear()
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> type[MemoryResource]:
     if name == "GraphpoolMemoryResource":
         return resource_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
