@@ -111,6 +111,7 @@ RISKY = (
     "destroyed-stream record_stream",
     "abandoned capture",
     "dead capture",
+    "failed capture's segment returned",
 )
 PUBLIC_RISKY = (
     "public: wrap-around replay of a pool-sharing graph",
@@ -188,6 +189,17 @@ class Cap:
     rec: CaptureRecord | None = None  # None: begun outside graphpool (adopted)
     token: int = 0  # adopted: the release token given to the device
     released: bool = False
+    failed: bool = False  # aborted, or abandoned mid-capture: its graph never existed
+
+
+@dataclass(eq=False)
+class Seg:
+    """A segment a capture made (SPEC 3, failed captures leak nothing)."""
+
+    base: int
+    size: int
+    creator: Cap
+    shared: bool  # another capture may use it: it stays with its pool whatever the creator does
 
 
 @dataclass(eq=False)
@@ -212,7 +224,7 @@ class Side:
     def __init__(self, index: int, world: CaptureWorld) -> None:
         self.index = index
         self.dev = FakeDevice(BUDGET)
-        self.dev.index = index  # type: ignore[misc]
+        self.dev.index = index
         self.a = CachingAllocator(self.dev, sizes=SHRUNK, world=world)
         self.live: dict[int, Live] = {}
         self.holds: list[Hold] = []
@@ -222,6 +234,7 @@ class Side:
         self.serial = 0
         self.calls_from: int | None = None  # dev.calls index when the world's captures began
         self.own_from: int | None = None  # dev.calls index when this device's captures began
+        self.segs: dict[int, Seg] = {}  # base -> segment made during a capture
         self.maxima: dict[tuple[Any, str], int] = {}
 
     def prune(self) -> None:
@@ -364,6 +377,18 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule(
         d=st.sampled_from((0, 0, 1)),
+        data=st.data(),
+        nbytes=st.one_of(st.integers(0, 4096), st.integers(0, 60000)),
+    )
+    def capture_malloc(self, d: int, data: st.DataObject, nbytes: int) -> None:
+        """A request on a stream that is capturing (begun, joined, outside, or dead)."""
+        side = self.sides[d]
+        streams = sorted(side.dev.capturing)
+        if streams:
+            self._malloc(side, nbytes, streams[data.draw(st.integers(0, len(streams) - 1))])
+
+    @rule(
+        d=st.sampled_from((0, 0, 1)),
         stream=st.sampled_from(ALLOC_STREAMS),
         nbytes=st.sampled_from((3000, 30000)),
     )
@@ -410,6 +435,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert after["num_ooms"] == before["num_ooms"] + 1
             assert after["allocation.all.current"] == before["allocation.all.current"]
             assert dev.refused > refused, "out of memory without the driver refusing"
+            room = dev.total - dev.used
+            assert room < model_least_segment(size), (
+                f"out of memory with {room} B free for a {size} B request"
+            )
             if self.world_active():
                 reached("OOM during capture")
                 assert after["num_device_free"] == before["num_device_free"], (
@@ -425,6 +454,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert after["num_alloc_retries"] == before["num_alloc_retries"] + 1
                 side.sync_all()
                 self.assert_cache_empty(side)
+                self.assert_failed_segments_gone(side)
             return False
         if adopt:
             cap = self.adopted(side, stream, cid, attached, pools)
@@ -454,7 +484,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         new_segs = set(dev.live) - segs
         if after["num_device_alloc"] > before["num_device_alloc"]:
             assert len(new_segs) == 1
-            seg = dev.live[new_segs.pop()]
+            base = new_segs.pop()
+            seg = dev.live[base]
+            if cap is not None:
+                others = any(c is not cap and c.pid == cap.pid for c in side.active.values())
+                side.segs[base] = Seg(base, seg, cap, others)
             allowed = {model_segment(size)}
             if dev.refused > refused:
                 allowed.add(model_least_segment(size))
@@ -509,6 +543,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             cap.thread = thread or self.main
         keepers: list[Cap] = []
         if side.active:
+            for sg in side.segs.values():
+                if sg.base <= ptr < sg.base + sg.size and any(
+                    c is not sg.creator for c in side.active.values()
+                ):
+                    sg.shared = True  # another capture may touch it now
             if how == "thread":
                 reached("other-thread free during capture")
             keepers = self.keepers(side, v, thread)
@@ -603,6 +642,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         side.a.empty_cache()
         side.sync_all()
         self.assert_cache_empty(side)
+        self.assert_failed_segments_gone(side)
+
+    def assert_failed_segments_gone(self, side: Side) -> None:
+        """SPEC 3: a failed capture leaks nothing: once empty_cache runs, a segment only it used
+        that holds nothing any more is back with the driver, even if its pool lives on."""
+        busy = [(p, p + v.size) for p, v in side.live.items()] + side.held_ranges()
+        for base, sg in list(side.segs.items()):
+            if base not in side.dev.live:
+                if sg.creator.failed and not sg.shared:
+                    reached("failed capture's segment returned")
+                del side.segs[base]
+            elif sg.creator.failed and not sg.shared and not overlaps(base, base + sg.size, busy):
+                raise AssertionError(f"a segment of failed capture {sg.creator.cid} leaked: 0x{base:x}")
 
     def assert_cache_empty(self, side: Side) -> None:
         """No unsplit free segment left in the ordinary pools or in freeable private pools."""
@@ -630,7 +682,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     def begin_capture(self, d: int, stream: int, which: str, worker: bool, data: st.DataObject) -> None:
         side = self.sides[d]
         if stream in side.dev.capturing:
-            return
+            free = [s for s in ALLOC_STREAMS if s not in side.dev.capturing]
+            if not free:
+                return
+            stream = free[data.draw(st.integers(0, len(free) - 1))]
         revive = False
         if which == "new":
             pid = new_graph_pool_id()  # the process-wide counter: adopted captures draw from it too
@@ -644,6 +699,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             pid = PoolId(0, int(which[1]))
             revive = any(p.id == pid and p.use_count == 0 for p in side.a.private_pools())
         rec = side.a.begin_capture(pid, lambda: side.dev.begin(stream), stream=stream)
+        for sg in side.segs.values():
+            if sg.creator.pid == pid:
+                sg.shared = True  # the new capture may read what lies there, or allocate from it
         if revive:
             reached("pool revival")
             assert side.a.memory_stats(pool=pid)["use_count"] == 1
@@ -696,6 +754,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             side.a.release_capture(cap.rec)
             side.dev.refuse_end.discard(cap.stream)
             reached("abandoned capture")
+            cap.failed = True
             if refuse:
                 reached("dead capture")
                 side.dead.add(cid)
@@ -712,9 +771,81 @@ class AllocatorMachine(RuleBasedStateMachine):
                 side.graphs.append(cap)
             else:
                 side.a.abort_capture(cap.rec)
-                cap.released = True
+                cap.released = cap.failed = True
         self.capture_stopped(side)
         side.prune()
+
+    @rule(
+        d=st.sampled_from((0, 0, 1)),
+        data=st.data(),
+        nbytes=st.sampled_from((3000, 30000)),
+        abandon=st.booleans(),
+    )
+    def failed_capture_in_live_pool(self, d: int, data: st.DataObject, nbytes: int, abandon: bool) -> None:
+        """A capture into a pool that a live graph keeps grows the pool, then fails (finding 3):
+        its new segments go back at the next empty_cache although the pool lives on."""
+        side = self.sides[d]
+        pools = [p.id for p in side.a.private_pools() if p.use_count > 0]
+        free = [s for s in ALLOC_STREAMS if s not in side.dev.capturing]
+        if not pools or not free:
+            return
+        pid = pools[data.draw(st.integers(0, len(pools) - 1))]
+        stream = free[data.draw(st.integers(0, len(free) - 1))]
+        rec = side.a.begin_capture(pid, lambda: side.dev.begin(stream), stream=stream)
+        for sg in side.segs.values():
+            if sg.creator.pid == pid:
+                sg.shared = True
+        cap = Cap(pid, stream, rec.capture_id, side.serial, self.main, rec)
+        side.active[cap.cid] = cap
+        self.capture_began(side)
+        if self._malloc(side, nbytes, stream):
+            self.peaks()  # (a level the model must see before the free lowers it)
+            self._free(side, max(side.live, key=lambda p: side.live[p].seq), "main")
+        if not self._may_stop(side, cap.cid):
+            return
+        del side.active[cap.cid]
+        if abandon:  # its graph is collected mid-capture: the allocator ends the capture
+            side.a.release_capture(rec)
+            reached("abandoned capture")
+        else:
+            side.dev.end(stream)
+            side.a.abort_capture(rec)
+        cap.released = cap.failed = True
+        self.capture_stopped(side)
+        side.prune()
+        if not self.world_active():
+            reached("failed capture in a live pool, then empty_cache")
+            self.empty_cache(d)
+
+    @rule(data=st.data())
+    def quiesce(self, data: st.DataObject) -> None:
+        """Every capture on both devices ends or fails, then both caches are emptied: the paths
+        that need a quiet world (event polls, empty_cache, failed segments going back)."""
+        for side in self.sides:
+            for cid in sorted(side.active):
+                cap = side.active[cid]
+                if not self._may_stop(side, cid):
+                    continue
+                del side.active[cid]
+                for s, c in list(side.dev.capturing.items()):
+                    if c == cid:
+                        side.dev.end(s)
+                if cap.rec is None:
+                    side.a.memory_stats()  # swept: its graph lives until the framework destroys it
+                    side.graphs.append(cap)
+                elif data.draw(st.booleans()):
+                    side.a.end_capture(cap.rec)
+                    side.graphs.append(cap)
+                else:
+                    side.a.abort_capture(cap.rec)
+                    cap.released = cap.failed = True
+                self.capture_stopped(side)
+            side.prune()
+            for s, c in list(side.dev.capturing.items()):
+                if c in side.dead or c not in side.active:
+                    side.dev.end(s)  # dead captures torn down; outside captures not yet seen end
+        for d in (0, 1):
+            self.empty_cache(d)
 
     @rule(d=st.sampled_from((0, 0, 1)), data=st.data())
     def release_graph(self, d: int, data: st.DataObject) -> None:
@@ -966,7 +1097,7 @@ class PublicApiMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=SIM_MEMORY), sizes=SHRUNK)
-        self.dev = runtime.get().device(0)
+        self.dev: Any = runtime.get().device(0)  # the simulated device: write, read, launch_sleep...
         self.streams = [gp.default_stream(), gp.Stream(), gp.Stream()]
         self.handles = [gp.graph_pool_handle()]
         self.bufs: list[Buf] = []
@@ -992,7 +1123,8 @@ class PublicApiMachine(RuleBasedStateMachine):
             self.ooms += 1
             return
         assert buf.nbytes == nbytes and buf.stream == s
-        assert runtime.allocator(0).lookup(buf.ptr).pool.owner is None  # eager: never private memory
+        blk = runtime.allocator(0).lookup(buf.ptr)
+        assert blk is not None and blk.pool.owner is None  # eager: never private memory
         pat = next(self.patterns) % 250 + 1
         if nbytes:
             self.dev.write(buf.ptr, bytes([pat]) * nbytes, s.handle)
@@ -1108,6 +1240,7 @@ class PublicApiMachine(RuleBasedStateMachine):
         else:
             assert g.pool().handle == 0 and g.pool().graph > 0
         rec = g._rec  # what the allocator saw handed out: the model must agree
+        assert rec is not None
         assert sorted(written) == sorted((p, s) for p, s, _, _ in rec.written), "capture allocations differ"
         self.graphs.append(
             Graph(g, y, float(value + 1), n, g.pool(), written, self.block(y.data.ptr), inputs)
@@ -1226,7 +1359,9 @@ class PublicApiMachine(RuleBasedStateMachine):
         pool = None
         try:
             t = gp.alloc(n, stream=s)  # detected and adopted here
-            owner = runtime.allocator(0).lookup(t.ptr).pool.owner
+            blk = runtime.allocator(0).lookup(t.ptr)
+            assert blk is not None
+            owner = blk.pool.owner
             assert owner is not None, "an allocation inside an outside capture got eager memory"
             pool = owner.id
             self.dev.memset(t.ptr, 0xAB, n, s.handle)
