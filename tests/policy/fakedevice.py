@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL, CAPTURE_STATUS_ACTIVE, CAPTURE_STATUS_NONE
+from graphpool.errors import CUDAError
 from graphpool.policy.pools import SizeConfig
 
 # Shrunken tunables: splitting, merging, growth and out-of-memory happen in every test.
@@ -56,11 +57,17 @@ class FakeDevice:
         self.done: dict[int, int] = {}  # stream -> units of it finished
         self.targets: dict[int, tuple[int, int]] = {}  # event -> (stream, work it waits for)
         self.recorded: list[tuple[int, int]] = []
+        self.event_stream: dict[int, int] = {}  # event -> the stream it was last recorded on
+        self.destroyed: set[int] = set()  # streams destroyed by the test: record_event fails
+        self.refuse_end: set[int] = set()  # streams whose end_capture fails (thread-bound, thread gone)
+        self.refused = 0  # driver allocations refused (out of memory)
+        self.graphs: set[int] = set()  # graph handles made by end_capture, not destroyed
 
     # memory
     def malloc(self, nbytes: int) -> int | None:
         self.calls.append("malloc")
         if self.used + nbytes > self.total:
+            self.refused += 1
             return None
         ptr = self._next
         self._next += (nbytes + (1 << 21) - 1) // (1 << 21) * (1 << 21) + (1 << 21)
@@ -83,13 +90,22 @@ class FakeDevice:
 
     def record_event(self, event: int, stream: int) -> None:
         self.calls.append("record")
+        if stream in self.destroyed:
+            raise CUDAError("cudaEventRecord", 400, "cudaErrorInvalidResourceHandle")
         self.recorded.append((event, stream))
+        self.event_stream[event] = stream
         if self.streams:
             target = self.queued.get(stream, 0)
             self.targets[event] = (stream, target)
             self.events[event] = self.done.get(stream, 0) >= target
         else:
             self.events[event] = False
+
+    def complete_stream(self, stream: int) -> None:
+        """The work queued so far on ``stream`` is done: its recorded events complete."""
+        for ev, s in self.event_stream.items():
+            if s == stream:
+                self.events[ev] = True
 
     def query_event(self, event: int) -> bool:
         self.calls.append("query")
@@ -146,6 +162,24 @@ class FakeDevice:
 
     def end(self, stream: int) -> None:
         self.capturing.pop(stream, None)
+
+    def end_capture(self, stream: int) -> int:
+        """End the capture begun on ``stream`` (and every stream that joined it): a graph handle."""
+        cid = self.capturing.get(stream, 0)
+        if not cid or stream in self.refuse_end:
+            raise CUDAError("cudaStreamEndCapture", 901, "cudaErrorStreamCaptureWrongThread")
+        for s, c in list(self.capturing.items()):
+            if c == cid:
+                del self.capturing[s]
+        handle = next(self._ids) + 5000
+        self.graphs.add(handle)
+        return handle
+
+    def destroy_graph(self, graph: int) -> None:
+        self.graphs.discard(graph)
+
+    def destroy_graph_exec(self, graph_exec: int) -> None:
+        pass
 
     def capture_id(self, stream: int) -> int:
         self.id_calls += 1
