@@ -229,9 +229,7 @@ def test_freeing_memory_of_a_destroyed_stream_asks_the_driver_nothing(backend: A
     try:
         dev.destroy_stream(handle)
         buf.free()
-        buf2 = gp.alloc(4096, gp.Stream())
-        buf2.free()
+        assert asked == []  # (a new stream may get the destroyed one's handle: ask nothing after)
     finally:
         a._query = query  # type: ignore[assignment]
-    assert handle not in asked
     gp.check_invariants()
