@@ -70,7 +70,9 @@ class CUDAGraph:
         self._done_event: Event | None = None
 
     # ------------------------------------------------------------ capture
-    def capture_begin(self, pool: Any = None, capture_error_mode: str = "global") -> None:
+    def capture_begin(
+        self, pool: PoolId | tuple[int, int] | None = None, capture_error_mode: str = "global"
+    ) -> None:
         """Begin capturing the current stream into this graph's private pool (or ``pool``)."""
         mode = CAPTURE_MODES.get(capture_error_mode) if isinstance(capture_error_mode, str) else None
         if mode is None:

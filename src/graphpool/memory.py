@@ -67,7 +67,7 @@ def _alloc_of(device: Any) -> CachingAllocator:
     return runtime.allocator(_index(device))
 
 
-def memory_stats(device: object = None, pool: Any = None) -> dict[str, int]:
+def memory_stats(device: object = None, pool: object = None) -> dict[str, int]:
     """Flattened allocator statistics of ``device``, or of private pool ``pool`` alone."""
     pid = None if pool is None else PoolId.coerce(pool)
     return _alloc_of(device).memory_stats(pid)
