@@ -2,7 +2,7 @@
 
 ``install()`` makes every CuPy allocation come from graphpool, on CuPy's current stream
 and device, so arrays made inside ``gp.graph(...)`` land in the graph's private pool
-and a block freed by CuPy is reused only as SPEC section 2 allows. It also registers a
+and a block freed by CuPy is reused only as docs/behaviour.rst allows. It also registers a
 listener so that ``gp.stream(s)`` and ``gp.graph(g)`` make ``s`` (or the capturing
 stream) CuPy's current stream too: CuPy kernels launched inside ``gp.graph`` are
 captured. And it hooks CuPy's own ``Stream.begin_capture``/``end_capture``: a capture

@@ -364,7 +364,9 @@ _clocks: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
 
 
 def set_replay_checks(mode: str) -> None:
-    """Turn the replay hazard checker "off", or make it "warn" or "raise" (SPEC section 5)."""
+    """Turn the replay hazard checker "off", or make it "warn" or "raise".
+
+    See docs/behaviour.rst, "Replay safety", for what it reports."""
     global _checks
     if mode not in ("off", "warn", "raise"):
         raise ValueError(f"replay checks are 'off', 'warn' or 'raise', not {mode!r}")
@@ -484,7 +486,7 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
                 break
     # 3. this replay overwrites a still-referenced output of a graph that replayed after this
     # one last did: out of capture order, or in order around the cycle (g0, g1, g0), where
-    # g1's output may live in a temporary of g0 (SPEC 5)
+    # g1's output may live in a temporary of g0 (docs/behaviour.rst, "Replay safety")
     for h in mates:
         assert h._rec is not None
         if h._last_tick <= g._last_tick:

@@ -15,7 +15,7 @@ from graphpool.streams import Stream, _index, current_stream
 def alloc(nbytes: SupportsIndex, stream: Stream | None = None) -> DeviceBuffer:
     """Allocate ``nbytes`` on ``stream``'s device for use on ``stream`` (default: current).
 
-    ``nbytes`` 0 gives a null buffer (``ptr`` 0) that holds no memory (SPEC 2), as CuPy and
+    ``nbytes`` 0 gives a null buffer (``ptr`` 0) that holds no memory, as CuPy and
     PyTorch do. ``nbytes`` is typed SupportsIndex so that, compiled, the call still reaches
     the allocator's own size check (a bool is refused, a numpy integer accepted).
     """

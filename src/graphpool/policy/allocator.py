@@ -514,8 +514,8 @@ class CachingAllocator:
         once. No driver query: the block's stream may have been destroyed since (a query of
         a destroyed stream crashes the driver).
         Any other block may have been read or written by any underway capture, whoever drops
-        it (a worker thread, a garbage-collection pass): it is kept for all of them (SPEC 3,
-        the cupy#9655 rule).
+        it (a worker thread, a garbage-collection pass): it is kept for all of them (the
+        cupy#9655 rule).
         """
         owner = block.pool.owner
         recs = list(self._captures.values())
@@ -675,7 +675,7 @@ class CachingAllocator:
 
     # ------------------------------------------------------------ stream uses
     def record_stream(self, ptr: int, stream: int) -> None:
-        """Mark ``stream`` as a user of the allocation at ``ptr`` (see SPEC 2, Streams)."""
+        """Mark ``stream`` as a user of the allocation at ``ptr`` (docs/behaviour.rst, "Streams")."""
         self._run_locked("record_stream", lambda: self._record_stream(ptr, stream))
 
     def _record_stream(self, ptr: int, stream: int) -> None:
@@ -1205,7 +1205,7 @@ class CachingAllocator:
             self._sweep()
 
     def _kept_for(self) -> dict[int, list[CaptureRecord]]:
-        """id(block) -> the unreleased captures keeping it (SPEC 3: freed during their capture)."""
+        """id(block) -> the unreleased captures keeping it (freed during their capture)."""
         out: dict[int, list[CaptureRecord]] = {}
         for rec in self._records.values():
             for b in rec.kept:

@@ -27,7 +27,7 @@ class Block:
     ``creator`` (first blocks of segments made during a capture) is that capture while the
     segment may still go back with it: cleared when the capture succeeds or another
     capture uses the segment. A segment whose creator failed may return to the driver
-    although its pool lives on (SPEC 3: failed captures leak nothing). O(1) per segment,
+    although its pool lives on (failed captures leak nothing). O(1) per segment,
     whatever the number of captures.
     """
 

@@ -152,7 +152,7 @@ def check_invariants(a: CachingAllocator) -> None:
 
 
 def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Block]) -> None:
-    """Captures and holds: every hold is accounted for, exactly (SPEC 3's audit)."""
+    """Captures and holds: every hold is accounted for, exactly (held blocks can be audited)."""
     _expect(a._capturing == len(a._captures), "captures-underway count != registered captures")
     _expect(a._world.active >= a._capturing, "the runtime's capture count is below this device's")
     for cid, rec in a._captures.items():
