@@ -65,6 +65,8 @@ class CaptureRefusedError(CUDAError, CaptureError):
     """
 
     def __init__(self, error: CUDAError, hint: str) -> None:
+        if not isinstance(error, CUDAError) or not isinstance(hint, str):
+            raise TypeError("CaptureRefusedError(error, hint) wants the refused CUDAError and a str")
         super().__init__(error.call, error.code, error.name, f"{error.meaning}. {hint}".lstrip(". "))
         self.hint = hint
 
