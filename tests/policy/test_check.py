@@ -306,7 +306,7 @@ def corrupt_stat_all_sum(st: State) -> None:
 
 
 def corrupt_stat_all_peak(st: State) -> None:
-    st.a.stats.all_peak["allocation"] += 100
+    st.a.stats.all_peak.allocation += 100
 
 
 def corrupt_private_stat(st: State) -> None:

@@ -386,12 +386,16 @@ class CachingAllocator:
         )
 
     # -------------------------------------------------------------------- free
-    def free(self, ptr: int) -> None:
-        """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError."""
+    def free(self, ptr: object) -> None:
+        """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError.
+
+        ``ptr`` is typed ``object``: compiled, an ``int`` parameter would refuse a wrong type
+        with mypyc's message before graphpool's could say what is wrong (the differential
+        test, tests/property/test_differential.py, compares the two builds' errors)."""
         with self._lock:
             self._free_locked(ptr)
 
-    def free_owned(self, ptr: int) -> None:
+    def free_owned(self, ptr: object) -> None:
         """``free`` for the owner of a live allocation (``DeviceBuffer.free``): never waits.
 
         If another thread holds the lock, the free is queued for the next call instead
@@ -407,7 +411,7 @@ class CachingAllocator:
         finally:
             self._lock.release()
 
-    def _free_locked(self, ptr: int) -> None:
+    def _free_locked(self, ptr: object) -> None:
         """The body of ``free`` with the lock held."""
         if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
             self._check_pointer(ptr, "free")
@@ -431,7 +435,7 @@ class CachingAllocator:
         finally:
             self._busy = False
 
-    def defer_free(self, ptr: int, stream: int | None = None) -> None:
+    def defer_free(self, ptr: object, stream: int | None = None) -> None:
         """Queue a free for the next allocator call. Lock-free and no device call: for
         finalizers.
 
@@ -444,7 +448,7 @@ class CachingAllocator:
         """Queue ``release_capture(rec)`` for the next allocator call. Lock-free: for finalizers."""
         self._pending.append(rec)
 
-    def _free(self, ptr: int) -> None:
+    def _free(self, ptr: object) -> None:
         """Free the allocation at ``ptr`` queued by a finalizer (whose thread is unknown; its
         capture detection ran when it was queued)."""
         block = self._active.pop(ptr, None) if type(ptr) is int else None
@@ -674,14 +678,14 @@ class CachingAllocator:
         )
 
     # ------------------------------------------------------------ stream uses
-    def record_stream(self, ptr: int, stream: int) -> None:
+    def record_stream(self, ptr: object, stream: int) -> None:
         """Mark ``stream`` as a user of the allocation at ``ptr`` (docs/behaviour.rst, "Streams")."""
         self._run_locked("record_stream", lambda: self._record_stream(ptr, stream))
 
-    def _record_stream(self, ptr: int, stream: int) -> None:
+    def _record_stream(self, ptr: object, stream: int) -> None:
         if self._pending:
             self._drain()
-        block = self._active.get(ptr)
+        block = self._active.get(ptr) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "record_stream")
         if stream == block.stream:

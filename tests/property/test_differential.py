@@ -1,0 +1,286 @@
+"""Differential test: the compiled policy against the plain-Python reference, step by step.
+
+The install compiles the policy (``graphpool.compiled()``); the same ``.py`` files run
+uncompiled are the executable reference. This test loads a second, uncompiled copy of
+the package beside the compiled one (``_reference``), drives one random program of
+allocator calls through both (malloc with odd sizes and types, free of live, freed and
+foreign pointers, record_stream, stream completion, captures begun through graphpool and
+adopted by detection, ended, aborted and released, empty_cache, out-of-memory, peak and
+counter resets), and after every step demands the same outcome: the same addresses, the
+same error (class name and message), the same ``memory_stats`` and the same snapshot of
+segments and blocks. A difference is a compiler semantics gap (mypyc's int and bool
+handling has produced two) or a reference that no longer describes the compiled code.
+
+Runs only where the compiled build is installed (CI's install is); uncompiled there is
+nothing to compare.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+import graphpool
+
+FAKEDEVICE = Path(__file__).resolve().parents[1] / "policy" / "fakedevice.py"
+TOTAL = 400_000  # a small device: out-of-memory happens in most programs
+
+
+def _load_fakedevice(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, FAKEDEVICE)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _package_modules() -> dict[str, ModuleType]:
+    return {k: v for k, v in sys.modules.items() if k == "graphpool" or k.startswith("graphpool.")}
+
+
+class Side:
+    """One implementation: its allocator module, private-pool module and fake device module,
+    and its ``graphpool`` modules (installed in ``sys.modules`` while it runs: the allocator
+    imports its invariant checker lazily)."""
+
+    def __init__(self, alloc: ModuleType, pools: ModuleType, fake: ModuleType) -> None:
+        self.alloc_mod = alloc
+        self.pools_mod = pools
+        self.fake_mod = fake
+        self.modules = _package_modules()
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        saved = _package_modules()
+        for k in saved:
+            del sys.modules[k]
+        sys.modules.update(self.modules)
+        try:
+            yield
+        finally:
+            for k in _package_modules():
+                del sys.modules[k]
+            sys.modules.update(saved)
+
+
+@pytest.fixture(scope="module")
+def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side]]:
+    """(compiled, reference): the installed policy and an uncompiled copy of its sources."""
+    if not graphpool.compiled():
+        pytest.skip("the compiled build is not installed: nothing to compare the reference with")
+    pkg = Path(graphpool.__file__).resolve().parent
+    root = tmp_path_factory.mktemp("reference")
+    shutil.copytree(
+        pkg,
+        root / "graphpool",
+        ignore=shutil.ignore_patterns("*.so", "*.pyd", "__pycache__", "_compiled_sources.json"),
+    )
+    importlib.import_module("graphpool.policy.check")
+    compiled = Side(
+        importlib.import_module("graphpool.policy.allocator"),
+        importlib.import_module("graphpool.policy.private_pools"),
+        _load_fakedevice("_gp_fake_compiled"),
+    )
+    saved = _package_modules()
+    for k in saved:
+        del sys.modules[k]
+    sys.path.insert(0, str(root))
+    try:
+        ref_alloc = importlib.import_module("graphpool.policy.allocator")
+        ref_pools = importlib.import_module("graphpool.policy.private_pools")
+        ref_fake = _load_fakedevice("_gp_fake_reference")  # raises the reference's CUDAError
+        importlib.import_module("graphpool.policy.check")
+        reference = Side(ref_alloc, ref_pools, ref_fake)
+        assert not hasattr(ref_alloc, "__mypyc_attrs__") and ref_alloc.__file__.endswith(".py")
+        assert Path(ref_alloc.__file__).resolve().is_relative_to(root)
+    finally:
+        sys.path.remove(str(root))
+        for k in _package_modules():
+            del sys.modules[k]
+        sys.modules.update(saved)
+    assert not str(compiled.alloc_mod.__file__).endswith(".py"), "the installed policy is not compiled"
+    yield compiled, reference
+
+
+class Run:
+    """One implementation's allocator and device, and the handles a program refers to by index."""
+
+    def __init__(self, side: Side) -> None:
+        self.side = side
+        with side.active():
+            self._make()
+
+    def _make(self) -> None:
+        side = self.side
+        self.dev = side.fake_mod.FakeDevice(TOTAL, streams=True)
+        self.a = side.alloc_mod.CachingAllocator(self.dev, sizes=side.fake_mod.SHRUNK)
+        self.ptrs: list[int] = []  # every address handed out, live or not
+        self.live: list[int] = []  # those not freed by the program yet
+        self.recs: list[Any] = []  # capture records, in the order begun
+
+    def step(self, op: tuple[Any, ...]) -> Any:
+        """Carry out one operation; return its outcome (a value, or the error's name and text)."""
+        with self.side.active():
+            try:
+                return ("ok", self._do(op))
+            except Exception as e:  # the same failure on both sides is part of the outcome
+                return ("error", type(e).__name__, str(e))
+
+    def _ptr(self, i: int) -> int:
+        return self.ptrs[i % len(self.ptrs)] if self.ptrs else 12345
+
+    def _take_live(self, i: int) -> int:
+        return self.live.pop(i % len(self.live)) if self.live else self._ptr(i)
+
+    def _do(self, op: tuple[Any, ...]) -> Any:
+        kind = op[0]
+        a, dev = self.a, self.dev
+        if kind == "malloc":
+            ptr = a.malloc(op[1], stream=op[2])
+            self.ptrs.append(ptr)
+            self.live.append(ptr)
+            return ptr
+        if kind == "free":
+            return a.free(self._take_live(op[1]))
+        if kind == "free_any":  # live, freed or queued already
+            return a.free(self._ptr(op[1]))
+        if kind == "free_foreign":
+            return a.free(op[1])
+        if kind == "defer_free":
+            return a.defer_free(self._take_live(op[1]), op[2])
+        if kind == "record_stream":
+            return a.record_stream(self._ptr(op[1]), op[2])
+        if kind == "work":
+            dev.queue_work(op[1])
+            return None
+        if kind == "finish":
+            dev.finish_work(op[1])
+            return None
+        if kind == "empty_cache":
+            return a.empty_cache()
+        if kind == "reset_peak":
+            return a.reset_peak()
+        if kind == "reset_accumulated":
+            return a.reset_accumulated()
+        if kind == "begin":
+            stream, share = op[1], op[2]
+            pools = self.side.pools_mod
+            if share and self.recs:
+                pool = self.recs[-1].pool.id
+            else:
+                pool = pools.new_graph_pool_id()
+            rec = a.begin_capture(pool, lambda: dev.begin(stream), stream=stream)
+            self.recs.append(rec)
+            return len(self.recs) - 1
+        if kind == "foreign_begin":
+            dev.begin(op[1])  # detected at the next malloc on that stream
+            return None
+        if kind in ("end", "abort", "release"):
+            if not self.recs:
+                return None
+            rec = self.recs[op[1] % len(self.recs)]
+            if kind == "end":
+                dev.end_capture(rec.stream)
+                return a.end_capture(rec)
+            if kind == "abort":
+                dev.end(rec.stream)
+                return a.abort_capture(rec)
+            return a.release_capture(rec)
+        if kind == "foreign_end":
+            if op[1] in dev.capturing:
+                dev.end_capture(op[1])
+            return None
+        if kind == "release_tokens":
+            for token in list(dev.attached):
+                dev.release(token)
+            return None
+        raise AssertionError(op)
+
+    def observe(self) -> tuple[Any, ...]:
+        """What must agree after every step: statistics, the segment/block picture, invariants."""
+        with self.side.active():
+            return self._observe()
+
+    def _observe(self) -> tuple[Any, ...]:
+        self.a.check_invariants()
+        stats = self.a.memory_stats()
+        snap = self.a.snapshot()
+        pools = sorted(
+            (str(p.id), p.use_count, p.stats.as_dict()["reserved_bytes.all.current"])
+            for p in self.a.private_pools()
+        )
+        return stats, snap, pools, sorted(self.dev.live.items()), dict(self.dev.capturing)
+
+
+STREAMS = st.sampled_from((1, 2, 3))
+SIZES = st.one_of(
+    st.integers(0, 3000),
+    st.integers(3000, 60_000),
+    st.sampled_from((512, 4096, 4097, 20480, 40960, 300_000, TOTAL + 1, 1 << 62)),
+)
+ODD_SIZES = st.sampled_from((-1, True, 2.0, "8", None, np.int64(1024), np.uint16(700), 1 << 70))
+MALLOC = st.tuples(st.just("malloc"), SIZES, STREAMS)
+FREE = st.tuples(st.just("free"), st.integers(0, 50))
+OPS = st.one_of(
+    MALLOC,
+    MALLOC,
+    MALLOC,
+    MALLOC,
+    st.tuples(st.just("malloc"), ODD_SIZES, STREAMS),
+    FREE,
+    FREE,
+    FREE,
+    st.tuples(st.just("free_any"), st.integers(0, 50)),
+    st.tuples(st.just("free_foreign"), st.sampled_from((0, -8, 7, 1 << 40, "x", None, 2.5))),
+    st.tuples(st.just("defer_free"), st.integers(0, 50), st.sampled_from((None, 4))),
+    st.tuples(st.just("record_stream"), st.integers(0, 50), st.sampled_from((1, 4, 5))),
+    st.tuples(st.just("work"), st.sampled_from((4, 5))),
+    st.tuples(st.just("finish"), st.sampled_from((4, 5))),
+    st.tuples(st.just("empty_cache")),
+    st.tuples(st.just("reset_peak")),
+    st.tuples(st.just("reset_accumulated")),
+    st.tuples(st.just("begin"), STREAMS, st.booleans()),
+    st.tuples(st.just("foreign_begin"), STREAMS),
+    st.tuples(st.sampled_from(("end", "end", "abort", "release")), st.integers(0, 10)),
+    st.tuples(st.just("foreign_end"), STREAMS),
+    st.tuples(st.just("release_tokens")),
+)
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(program=st.lists(OPS, min_size=20, max_size=120))
+def test_compiled_policy_matches_the_reference(sides: tuple[Side, Side], program: list[Any]) -> None:
+    compiled, reference = Run(sides[0]), Run(sides[1])
+    for n, op in enumerate(program):
+        got, want = compiled.step(op), reference.step(op)
+        assert got == want, f"step {n} {op}: compiled {got} != reference {want}"
+        event(f"{op[0]}: {got[0] if got[0] == 'ok' else got[1]}")
+        assert compiled.observe() == reference.observe(), f"state differs after step {n} {op}"
+
+
+def test_the_comparison_can_fail(sides: tuple[Side, Side]) -> None:
+    """A changed compiled outcome is noticed: the two sides are not one module twice."""
+    compiled, reference = Run(sides[0]), Run(sides[1])
+    assert compiled.a.__class__ is not reference.a.__class__
+    assert compiled.step(("malloc", 1000, 1)) == reference.step(("malloc", 1000, 1))
+    compiled.step(("malloc", 512, 1))  # one side only
+    assert compiled.observe() != reference.observe()
+    bad: Callable[[], Any] = lambda: reference.a.malloc(-1, stream=1)  # noqa: E731
+    with pytest.raises(ValueError):
+        bad()
