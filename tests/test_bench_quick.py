@@ -69,18 +69,26 @@ def test_table(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
         "== cached malloc+free pair, mixed sizes (cycling)",
         "== pair while a capture is underway (rounds alternate with the no-capture pair)",
         "== graph replay vs raw launch (synchronized between runs)",
-        "== comparisons skipped (4)",
+        "== allocation traces: us per operation, warm and cold; peak reserved",
+        "== comparisons skipped (7)",
     ):
         assert header in lines
     # figures are rounded, with units; every ratio says its direction
     row = next(line for line in lines if line.strip().startswith("512 B: policy malloc+free"))
     assert row.endswith(" us") and len(row.split()[-2].replace(".", "")) <= 4
     ratios = [line for line in lines if line.endswith(" x")]
-    assert len(ratios) == 4
-    assert all("/" in line and " time " in line for line in ratios), ratios
+    assert len(ratios) == 5
+    assert all("/" in line and (" time " in line or "peak reserved/peak live" in line) for line in ratios), (
+        ratios
+    )
     assert "ratio " not in table  # the legacy keys, ambiguous about direction, stay out of the table
     assert "  CuPy" not in table and "malloc+free pair vs CuPy MemoryPool: " in table
-    assert table.count("this is the simulator") == 4
+    assert table.count("this is the simulator") == 7
+    # the trace section: the short synthetic trace through graphpool and its policy, sizes in MiB
+    assert any(
+        line.strip().startswith("synthetic-0: graphpool, warm") and line.endswith(" us") for line in lines
+    )
+    assert any(line.strip().startswith("synthetic-0: peak live") and line.endswith(" MiB") for line in lines)
     assert "{" not in table  # not JSON
 
 
@@ -88,6 +96,7 @@ def test_progress_on_stderr(table_and_json: tuple[str, str, dict[str, Any], floa
     progress = table_and_json[1].splitlines()
     assert progress[0].startswith("[bench") and progress[-1].endswith("] done")
     assert any("graph replay vs raw launch" in line for line in progress)
+    assert any("allocation trace synthetic-0" in line for line in progress)
 
 
 def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
@@ -101,6 +110,7 @@ def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> No
         "malloc_free_mixed_us",
         "routing",
         "replay",
+        "traces",
         "skipped",
     }
     assert r["backend"] == "sim"
@@ -130,7 +140,12 @@ def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> No
         "mixed-size pair vs CuPy MemoryPool",
         "CUDA graph vs eager kernels (CuPy)",
         "the CuPy capture hazard",
+        "allocation traces vs CuPy MemoryPool",
+        "allocation traces vs PyTorch caching allocator",
+        "allocation traces vs cudaMallocAsync",
     ]
+    assert list(r["traces"]["traces"]) == ["synthetic-0"]
+    assert set(r["traces"]["sides"]) == {"graphpool", "policy"}
 
 
 def test_json_to_stdout() -> None:

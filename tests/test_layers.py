@@ -44,7 +44,16 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("api", ("graphpool",)),
     ("integrations", ("graphpool.cupy", "graphpool.numba", "graphpool.cuda_core", "graphpool.xp")),
-    ("tools", ("graphpool.scenarios", "graphpool.demo", "graphpool.bench", "graphpool.__main__")),
+    (
+        "tools",
+        (
+            "graphpool.scenarios",
+            "graphpool.demo",
+            "graphpool.bench",
+            "graphpool.traces",
+            "graphpool.__main__",
+        ),
+    ),
 ]
 
 UPWARD_ALLOWED = {
