@@ -3,7 +3,7 @@
 # whole test suite on the GPU, the foreign-capture figures, the demo and the benchmarks.
 # Each log goes under $OUT. Run from the repo root on the GPU machine (no package registry
 # there; `.whl` carries mypy 2.4.1 and its needs for the build, and fastrlock):
-#   bash benchmarks/gpu_run.sh            # PART=all (default) | build | tests | figures | pure | cupy
+#   bash benchmarks/gpu_run.sh            # PART=all (default) | build | tests | figures | pure | cupy | traces
 # PART=cupy runs CuPy's own test suite (a v14.2.0 checkout's tests carried in .cupy/) with CuPy's
 # pool and with graphpool as its allocator (benchmarks/cupy_suite.sh).
 set -u
@@ -55,6 +55,31 @@ if [ "$PART" = final ]; then  # the suite and CuPy's tests (a subset) at once, t
   wait
   tail -5 "$OUT/cupy/cupy_suite.txt"; head -30 "$OUT/cupy/diff.txt" 2>/dev/null
   PART=figures_only
+fi
+if [ "$PART" = traces ]; then  # record the traces, then pair/mixed/trace figures of this tree and .baseline/
+  export PYTHONPATH=/tmp/cc/src:$DEP
+  mkdir -p "$OUT/trace_data"
+  timeout 240 python3 benchmarks/record_traces.py --out "$OUT/trace_data" > "$OUT/record_traces.txt" 2>&1
+  tail -25 "$OUT/record_traces.txt"
+  mkdir -p /tmp/cc/src/graphpool/trace_data && cp "$OUT"/trace_data/*.json.gz /tmp/cc/src/graphpool/trace_data/
+  if [ -d .baseline ]; then  # the tree before this stop's changes, with this tree's bench code
+    rm -rf /tmp/cb && cp -r .baseline /tmp/cb && mkdir -p /tmp/cb/src/graphpool/trace_data
+    cp "$OUT"/trace_data/*.json.gz /tmp/cb/src/graphpool/trace_data/ 2>/dev/null
+    sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/; /^license-files/d' /tmp/cb/pyproject.toml
+    (cd /tmp/cb && PYTHONPATH=/tmp/site timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build_baseline.txt" 2>&1)
+  fi
+  for round in ${ROUNDS:-1}; do
+    PYTHONPATH=/tmp/cc/src:$DEP timeout 200 python3 benchmarks/bench_sections.py --backend cuda \
+      --repeat ${REPEAT:-9} --json "$OUT/sections_new_$round.json" > "$OUT/sections_new_$round.txt" 2>&1
+    tail -4 "$OUT/sections_new_$round.txt"
+    if [ -d /tmp/cb ]; then
+      PYTHONPATH=/tmp/cb/src:$DEP timeout 200 python3 benchmarks/bench_sections.py --backend cuda \
+        --repeat ${REPEAT:-9} --json "$OUT/sections_old_$round.json" > "$OUT/sections_old_$round.txt" 2>&1
+      tail -4 "$OUT/sections_old_$round.txt"
+    fi
+  done
+  (cd "$OUT" && tar czf sections.tgz sections_*.txt sections_*.json build*.txt record_traces.txt \
+   && rm -f sections_*.txt sections_*.json build*.txt record_traces.txt)
 fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then run_tests compiled; fi
 if [ "$PART" = pure ]; then run_tests pure; fi
