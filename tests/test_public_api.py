@@ -106,6 +106,12 @@ def test_importing_sim_does_not_import_the_api_arrays() -> None:
         (gp.CUDAGraph.reset, []),
         (gp.CUDAGraph.pool, []),
         (gp.DeviceBuffer.free, []),
+        (gp.set_per_process_memory_fraction, [("fraction", EMPTY), ("device", None)]),
+        (gp.get_per_process_memory_fraction, [("device", None)]),
+        (gp.set_memory_limit, [("nbytes", EMPTY), ("device", None)]),
+        (gp.get_memory_limit, [("device", None)]),
+        (gp.attach_out_of_memory_observer, [("observer", EMPTY)]),
+        (gp.detach_out_of_memory_observer, [("observer", EMPTY)]),
     ],
 )
 def test_signatures(fn: Any, expected: list[tuple[str, Any]]) -> None:

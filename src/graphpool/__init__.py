@@ -33,8 +33,12 @@ from graphpool.graphs import (
 )
 from graphpool.memory import (
     alloc,
+    attach_out_of_memory_observer,
     check_invariants,
+    detach_out_of_memory_observer,
     empty_cache,
+    get_memory_limit,
+    get_per_process_memory_fraction,
     max_memory_allocated,
     max_memory_reserved,
     memory_allocated,
@@ -44,6 +48,8 @@ from graphpool.memory import (
     memory_summary,
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
+    set_memory_limit,
+    set_per_process_memory_fraction,
 )
 from graphpool.policy.private_pools import PoolId
 from graphpool.runtime import capture_detection, set_capture_detection
@@ -191,6 +197,7 @@ __all__ = [
     "ReplayHazardError",
     "Stream",
     "alloc",
+    "attach_out_of_memory_observer",
     "backend",
     "capture_detection",
     "check_invariants",
@@ -198,9 +205,12 @@ __all__ = [
     "current_device",
     "current_stream",
     "default_stream",
+    "detach_out_of_memory_observer",
     "device",
     "device_count",
     "empty_cache",
+    "get_memory_limit",
+    "get_per_process_memory_fraction",
     "graph",
     "graph_pool_handle",
     "is_current_stream_capturing",
@@ -219,6 +229,8 @@ __all__ = [
     "set_backend",
     "set_capture_detection",
     "set_device",
+    "set_memory_limit",
+    "set_per_process_memory_fraction",
     "set_replay_checks",
     "stream",
     "synchronize",

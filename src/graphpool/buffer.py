@@ -28,7 +28,7 @@ from graphpool.errors import DoubleFreeError
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
-    from graphpool.streams import Stream
+    from graphpool.streams import Stream, StreamLike
 
 
 _KEY: Final = object()
@@ -99,20 +99,22 @@ class DeviceBuffer:
         if made_in is not runtime.space():
             raise runtime.replaced(repr(self), made_in)
 
-    def record_stream(self, stream: Stream) -> None:
-        """Declare that ``stream`` uses this memory too (docs/behaviour.rst, "Streams")."""
-        from graphpool.streams import Stream
+    def record_stream(self, stream: StreamLike) -> None:
+        """Declare that ``stream`` uses this memory too (docs/behaviour.rst, "Streams").
 
-        if not isinstance(stream, Stream):
-            raise TypeError(f"record_stream needs a graphpool Stream, not {type(stream).__name__}")
+        ``stream`` may be another library's stream (``__cuda_stream__``) of the buffer's device.
+        """
+        from graphpool.streams import as_stream
+
         self._check_backend()
-        stream._check_backend()
-        if stream.device != self.device:
-            raise ValueError(f"buffer of device {self.device} used by a stream of device {stream.device}")
+        s = as_stream(stream, "record_stream", self.device)
+        s._check_backend()
+        if s.device != self.device:
+            raise ValueError(f"buffer of device {self.device} used by a stream of device {s.device}")
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
         if self.ptr:
-            self._alloc.record_stream(self.ptr, stream.handle)
+            self._alloc.record_stream(self.ptr, s.handle)
 
     def __enter__(self) -> DeviceBuffer:
         return self

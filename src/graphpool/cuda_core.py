@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphpool import _warnings, runtime
 from graphpool.memory import alloc
-from graphpool.streams import Stream, current_stream
+from graphpool.streams import Stream, cuda_stream_handle, current_stream
 
 if TYPE_CHECKING:
     from cuda.core import MemoryResource
@@ -44,11 +44,10 @@ def stream_handle(stream: Any) -> int:
     """The raw ``cudaStream_t`` of a cuda.core Stream/GraphBuilder, a protocol object or an int."""
     if isinstance(stream, int):
         return stream
-    proto = getattr(stream, "__cuda_stream__", None)
-    if proto is not None:
-        return int(proto()[1])
     if isinstance(stream, Stream):
         return stream.handle
+    if getattr(stream, "__cuda_stream__", None) is not None:
+        return cuda_stream_handle(stream)  # checked as everywhere in graphpool (streams.py)
     handle = getattr(stream, "handle", None)
     if handle is not None:
         return int(handle)

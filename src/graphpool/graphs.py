@@ -35,6 +35,8 @@ from graphpool.policy.private_pools import (
 from graphpool.streams import (
     Event,
     Stream,
+    StreamLike,
+    as_stream,
     current_stream,
     record_listeners,
     stream,
@@ -313,16 +315,15 @@ class graph:
         self,
         cuda_graph: CUDAGraph,
         pool: Any = None,
-        stream: Stream | None = None,
+        stream: StreamLike | None = None,
         capture_error_mode: str = "global",
     ) -> None:
         if not isinstance(cuda_graph, CUDAGraph):
             raise TypeError(f"gp.graph needs a CUDAGraph, not {type(cuda_graph).__name__}")
-        if stream is not None and not isinstance(stream, Stream):
-            raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
         self.cuda_graph = cuda_graph
         self.pool = pool
-        self.stream = stream
+        # another library's stream (__cuda_stream__) of the current device is taken too
+        self.stream = None if stream is None else as_stream(stream, "gp.graph")
         self.mode = capture_error_mode
         self._ctx: Any = None
 

@@ -1,23 +1,29 @@
-"""Memory calls of the public API: allocation, statistics, cache control, snapshots."""
+"""Memory calls of the public API: allocation, statistics, cache control, snapshots, limits
+and out-of-memory observers."""
 
 from __future__ import annotations
 
 import operator
-from typing import Any, SupportsIndex
+import threading
+from typing import Any, SupportsFloat, SupportsIndex
 
 from graphpool import runtime
 from graphpool.buffer import _KEY, DeviceBuffer
+from graphpool.policy import observers
 from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.limits import check_fraction, check_limit_bytes
 from graphpool.policy.private_pools import PoolId
-from graphpool.streams import Stream, _index, current_stream
+from graphpool.streams import Stream, StreamLike, _index, as_stream, current_stream
 
 
-def alloc(nbytes: SupportsIndex, stream: Stream | None = None) -> DeviceBuffer:
+def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuffer:
     """Allocate ``nbytes`` on ``stream``'s device for use on ``stream`` (default: current).
 
-    ``nbytes`` 0 gives a null buffer (``ptr`` 0) that holds no memory, as CuPy and
-    PyTorch do. ``nbytes`` is typed SupportsIndex so that, compiled, the call still reaches
-    the allocator's own size check (a bool is refused, a numpy integer accepted).
+    ``stream`` may be another library's stream (a CuPy stream, or any ``__cuda_stream__``
+    object: cuda.core, PyTorch) of the current device. ``nbytes`` 0 gives a null buffer (``ptr`` 0) that holds
+    no memory, as CuPy and PyTorch do. ``nbytes`` is typed SupportsIndex so that, compiled,
+    the call still reaches the allocator's own size check (a bool is refused, a numpy
+    integer accepted).
     """
     # The size as an int, for the buffer and the zero test; ``nbytes`` itself goes to malloc,
     # which validates it (and needs no boxing of a fresh int when compiled).
@@ -42,8 +48,9 @@ def alloc(nbytes: SupportsIndex, stream: Stream | None = None) -> DeviceBuffer:
         index = s.device
         found = rt.allocators[index] if rt is not None and s._space is rt.space and index < rt.count else None
         a = found if found is not None else _stream_allocator(s)
-    else:
-        raise TypeError(f"stream must be a graphpool Stream, not {type(stream).__name__}")
+    else:  # another library's stream (or a wrong object: TypeError)
+        s = as_stream(stream, "gp.alloc")
+        a = _stream_allocator(s)
     if n == 0:
         return DeviceBuffer(0, 0, s, a, _KEY)
     ptr = a.malloc(nbytes, stream=s.handle)  # validates nbytes
@@ -126,3 +133,68 @@ def memory_summary(device: object = None) -> str:
 def check_invariants(device: object = None) -> None:
     """Verify every allocator invariant of ``device``; raises AssertionError if one is broken."""
     _alloc_of(device).check_invariants()
+
+
+# ------------------------------------------------------------ limits and observers
+_limits_lock = threading.Lock()  # one setter at a time swaps an allocator's MemoryLimits
+
+
+def set_per_process_memory_fraction(fraction: SupportsFloat, device: object = None) -> None:
+    """Cap the memory graphpool reserves on ``device`` at ``fraction`` of its total memory.
+
+    PyTorch's call and meaning: ``fraction`` is a float in [0, 1] (1.0, the default, leaves
+    only the device's own limit; typed SupportsFloat so that, compiled, a wrong type still
+    gets graphpool's own TypeError). Checked at every segment allocation, captures included:
+    one that would take reserved memory past the cap is refused as the driver refuses one
+    on a full device (the cache is released and the allocation retried, then
+    OutOfMemoryError names the limit). Memory already reserved stays reserved. Also
+    ``GRAPHPOOL_ALLOC_CONF=per_process_memory_fraction:0.5``, for every device.
+    """
+    value = check_fraction(fraction)
+    a = _alloc_of(device)
+    with _limits_lock:
+        a.limits = a.limits.with_fraction(None if value == 1.0 else value)
+
+
+def get_per_process_memory_fraction(device: object = None) -> float:
+    """The fraction set by ``set_per_process_memory_fraction`` for ``device`` (1.0 if none)."""
+    fraction = _alloc_of(device).limits.fraction
+    return 1.0 if fraction is None else fraction
+
+
+def set_memory_limit(nbytes: SupportsIndex | None, device: object = None) -> None:
+    """Cap the memory graphpool reserves on ``device`` at ``nbytes`` bytes (None: no cap).
+
+    Enforced as ``set_per_process_memory_fraction`` (the smaller cap binds). Also
+    ``GRAPHPOOL_ALLOC_CONF=memory_limit:8GiB``, for every device.
+    """
+    value = check_limit_bytes(nbytes)
+    a = _alloc_of(device)
+    with _limits_lock:
+        a.limits = a.limits.with_bytes(value)
+
+
+def get_memory_limit(device: object = None) -> int | None:
+    """The byte cap set by ``set_memory_limit`` for ``device``, or None."""
+    return _alloc_of(device).limits.nbytes
+
+
+def attach_out_of_memory_observer(
+    observer: observers.Observer,
+) -> observers.Observer:
+    """Call ``observer(device, requested, stats)`` before every OutOfMemoryError is raised.
+
+    ``device``: the device index; ``requested``: the bytes asked for; ``stats``: that
+    device's ``memory_stats()`` at the failure. Called with the allocator's lock released,
+    so it may call graphpool (``memory_snapshot()``, freeing, even allocating); an
+    out-of-memory error inside an observer calls no observer again. If it raises, the
+    exception is reported (a RuntimeWarning, and chained to the OutOfMemoryError, which is
+    raised all the same). For every device; returns ``observer`` (usable as a decorator).
+    """
+    observers.attach(observer)
+    return observer
+
+
+def detach_out_of_memory_observer(observer: observers.Observer) -> None:
+    """Stop calling ``observer``; ValueError if it is not attached."""
+    observers.detach(observer)

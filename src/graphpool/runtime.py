@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from graphpool.device.protocol import Backend, Device
 from graphpool.errors import BackendReplacedError, BackendUnavailableError, CaptureError, GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.limits import AllocConf, parse_alloc_conf
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import CaptureWorld
 
@@ -52,8 +53,12 @@ class Runtime:
             with self._lock:
                 a = self.allocators[index]
                 if a is None:
+                    conf = alloc_conf()  # first: a bad GRAPHPOOL_ALLOC_CONF makes no allocator
                     a = CachingAllocator(
                         self.backend.get_device(index), sizes=self.sizes, world=self.world, detect=_detect
+                    )
+                    a.limits = a.limits.with_fraction(conf.per_process_memory_fraction).with_bytes(
+                        conf.memory_limit
                     )
                     self.allocators[index] = a
         return a
@@ -82,6 +87,17 @@ _generation = 0
 _lock = threading.RLock()
 stream_listeners: list[Callable[[object], None]] = []
 """Called with the new current Stream whenever ``gp.stream`` or ``gp.graph`` switches it."""
+
+
+def alloc_conf() -> AllocConf:
+    """The allocator settings of ``GRAPHPOOL_ALLOC_CONF`` (``key:value,key:value``, as
+    PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``), read as each device's allocator is made:
+    ``memory_limit:8GiB`` and ``per_process_memory_fraction:0.5`` (policy/limits.py)."""
+    text = os.environ.get("GRAPHPOOL_ALLOC_CONF", "")
+    try:
+        return parse_alloc_conf(text)
+    except ValueError as exc:
+        raise ValueError(f"GRAPHPOOL_ALLOC_CONF={text!r}: {exc}") from None
 
 
 def _detect_from_env() -> bool:

@@ -3,6 +3,10 @@
 Streams are never destroyed: the allocator files free blocks by stream handle, and a
 handle reused by a new stream could otherwise inherit blocks whose last use is still
 running (PyTorch pools its streams for the same reason).
+
+Streams of other libraries (cuda.core, PyTorch, Numba) are accepted wherever a stream is
+taken, through cuda.core's ``__cuda_stream__`` protocol, and CuPy streams by their
+``ptr``; ``as_stream`` is the one place that turns them into graphpool Streams.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, TypeAlias
 
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM, Device
@@ -52,15 +56,41 @@ def _no_pickle(what: str) -> TypeError:
     )
 
 
-class Stream:
-    """A non-blocking stream on one device. ``handle`` is the driver's stream (an int)."""
+class CUDAStreamLike(Protocol):
+    """A stream object of another library, by cuda.core's ``__cuda_stream__`` protocol:
+    ``__cuda_stream__()`` returns ``(0, handle)``, the protocol version and the stream's
+    ``cudaStream_t`` as an int (cuda.core, PyTorch and Numba streams have it)."""
 
-    __slots__ = ("device", "handle", "_space", "__weakref__")
+    def __cuda_stream__(self) -> tuple[int, int]: ...
+
+
+ACCEPTED = (
+    "a graphpool Stream, a CuPy stream or a stream object with the __cuda_stream__ protocol "
+    "(cuda.core, PyTorch, Numba)"
+)
+"""What every call taking a stream accepts, for its TypeError."""
+
+CU_STREAM_LEGACY = 1
+CU_STREAM_PER_THREAD = 2
+"""CUDA's special handles for the legacy and the per-thread default stream (cuda.core hands
+them out for a device's default stream)."""
+
+
+class Stream:
+    """A non-blocking stream on one device. ``handle`` is the driver's stream (an int).
+
+    ``__cuda_stream__`` hands it to cuda.core and any library of that protocol.
+    """
+
+    __slots__ = ("device", "handle", "_space", "_source", "__weakref__")
 
     device: int
     handle: int
     _space: object
     """The handle space (``runtime.Runtime.space``) of the backend the stream was made under."""
+    _source: object
+    """The other library's stream object this one wraps (``as_stream``), kept alive with it:
+    a buffer allocated on it keeps its handle from being destroyed and reused. None if none."""
 
     def __init__(self, device: int | None = None) -> None:
         index = _index(device)
@@ -68,6 +98,7 @@ class Stream:
         self.device = index
         self.handle = rt.device(index).create_stream()
         self._space = rt.space
+        self._source = None
 
     @classmethod
     def _wrap(cls, device: int, handle: int) -> Stream:
@@ -75,7 +106,12 @@ class Stream:
         s.device = device
         s.handle = handle
         s._space = runtime.space()
+        s._source = None
         return s
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """cuda.core's stream protocol: ``(0, handle)`` (version 0, the ``cudaStream_t``)."""
+        return (0, self.handle)
 
     def _check_backend(self) -> None:
         """Raise BackendReplacedError if the backend this stream was made under was replaced."""
@@ -104,10 +140,12 @@ class Stream:
         for listener in wait_listeners:
             listener(self, event)
 
-    def wait_stream(self, other: Stream) -> None:
-        """Make later work on this stream wait for the work queued on ``other`` so far."""
-        if not isinstance(other, Stream):
-            raise TypeError(f"wait_stream needs a graphpool Stream, not {type(other).__name__}")
+    def wait_stream(self, other: StreamLike) -> None:
+        """Make later work on this stream wait for the work queued on ``other`` so far.
+
+        ``other`` may be another library's stream (``__cuda_stream__``) of this stream's device.
+        """
+        other = as_stream(other, "wait_stream", self.device)
         self._check_backend()
         other._check_backend()
         if other == self:
@@ -166,11 +204,10 @@ class Event:
         if self._space is not runtime.space():
             raise runtime.replaced(repr(self), self._space)
 
-    def record(self, stream: Stream | None = None) -> None:
-        """Mark the work queued so far on ``stream`` (default: the current stream)."""
-        s = current_stream(self.device) if stream is None else stream
-        if not isinstance(s, Stream):
-            raise TypeError(f"record needs a graphpool Stream, not {type(s).__name__}")
+    def record(self, stream: StreamLike | None = None) -> None:
+        """Mark the work queued so far on ``stream`` (default: the current stream; another
+        library's stream, ``__cuda_stream__``, of the event's device is taken too)."""
+        s = current_stream(self.device) if stream is None else as_stream(stream, "record", self.device)
         self._check_backend()
         s._check_backend()
         if s.device != self.device:
@@ -270,13 +307,16 @@ def set_stream(s: Stream) -> None:
 
 
 @contextlib.contextmanager
-def stream(s: Stream | None) -> Iterator[Stream | None]:
-    """Make ``s`` the current stream (and its device the current device) inside the block."""
+def stream(s: StreamLike | None) -> Iterator[Stream | None]:
+    """Make ``s`` the current stream (and its device the current device) inside the block.
+
+    ``s`` may be another library's stream (``__cuda_stream__``) of the current device: the
+    block then allocates on it, and ``as`` gives its graphpool Stream.
+    """
     if s is None:
         yield None
         return
-    if not isinstance(s, Stream):
-        raise TypeError(f"gp.stream needs a graphpool Stream, not {type(s).__name__}")
+    s = as_stream(s, "gp.stream")
     s._check_backend()
     prev_device = current_device()
     prev_stream = current_stream(s.device)
@@ -319,6 +359,84 @@ def _cupy_restore_stream(cs: Any, device: int) -> None:
         return
     with mod._cp.cuda.Device(device):
         cs.use()
+
+
+StreamLike: TypeAlias = Stream | CUDAStreamLike
+"""A graphpool Stream, or another library's stream by the ``__cuda_stream__`` protocol."""
+
+
+def cuda_stream_handle(obj: object) -> int:
+    """The handle ``obj.__cuda_stream__()`` gives; TypeError unless it returns ``(0, handle)``
+    with ``handle`` a non-negative int (version 0 of cuda.core's protocol)."""
+    method = getattr(obj, "__cuda_stream__", None)
+    if method is None or not callable(method):
+        raise TypeError(f"expected {ACCEPTED}, not {type(obj).__name__}")
+    got = method()
+    name = f"{type(obj).__name__}.__cuda_stream__()"
+    if not isinstance(got, tuple) or len(got) != 2:
+        raise TypeError(f"{name} returned {got!r}: the protocol wants a tuple (version, handle)")
+    version, handle = got
+    if isinstance(version, bool) or not isinstance(version, int) or version != 0:
+        raise TypeError(
+            f"{name} returned protocol version {version!r}: graphpool knows version 0 of the "
+            "__cuda_stream__ protocol"
+        )
+    if isinstance(handle, bool) or not isinstance(handle, int) or handle < 0:
+        raise TypeError(
+            f"{name} returned handle {handle!r}: the protocol wants the stream's cudaStream_t as an int"
+        )
+    return int(handle)
+
+
+def _is_cupy_stream(obj: object) -> bool:
+    """Whether ``obj`` is a CuPy ``Stream`` or ``ExternalStream`` (CuPy already imported by the
+    program; graphpool never imports it for this)."""
+    cuda = getattr(sys.modules.get("cupy"), "cuda", None)
+    kinds = tuple(
+        k
+        for k in (getattr(cuda, "Stream", None), getattr(cuda, "ExternalStream", None))
+        if isinstance(k, type)
+    )
+    return bool(kinds) and isinstance(obj, kinds)
+
+
+def as_stream(obj: object, what: str, device: int | None = None) -> Stream:
+    """``obj`` as a graphpool Stream, for the call ``what`` (for messages).
+
+    A graphpool Stream is returned as is. An object of the ``__cuda_stream__`` protocol, or
+    a CuPy stream (its ``ptr``; CuPy may not have the protocol), is wrapped on ``device``
+    (default: the current device), whose context it must belong to (ValueError
+    otherwise); the wrapper keeps it alive. CUDA's legacy default stream
+    handle means graphpool's legacy stream; the per-thread default stream is refused (its
+    handle names a different stream on each thread). Anything else: TypeError saying what
+    is accepted.
+    """
+    if isinstance(obj, Stream):
+        return obj
+    if getattr(obj, "__cuda_stream__", None) is not None:
+        handle = cuda_stream_handle(obj)
+    elif _is_cupy_stream(obj):
+        handle = int(obj.ptr)  # type: ignore[attr-defined]
+    else:
+        raise TypeError(f"{what} takes {ACCEPTED}, not {type(obj).__name__}")
+    if handle == CU_STREAM_LEGACY:
+        handle = LEGACY_STREAM
+    elif handle == CU_STREAM_PER_THREAD:
+        raise ValueError(
+            f"{what}: {type(obj).__name__} is CUDA's per-thread default stream, which graphpool "
+            "cannot tell apart between threads; pass a stream of your own (e.g. gp.Stream())"
+        )
+    index = _index(device)
+    rt = runtime.get()
+    if not rt.device(index).owns_stream(handle):
+        raise ValueError(
+            f"{what}: {type(obj).__name__} stream 0x{handle:x} is not a live stream of device "
+            f"{index}'s context on the {rt.name} backend; graphpool allocates on a stream of "
+            "the device it serves: make that device current (gp.device(i)) or use a stream made on it"
+        )
+    s = Stream._wrap(index, handle)
+    s._source = obj
+    return s
 
 
 def synchronize(device: int | None = None) -> None:

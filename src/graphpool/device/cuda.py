@@ -271,6 +271,7 @@ class CudaDevice:
         self.index = index
         self.name = str(raw)
         self._attached: set[int] = set()  # release tokens of this device not yet reported
+        self._primary: int | None = None  # the primary context's handle, once owns_stream asked
         if _native is not None:
             # the allocator binds ``capture_id`` once and calls it on every allocation: the C
             # function itself, with no Python frame in between
@@ -352,6 +353,28 @@ class CudaDevice:
         if stream == LEGACY_STREAM:
             return
         _check("cudaStreamDestroy", _rt.cudaStreamDestroy(stream)[0])
+
+    def owns_stream(self, stream: int) -> bool:
+        """Whether ``cuStreamGetCtx(stream)`` is this device's primary context (retained once,
+        for the life of the process, as the runtime API keeps it). An invalid handle is
+        undefined behaviour in CUDA: the caller passes a stream its owner says is live."""
+        if stream == LEGACY_STREAM:
+            return True
+        from cuda.bindings import driver
+
+        primary = self._primary
+        if primary is None:
+            err, dev = driver.cuDeviceGet(self.index)
+            if err:
+                raise _cuda_error("cuDeviceGet", int(err))
+            err, ctx = driver.cuDevicePrimaryCtxRetain(dev)
+            if err:
+                raise _cuda_error("cuDevicePrimaryCtxRetain", int(err))
+            primary = self._primary = int(ctx)
+        err, ctx = driver.cuStreamGetCtx(stream)
+        if err:
+            raise _cuda_error("cuStreamGetCtx", int(err))
+        return int(ctx) == primary
 
     @_on_device
     def stream_wait_event(self, stream: int, event: int) -> None:

@@ -82,6 +82,13 @@ class Device(Protocol):
 
     def destroy_stream(self, stream: int) -> None: ...
 
+    def owns_stream(self, stream: int) -> bool:
+        """Whether ``stream`` is a live stream of this device's context (on CUDA its primary
+        context, the one the runtime API, CuPy and PyTorch use); the legacy stream always is.
+        Asked of streams made outside graphpool (``__cuda_stream__`` objects), never on the
+        allocator's paths."""
+        ...
+
     def stream_wait_event(self, stream: int, event: int) -> None:
         """Later work on ``stream`` waits for ``event``'s recorded work (capturable: joins a capture)."""
         ...

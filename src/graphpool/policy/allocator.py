@@ -29,6 +29,7 @@ see half-updated state. ``free`` then queues the pointer; anything else raises.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from bisect import bisect_left, bisect_right, insort
@@ -50,8 +51,10 @@ from graphpool.errors import (
     GraphpoolError,
     OutOfMemoryError,
 )
+from graphpool.policy import observers
 from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import Bins, FreeList
+from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
     CaptureRecord,
@@ -62,6 +65,10 @@ from graphpool.policy.private_pools import (
     new_release_token,
 )
 from graphpool.policy.stats import PoolStats
+
+_log = logging.getLogger("graphpool")
+"""Slow paths only (segments, captures, pools, out-of-memory, limits), each behind an
+``isEnabledFor`` test: the cached malloc and free never touch it (docs/behaviour.rst, "Logging")."""
 
 
 def _thread_alive(ident: int) -> bool:
@@ -139,6 +146,10 @@ class CachingAllocator:
         self._capture_seq = 0
         self._serial = 0
         self._total = device.mem_info()[1]
+        # Caps on reserved memory (policy/limits.py), swapped whole by their setters; the
+        # description of the cap that refused the last driver allocation, for the OOM message.
+        self.limits = MemoryLimits(self._total)
+        self._limit_hit: str | None = None
         self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
         # Detection of captures begun outside graphpool: the device's capture-id query,
         # bound once (on CUDA a C function; benchmarks/NOTES.md).
@@ -283,11 +294,44 @@ class CachingAllocator:
         self._run_locked("malloc", lambda: self._raise_oom(nbytes, None, None))
 
     def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None) -> NoReturn:
-        """Count an out-of-memory (device, and the private pool ``fl`` belongs to) and raise it."""
+        """Count an out-of-memory (device, and the private pool ``fl`` belongs to), log it, call
+        the observers (``_notify_oom``) and raise it."""
         self.stats.num_ooms += 1
         if fl is not None and fl.owner is not None:
             fl.owner.stats.num_ooms += 1
-        raise OutOfMemoryError(self._oom_message(nbytes, seg))
+        limit, self._limit_hit = self._limit_hit, None
+        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("%s", err)
+        fns = observers.current()
+        if fns:
+            self._notify_oom(fns, nbytes, err)
+        raise err
+
+    def _notify_oom(self, fns: tuple[observers.Observer, ...], nbytes: int, err: OutOfMemoryError) -> None:
+        """Call the out-of-memory observers with this device's statistics of now, the lock
+        released (as PyTorch does): they may call graphpool, and other threads go on. The
+        caller raises ``err`` after, whatever happened meanwhile: nothing of this call's state
+        is used again. An observer's exception is chained to ``err`` and warned about."""
+        stats = self.stats.as_dict()
+        self._busy = False
+        self._lock.release()
+        try:
+            errors = observers.call(fns, self.device.index, nbytes, stats)
+        finally:
+            self._lock.acquire()
+            self._busy = True
+        if errors:
+            err.__context__ = errors[0]
+            for exc in errors:
+                try:
+                    _warnings.warn(
+                        f"graphpool: an out-of-memory observer raised {exc!r}; the OutOfMemoryError "
+                        "is raised all the same",
+                        RuntimeWarning,
+                    )
+                except Exception:  # warnings turned into errors: the chained exception says it
+                    pass
 
     def _route(self, stream: int) -> CaptureRecord | None:
         """The capture ``stream`` belongs to, if any (one driver query); adopts an unknown one."""
@@ -346,21 +390,62 @@ class CachingAllocator:
             owner.segment_count += 1
             if rec is not None:  # may go back with the capture if it fails (see _touch)
                 self._set_creator(head, rec)
+        if _log.isEnabledFor(logging.DEBUG):
+            self._log_segment("allocated", head)
         return head
+
+    def _log_segment(self, what: str, head: Block) -> None:
+        """Log a segment's allocation or release (DEBUG; the caller checked the level)."""
+        owner = head.pool.owner
+        _log.debug(
+            "device %d: segment %s at 0x%x, %d bytes, stream 0x%x, %s",
+            self.device.index,
+            what,
+            head.ptr,
+            head.size,
+            head.stream,
+            "ordinary pool" if owner is None else f"private pool {tuple(owner.id)}",
+        )
 
     def _device_malloc(self, nbytes: int) -> int | None:
         """Driver allocation, always under the relaxed capture mode: a capture underway on any
-        thread (one graphpool may not have seen yet) is never invalidated by it."""
+        thread (one graphpool may not have seen yet) is never invalidated by it.
+
+        Refused, as the driver refuses when the device is full (None), when the segment would
+        take reserved memory past a limit (policy/limits.py): the caller's retry and
+        out-of-memory error are the same.
+        """
+        limits = self.limits
+        if limits.cap is not None and self.stats.current("reserved_bytes") + nbytes > limits.cap:
+            self._refuse_by_limit(limits, nbytes)
+            return None
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
-            return self.device.malloc(nbytes)
+            ptr = self.device.malloc(nbytes)
         finally:
             self.device.exchange_capture_mode(prev)
+        if ptr is not None:
+            self._limit_hit = None
+        return ptr
 
-    def _oom_message(self, nbytes: int, seg: int | None) -> str:
-        """The out-of-memory message: the request, then what is allocated, reserved, held in
-        private pools and free on the device, then what to do. ``seg`` None: the request
-        alone is larger than the device."""
+    def _refuse_by_limit(self, limits: MemoryLimits, nbytes: int) -> None:
+        """Note (for the OOM message) and log that a limit refused a segment of ``nbytes``."""
+        reserved = self.stats.current("reserved_bytes")
+        why = limits.refusal(reserved, nbytes, fmt_bytes) or "a memory limit"
+        self._limit_hit = why
+        if _log.isEnabledFor(logging.INFO):
+            _log.info(
+                "device %d: a new segment of %d bytes refused by %s (%d bytes reserved)",
+                self.device.index,
+                nbytes,
+                why,
+                reserved,
+            )
+
+    def _oom_message(self, nbytes: int, seg: int | None, limit: str | None = None) -> str:
+        """The out-of-memory message: the request, the limit that refused it if one did, then
+        what is allocated, reserved, held in private pools and free on the device, then what
+        to do. ``seg`` None: the request alone is larger than the device."""
         st = self.stats
         private = sum(p.stats.current("reserved_bytes") for p in self._pools.values())
         kept = self._kept_bytes()
@@ -377,12 +462,13 @@ class CachingAllocator:
                 if seg is not None
                 else f"({nbytes} bytes), more than the device's {fmt_bytes(self._total)} in total; "
             )
+            + (f"a limit was hit: reserved memory would pass {limit}; " if limit else "")
             + f"{fmt_bytes(st.current('allocated_bytes'))} allocated, "
             f"{fmt_bytes(st.current('reserved_bytes'))} reserved "
             f"({fmt_bytes(private)} of it in private graph pools, and {fmt_bytes(kept)} of ordinary "
             f"blocks kept for captured graphs that may touch them), {dev}. "
             "Free buffers you no longer need, reset graphs you no longer replay, "
-            "then call empty_cache()."
+            "then call empty_cache()" + ("; or raise the limit." if limit else ".")
         )
 
     # -------------------------------------------------------------------- free
@@ -830,6 +916,8 @@ class CachingAllocator:
                 if pool.segment_count == 0:
                     del self._freeable[pid]
                     del self._pools[pid]
+                    if _log.isEnabledFor(logging.DEBUG):
+                        self._log_pool("released", pool)
         finally:
             self.device.exchange_capture_mode(prev)
 
@@ -846,6 +934,8 @@ class CachingAllocator:
         self.device.free(block.ptr)
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
+        if _log.isEnabledFor(logging.DEBUG):
+            self._log_segment("released", block)
         fl = block.pool
         for st in self._scopes(fl):
             st.num_device_free += 1
@@ -929,7 +1019,25 @@ class CachingAllocator:
         rec.capture_id = cid
         self._captures[cid] = rec
         self._records[rec.sequence] = rec
+        if _log.isEnabledFor(logging.DEBUG):
+            self._log_capture("began", rec)
         return rec
+
+    def _log_capture(self, what: str, rec: CaptureRecord) -> None:
+        """Log a capture's begin or end (DEBUG; the caller checked the level)."""
+        _log.debug(
+            "device %d: capture %d %s on stream 0x%x (%s), private pool %s",
+            self.device.index,
+            rec.capture_id,
+            what,
+            rec.stream,
+            rec.label,
+            tuple(rec.pool.id),
+        )
+
+    def _log_pool(self, what: str, pool: PrivatePool) -> None:
+        """Log a private pool's creation or release (DEBUG; the caller checked the level)."""
+        _log.debug("device %d: private pool %s %s", self.device.index, tuple(pool.id), what)
 
     def _new_record(self, pool_id: PoolId, stream: int, label: str) -> CaptureRecord:
         """A record for a capture into ``pool_id`` (made or revived), with the pool's use counted.
@@ -941,6 +1049,8 @@ class CachingAllocator:
         if pool is None:
             pool = PrivatePool(pool_id)
             self._pools[pool_id] = pool
+            if _log.isEnabledFor(logging.DEBUG):
+                self._log_pool("created", pool)
         self._freeable.pop(pool_id, None)
         pool.use_count += 1
         self._capture_seq += 1
@@ -1025,6 +1135,8 @@ class CachingAllocator:
         self._foreign[stream] = rec
         self._capturing += 1
         self._world.active += 1
+        if _log.isEnabledFor(logging.DEBUG):
+            self._log_capture("begun outside graphpool adopted", rec)
         return rec
 
     def _sweep(self) -> None:
@@ -1091,6 +1203,8 @@ class CachingAllocator:
             del self._foreign[rec.stream]
         self._capturing -= 1
         self._world.active -= 1
+        if _log.isEnabledFor(logging.DEBUG):
+            self._log_capture("failed" if rec.failed else "ended", rec)
         if not self._capturing:
             self._flush_deferred()
 
@@ -1148,6 +1262,8 @@ class CachingAllocator:
         if pool.use_count == 0:
             if pool.segment_count == 0:
                 del self._pools[pool.id]
+                if _log.isEnabledFor(logging.DEBUG):
+                    self._log_pool("released", pool)
             else:
                 self._freeable[pool.id] = pool
 

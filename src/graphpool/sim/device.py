@@ -235,6 +235,12 @@ class SimDevice:
             if not st.queue:
                 del self._streams[stream]
 
+    def owns_stream(self, stream: int) -> bool:
+        """Whether ``stream`` is a live (not destroyed) stream of this device."""
+        with self._lock:
+            st = self._streams.get(stream)
+            return st is not None and not st.destroyed
+
     def stream_wait_event(self, stream: int, event: int) -> None:
         call = "cudaStreamWaitEvent"
         if event not in self._events:

@@ -1,0 +1,153 @@
+"""Logging through the stdlib logger ``graphpool``: slow paths only, nothing formatted when
+the level is off, nothing at all on the cached malloc/free path."""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+from graphpool.policy import allocator as allocator_module
+from graphpool.sim import SimBackend
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+def small() -> Iterator[Any]:
+    runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=64 * MiB))
+    try:
+        yield runtime.get()
+    finally:
+        gc.collect()
+        try:
+            gp.synchronize()
+            gp.empty_cache()
+            gp.check_invariants()
+        finally:
+            gp.set_backend("sim")
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "graphpool" and r.levelno == level]
+
+
+def test_segments_are_logged_with_device_size_stream_and_pool(
+    small: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="graphpool")
+    s = gp.Stream()
+    buf = gp.alloc(1000, stream=s)
+    base = runtime.allocator().lookup(buf.ptr)
+    assert base is not None
+    [allocated] = messages(caplog, logging.DEBUG)
+    assert allocated == (
+        f"device 0: segment allocated at 0x{buf.ptr:x}, {2 * MiB} bytes, stream 0x{s.handle:x}, ordinary pool"
+    )
+    caplog.clear()
+    buf.free()
+    assert messages(caplog, logging.DEBUG) == []  # a cached free logs nothing
+    gp.empty_cache()
+    assert messages(caplog, logging.DEBUG) == [
+        f"device 0: segment released at 0x{buf.ptr:x}, {2 * MiB} bytes, stream 0x{s.handle:x}, ordinary pool"
+    ]
+
+
+def test_captures_and_private_pools_are_logged(small: Any, caplog: pytest.LogCaptureFixture) -> None:
+    xp = pytest.importorskip("graphpool.xp")
+    caplog.set_level(logging.DEBUG, logger="graphpool")
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        out = xp.ones(100)
+    pool = tuple(g.pool())
+    text = "\n".join(messages(caplog, logging.DEBUG))
+    assert f"private pool {pool} created" in text
+    assert "began on stream" in text and f"({g.label}), private pool {pool}" in text
+    assert "ended on stream" in text
+    assert "segment allocated at" in text and f"private pool {pool}" in text
+    caplog.clear()
+    del out
+    g.reset()
+    gp.empty_cache()
+    text = "\n".join(messages(caplog, logging.DEBUG))
+    assert "segment released" in text and f"private pool {pool}" in text
+    assert f"private pool {pool} released" in text
+
+
+def test_a_failed_capture_is_logged_as_failed(small: Any, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="graphpool")
+    g = gp.CUDAGraph()
+    with pytest.raises(RuntimeError, match="boom"), gp.graph(g):
+        raise RuntimeError("boom")
+    assert any(" failed on stream " in m for m in messages(caplog, logging.DEBUG))
+
+
+def test_out_of_memory_and_limit_hits_are_logged_at_info(
+    small: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="graphpool")
+    gp.set_memory_limit(4 * MiB)
+    with pytest.raises(gp.OutOfMemoryError) as info:
+        gp.alloc(5 * MiB)
+    logged = messages(caplog, logging.INFO)
+    assert logged[-1] == str(info.value)  # the error, as raised
+    refused = [m for m in logged if "refused by" in m]
+    assert refused and all("memory limit of 4.00 MiB" in m for m in refused)
+    assert f"a new segment of {20 * MiB} bytes refused" in refused[0]
+    assert messages(caplog, logging.DEBUG) == []  # INFO: no segment chatter
+
+
+class CountingLogger:
+    """Stands in for the allocator's logger: counts every call, level ``enabled`` or off."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.checks = 0
+        self.records = 0
+
+    def isEnabledFor(self, level: int) -> bool:
+        self.checks += 1
+        return self.enabled
+
+    def _record(self, *args: Any, **kwargs: Any) -> None:
+        self.records += 1
+
+    debug = info = warning = error = _record
+
+
+def test_nothing_is_logged_when_the_level_is_off(small: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = CountingLogger(enabled=False)
+    monkeypatch.setattr(allocator_module, "_log", log)
+    gp.set_memory_limit(30 * MiB)
+    g = gp.CUDAGraph()
+    with gp.stream(gp.Stream()):
+        g.capture_begin()
+        x = gp.alloc(1000)
+        g.reset()
+    del x
+    buf = gp.alloc(1000)
+    buf.free()
+    gp.empty_cache()
+    with pytest.raises(gp.OutOfMemoryError):
+        gp.alloc(40 * MiB)
+    assert log.checks > 0  # every slow path asked
+    assert log.records == 0  # and none went on to format a record
+
+
+def test_the_cached_malloc_and_free_never_touch_the_logger(
+    small: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s = gp.Stream()
+    gp.alloc(1000, stream=s).free()  # the segment now sits in the cache
+    log = CountingLogger(enabled=True)
+    monkeypatch.setattr(allocator_module, "_log", log)
+    for _ in range(50):
+        gp.alloc(1000, stream=s).free()
+    assert (log.checks, log.records) == (0, 0)
+    gp.alloc(4 * MiB, stream=s).free()  # a new segment: the slow path logs
+    assert log.checks > 0 and log.records > 0
