@@ -562,11 +562,18 @@ class CachingAllocator:
                         self._touch(block, rec)
                     self._free_block(block, True)
                     return
+        recs: list[CaptureRecord] = []
+        if self._capturing:
+            recs = self._captures_for_free(block)
+            if not recs and not block.stream_uses:
+                # Eager memory of eager code (see _captures_for_free): back at once, with the
+                # one statistics update of a free made with no capture underway.
+                self._free_block(block, True)
+                return
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
         if self._capturing:
-            recs = self._captures_for_free(block)
             if owner is not None and owner.fresh:
                 for rec in recs:
                     self._touch(block, rec)
@@ -608,16 +615,19 @@ class CachingAllocator:
         cupy#9655 rule).
         """
         owner = block.pool.owner
-        recs = list(self._captures.values())
+        caps = self._captures
         if owner is not None:
-            for r in reversed(recs):
+            found: CaptureRecord | None = None
+            for r in caps.values():
                 if r.pool is owner:
-                    return [r]
-        else:
-            stream = block.stream
-            if all(block.serial > r.first_serial and stream not in r.streams for r in recs):
-                return []
-        return recs
+                    found = r  # the latest begun
+            return [found] if found is not None else list(caps.values())
+        stream = block.stream
+        serial = block.serial
+        for r in caps.values():  # a loop, not all(<generator>): this runs at every eager free
+            if serial <= r.first_serial or stream in r.streams:  # beside a capture (issue 7)
+                return list(caps.values())
+        return []
 
     @staticmethod
     def _set_creator(head: Block, rec: CaptureRecord | None) -> None:
