@@ -82,7 +82,8 @@ done
 run() {  # run NAME [extra pytest args...]
     local name="$1"; shift
     # shellcheck disable=SC2086  # CUPY_PYTEST_ARGS is split on purpose
-    timeout "$TIMEOUT" "$PY" -m pytest -p no:cacheprovider -rN \
+    # SIGINT at the limit: pytest stops like on Ctrl-C and still writes its junit XML
+    timeout -s INT -k 60 "$TIMEOUT" "$PY" -m pytest -p no:cacheprovider -rN \
         --rootdir "$CHECKOUT/tests" --junitxml "$OUT/$name.xml" \
         ${CUPY_PYTEST_ARGS:-} "$@" "${PATHS[@]}" > "$OUT/$name.log" 2>&1
     echo "$name: pytest exit $? -- $(tail -n 1 "$OUT/$name.log")"
