@@ -89,7 +89,7 @@ run() {  # run NAME [extra pytest args...]
     echo "$name: pytest exit $? -- $(tail -n 1 "$OUT/$name.log")"
 }
 
-rm -f "$OUT/cupy_pool.xml" "$OUT/graphpool.xml" "$OUT/graphpool_stats.json"
+rm -f "$OUT/cupy_pool.xml" "$OUT/graphpool.xml" "$OUT"/graphpool_stats.json*
 # CUPY_SUITE_PARALLEL=1: both runs at once, as two processes on the one GPU (half the wall time)
 if [ "${CUPY_SUITE_PARALLEL:-0}" = 1 ]; then
     run cupy_pool &
@@ -103,4 +103,5 @@ else
 fi
 grep -m1 "as the allocator of CuPy" "$OUT/graphpool.log" || echo "WARNING: the plugin's header line is missing"
 
+"$PY" "$HERE/cupy_suite/sum_stats.py" "$OUT" | tee -a "$OUT/env.txt"
 "$PY" "$HERE/cupy_suite/diff_failures.py" "$OUT/cupy_pool.xml" "$OUT/graphpool.xml" "$OUT/diff.txt"

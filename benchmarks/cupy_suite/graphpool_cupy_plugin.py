@@ -4,7 +4,9 @@ Loaded by benchmarks/cupy_suite.sh as ``-p graphpool_cupy_plugin``. At configure
 switches graphpool to the "cuda" backend and calls ``graphpool.cupy.install()``, so every
 CuPy allocation of the run comes from graphpool; at the end it writes graphpool's memory
 statistics next to the junit XML (``GRAPHPOOL_CUPY_STATS``), which shows the allocator was
-really used (``allocation.all.allocated`` > 0).
+really used (``allocation.all.allocated`` > 0). Under pytest-xdist each worker process
+allocates and writes its own file (``<path>.<worker id>``); the controller, which runs no
+test, writes ``<path>``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     except Exception as exc:  # reported, not raised: the test results matter more
         stats["invariants"] = f"{type(exc).__name__}: {exc}"
     path = os.environ.get("GRAPHPOOL_CUPY_STATS")
+    worker = getattr(session.config, "workerinput", None)  # set in pytest-xdist's workers
+    if path and worker is not None:
+        path = f"{path}.{worker['workerid']}"
     if path:
         with open(path, "w") as fh:
             json.dump(stats, fh, indent=1, sort_keys=True)
