@@ -7,6 +7,7 @@ says exactly how the allocator, the private pools and the replay checker behave.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import TYPE_CHECKING, Any, overload
 
 from graphpool import build as _build
@@ -51,6 +52,7 @@ from graphpool.memory import (
     set_memory_limit,
     set_per_process_memory_fraction,
 )
+from graphpool.policy import interrupts as _interrupts
 from graphpool.policy.private_pools import PoolId
 from graphpool.runtime import capture_detection, set_capture_detection
 from graphpool.runtime import set_backend as _set_backend
@@ -180,6 +182,35 @@ def _warn_if_stale() -> None:
 
 _warn_if_stale()
 
+
+def guard_signal_handler(
+    handler: Callable[[int, FrameType | None], Any],
+) -> Callable[[int, FrameType | None], Any]:
+    """``handler`` wrapped so that it never runs in the middle of an allocator call: a signal
+    that lands inside one runs the handler right after the call's update is complete.
+
+    Install your own handlers through it, ``signal.signal(signal.SIGALRM,
+    gp.guard_signal_handler(on_alarm))``, if they may raise (KeyboardInterrupt, a timeout) or
+    call graphpool. Needed in the plain-Python build only (``compiled()`` False), where Python
+    may run a handler between any two bytecodes of a malloc or free; compiled, it is harmless.
+    graphpool installs ``guard_signal_handler(signal.default_int_handler)`` for SIGINT itself
+    (docs/behaviour.rst, "Interrupts"). Idempotent; ``signal.SIG_DFL`` and ``SIG_IGN`` come
+    back unchanged. The wrapper's ``handler`` attribute is the handler it wraps.
+    """
+    guarded: Callable[[int, FrameType | None], Any] = _interrupts.guard(handler)
+    return guarded
+
+
+def _guard_interrupts() -> None:
+    """Plain-Python build: guard Python's default SIGINT handler (Ctrl-C, a Jupyter interrupt),
+    now and before each IPython cell, so a KeyboardInterrupt never lands mid-update."""
+    if not compiled():
+        _interrupts.guard_default_sigint()
+        _interrupts.guard_ipython_cells()
+
+
+_guard_interrupts()
+
 __all__ = [
     "BackendReplacedError",
     "BackendUnavailableError",
@@ -213,6 +244,7 @@ __all__ = [
     "get_per_process_memory_fraction",
     "graph",
     "graph_pool_handle",
+    "guard_signal_handler",
     "is_current_stream_capturing",
     "make_graphed_callable",
     "make_graphed_callables",

@@ -25,6 +25,11 @@ Finalizers never take the lock: ``defer_free`` queues a pointer that the next ca
 The lock is reentrant, so every locked call marks the allocator ``_busy``: a call that
 re-enters on the same thread (user code run by garbage collection inside a call) must not
 see half-updated state. ``free`` then queues the pointer; anything else raises.
+
+Signals: a busy call (and ``free_owned``, ``_notify_oom`` while they hold the lock) is a
+critical section for a guarded signal handler (policy/interrupts.py): in the plain-Python
+build a handler whose signal lands there runs right after the section, which tests
+``_signals`` when it ends.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from graphpool.errors import (
     GraphpoolError,
     OutOfMemoryError,
 )
-from graphpool.policy import observers
+from graphpool.policy import interrupts, observers
 from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import Bins, FreeList
 from graphpool.policy.limits import MemoryLimits
@@ -114,6 +119,9 @@ class CachingAllocator:
         # makes two); 0.15 us less per cached pair (benchmarks/NOTES.md, entry 8). Reentrant.
         self._lock = _Lock()
         self._busy = False  # a locked call is running (see the module docstring)
+        # Signal handlers deferred until a critical section ends (policy/interrupts.py): the
+        # shared list, tested after each section (a native attribute read, compiled).
+        self._signals = interrupts.pending
         self._small = FreeList(True)
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
@@ -181,6 +189,8 @@ class CachingAllocator:
                 return fn()
             finally:
                 self._busy = False
+                if self._signals:  # a signal came mid-call (policy/interrupts.py): handle it now
+                    interrupts.run_pending()
 
     # ------------------------------------------------------------------ malloc
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
@@ -281,6 +291,8 @@ class CachingAllocator:
                 return ptr
             finally:
                 self._busy = False
+                if self._signals:  # see _run_locked
+                    interrupts.run_pending()
 
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
@@ -315,8 +327,10 @@ class CachingAllocator:
         is used again. An observer's exception is chained to ``err`` and warned about."""
         stats = self.stats.as_dict()
         self._busy = False
-        self._lock.release()
-        try:
+        try:  # the release inside: a signal right after it still takes the lock back
+            self._lock.release()
+            if self._signals:  # a signal came earlier in this call (policy/interrupts.py)
+                interrupts.run_pending()
             errors = observers.call(fns, self.device.index, nbytes, stats)
         finally:
             self._lock.acquire()
@@ -492,10 +506,12 @@ class CachingAllocator:
         if not self._lock.acquire(False):
             self._pending.append(ptr)
             return
-        try:
+        try:  # a signal between the acquire and here waits (policy/interrupts.py: "owned")
             self._free_locked(ptr)
         finally:
             self._lock.release()
+            if self._signals:
+                interrupts.run_pending()
 
     def _free_locked(self, ptr: object) -> None:
         """The body of ``free`` with the lock held."""
@@ -520,6 +536,8 @@ class CachingAllocator:
                 self._check()
         finally:
             self._busy = False
+            if self._signals:  # see _run_locked
+                interrupts.run_pending()
 
     def defer_free(self, ptr: object, stream: int | None = None) -> None:
         """Queue a free for the next allocator call. Lock-free and no device call: for
@@ -1404,3 +1422,11 @@ class CachingAllocator:
         from graphpool.policy.check import check_invariants
 
         check_invariants(self)
+
+
+# The critical sections a guarded signal handler waits for (policy/interrupts.py). Compiled,
+# these methods have no Python code and are skipped: they run no handler half-way.
+interrupts.register(
+    busy=(CachingAllocator.malloc, CachingAllocator._free_locked, CachingAllocator._run_locked),
+    owned=(CachingAllocator.free_owned, CachingAllocator._notify_oom),
+)

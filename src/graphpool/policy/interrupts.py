@@ -1,0 +1,184 @@
+"""Signal handlers that wait until the allocator is consistent again (the plain-Python build).
+
+Python runs a signal handler in the main thread, between two bytecodes of the code running
+there. In the plain-Python build that can be the middle of a malloc or free: a
+KeyboardInterrupt raised there would leave the free lists half-updated (benchmarks/NOTES.md,
+entries 15 and 22). Compiled by mypyc the allocator's methods have no Python frames and run
+no handler half-way, so nothing here ever defers anything in that build.
+
+``guard(handler)`` wraps a handler. When the interrupted frame chain is inside an allocator's
+*critical section* the handler is not run: it is recorded as pending, and the allocator runs
+it (``run_pending``) as soon as it leaves the section; anywhere else it runs at once. A
+critical section is a frame of one of the functions registered with ``register``:
+
+- ``busy`` functions (malloc, the body of free, ``_run_locked``): while their ``self`` is
+  marked ``_busy`` and its ``_lock`` is held by this thread. ``_busy`` is set right before the
+  ``try`` that clears it, so every mutation runs inside;
+- ``owned`` functions (``free_owned``, the out-of-memory observer call): while ``self._lock``
+  is held by this thread (they take or give back the lock outside any ``with``).
+
+Each such function checks ``pending`` (one attribute read) right after its section ends and
+calls ``run_pending``, which runs the handlers unless an outer section is still underway
+(a free run by a finalizer inside another allocator's malloc): the outer one runs them when
+it ends. An interrupt that lands after a section ended but before that check finds no
+critical frame and runs at once, so a deferred handler is never lost. Handlers run in the
+main thread only, as Python runs them: another thread's check sees a pending handler but
+leaves it to the main thread. Like POSIX signals, a signal deferred twice runs once.
+
+graphpool guards Python's default SIGINT handler when it is imported in the plain-Python
+build (``guard_default_sigint``), and again before each IPython cell (ipykernel puts the
+default handler back before running one).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from types import CodeType, FrameType
+from typing import Any
+
+Handler = Callable[[int, FrameType | None], Any]
+"""A Python-level signal handler, as ``signal.signal`` takes it."""
+
+pending: list[tuple[Handler, int, FrameType | None]] = []
+"""Handlers deferred until the allocator leaves its critical section: (handler, signal number,
+interrupted frame). Every allocator keeps a reference to this list (never replaced) and tests
+it after each critical section: the only cost on the hot path."""
+
+_critical: dict[CodeType, bool] = {}
+"""Code of the functions whose frames can be critical -> whether ``self._busy`` must be set too."""
+
+
+def register(*, busy: Iterable[object] = (), owned: Iterable[object] = ()) -> None:
+    """Declare the functions whose frames make a critical section (see the module docstring).
+
+    Functions without Python code (compiled by mypyc) are skipped: they run no handler
+    half-way."""
+    for fns, needs_busy in ((busy, True), (owned, False)):
+        for fn in fns:
+            code = getattr(fn, "__code__", None)
+            if isinstance(code, CodeType):
+                _critical[code] = needs_busy
+
+
+def _holds_lock(obj: object) -> bool:
+    """Whether this thread holds ``obj._lock`` (True when the lock cannot say)."""
+    is_owned = getattr(getattr(obj, "_lock", None), "_is_owned", None)
+    return True if is_owned is None else bool(is_owned())
+
+
+def in_critical(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or a frame it was called from is inside an allocator's critical section."""
+    while frame is not None:
+        needs_busy = _critical.get(frame.f_code)
+        if needs_busy is not None:
+            obj = frame.f_locals.get("self")
+            if obj is not None and (not needs_busy or getattr(obj, "_busy", False)) and _holds_lock(obj):
+                return True
+        frame = frame.f_back
+    return False
+
+
+class GuardedHandler:
+    """A signal handler that waits while the interrupted code is inside an allocator's critical
+    section, and then runs (``guard``). ``handler`` is the handler it wraps."""
+
+    __slots__ = ("handler",)
+
+    def __init__(self, handler: Handler) -> None:
+        self.handler = handler
+
+    @property
+    def __wrapped__(self) -> Handler:
+        """The wrapped handler (``inspect.unwrap`` follows it)."""
+        return self.handler
+
+    def __call__(self, signum: int, frame: FrameType | None) -> Any:
+        if in_critical(frame):
+            if all(s != signum for _, s, _ in pending):  # a signal is not queued twice
+                pending.append((self.handler, signum, frame))
+            return None
+        return self.handler(signum, frame)
+
+    def __repr__(self) -> str:
+        return f"graphpool.guard_signal_handler({self.handler!r})"
+
+
+def guard(handler: Any) -> Any:
+    """``handler`` wrapped so that it never runs inside an allocator's critical section (it runs
+    right after the section instead). Idempotent; ``signal.SIG_DFL``, ``SIG_IGN`` and None
+    (no Python code runs for those) come back unchanged."""
+    if isinstance(handler, GuardedHandler) or not callable(handler):
+        return handler
+    return GuardedHandler(handler)
+
+
+def run_pending() -> None:
+    """Run the deferred handlers, in the order their signals came: called by the allocator right
+    after a critical section ends. A handler's exception propagates to the caller, as it would
+    have from the interrupted call; handlers still waiting behind it are signalled again, as
+    Python does when a handler raises (they run at the next point Python checks for signals)."""
+    if not pending or threading.get_ident() != threading.main_thread().ident:
+        return  # handlers run in the main thread only
+    if in_critical(sys._getframe().f_back):
+        return  # an outer critical section runs them when it ends
+    while pending:
+        handler, signum, frame = pending.pop(0)
+        try:
+            handler(signum, frame)
+        except BaseException:
+            _signal_again()
+            raise
+
+
+def _signal_again() -> None:
+    """Deliver the signals still pending again: ``signal.raise_signal`` runs their current
+    handlers now (outside any critical section), each after the other even if one raises."""
+    while pending:
+        signum = pending.pop(0)[1]
+        try:
+            signal.raise_signal(signum)
+        except BaseException:
+            _signal_again()
+            raise
+
+
+def guard_default_sigint() -> bool:
+    """Guard SIGINT if Python's default handler (KeyboardInterrupt) is installed and this is the
+    main thread; a handler the user installed is left alone. True if it installed the guard."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    try:
+        if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            return False
+        signal.signal(signal.SIGINT, GuardedHandler(signal.default_int_handler))
+    except (ValueError, OSError):  # not the main interpreter, or no signals here
+        return False
+    return True
+
+
+def _before_cell(*args: object) -> None:
+    """IPython ``pre_run_cell`` callback: ipykernel installs the default SIGINT handler before
+    each cell; guard it again."""
+    guard_default_sigint()
+
+
+def guard_ipython_cells() -> bool:
+    """Under IPython (a Jupyter kernel), guard the default SIGINT handler before every cell.
+
+    IPython is not imported: only a running shell is looked for. True if the callback was
+    registered."""
+    ipython = sys.modules.get("IPython")
+    get_shell = getattr(ipython, "get_ipython", None)
+    shell = get_shell() if callable(get_shell) else None
+    events = getattr(shell, "events", None)
+    if events is None:
+        return False
+    try:
+        if _before_cell not in events.callbacks.get("pre_run_cell", []):
+            events.register("pre_run_cell", _before_cell)
+    except Exception:  # an IPython of another shape: Ctrl-C stays guarded outside cells only
+        return False
+    return True
