@@ -87,6 +87,12 @@ if [ "$PART" = figures_only ]; then
   export PYTHONPATH=/tmp/cc/src:$DEP
   timeout 120 python3 benchmarks/foreign_captures_gpu.py --json "$OUT/foreign_captures.json" > "$OUT/foreign_captures.txt" 2>&1
   tail -8 "$OUT/foreign_captures.txt" | cut -c1-300
+  if [ "${FINAL_BENCH:-0}" = 1 ]; then  # the whole bench, traces included
+    timeout ${BENCH_TIMEOUT:-170} python3 -m graphpool bench --backend cuda --json "$OUT/bench_compiled.json" \
+      --no-progress > "$OUT/bench_compiled.txt" 2> "$OUT/bench_errors.txt"; tail -60 "$OUT/bench_compiled.txt"
+    tail -5 "$OUT/bench_errors.txt"
+  fi
+  if [ -d "$OUT/cupy" ]; then (cd "$OUT" && tar czf cupy.tgz cupy && rm -rf cupy); fi
 fi
 if [ "$PART" = all ] || [ "$PART" = figures ]; then
   export PYTHONPATH=/tmp/cc/src:$DEP
