@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.demo",
             "graphpool.bench",
             "graphpool.traces",
+            "graphpool.viz",
             "graphpool.__main__",
         ),
     ),

@@ -56,6 +56,7 @@ from graphpool.policy import interrupts as _interrupts
 from graphpool.policy.private_pools import PoolId
 from graphpool.runtime import capture_detection, set_capture_detection
 from graphpool.runtime import set_backend as _set_backend
+from graphpool.snapshot import dump_snapshot, record_memory_history, torch_snapshot
 from graphpool.streams import (
     Event,
     Stream,
@@ -239,6 +240,7 @@ __all__ = [
     "detach_out_of_memory_observer",
     "device",
     "device_count",
+    "dump_snapshot",
     "empty_cache",
     "get_memory_limit",
     "get_per_process_memory_fraction",
@@ -255,6 +257,7 @@ __all__ = [
     "memory_snapshot",
     "memory_stats",
     "memory_summary",
+    "record_memory_history",
     "replay_checks",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
@@ -266,4 +269,5 @@ __all__ = [
     "set_replay_checks",
     "stream",
     "synchronize",
+    "torch_snapshot",
 ]

@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("demo", "run the example scenarios and print what each one measured"),
         ("bench", "time the allocator and graph replays (against CuPy when it is installed)"),
-        ("snapshot", "print the memory snapshot and summary of a small workload"),
+        ("snapshot", "print the memory snapshot and summary of a small workload, or write it for viewers"),
     ):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
         p.add_argument(
@@ -71,32 +71,103 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
         if name == "snapshot":
             p.add_argument("--json", action="store_true", help="print the snapshot as JSON instead of text")
+            p.add_argument(
+                "--out",
+                metavar="DIR",
+                default=None,
+                help="record the history and write DIR/snapshot.pickle (for pytorch.org/memory_viz), "
+                "DIR/snapshot.html and, with matplotlib, DIR/snapshot.png instead of printing",
+            )
+            p.add_argument(
+                "--demo", action="store_true", help="run the demo's scenarios (quietly) before the workload"
+            )
     return parser
 
 
-def snapshot(backend: str | None, as_json: bool = False) -> int:
-    """Make a few eager buffers and one graph, then print the snapshot and the summary."""
+def _workload() -> list[object]:
+    """A few eager buffers on two streams, one freed, and a graph whose capture freed a
+    temporary; returns what keeps them alive."""
     import graphpool as gp
     from graphpool import runtime
+
+    keep: list[object] = [gp.alloc(n) for n in (100, 4096, 3 << 20)]
+    gp.alloc(1 << 16).free()
+    s = gp.Stream()
+    keep.append(gp.alloc(1 << 20, stream=s))
+    g = gp.CUDAGraph()
+    dev = runtime.get().device(s.device)
+    with gp.stream(s):
+        g.capture_begin()
+        tmp = gp.alloc(1 << 20)
+        out = gp.alloc(1 << 20)
+        dev.memset(tmp.ptr, 0, tmp.nbytes, s.handle)
+        dev.memset(out.ptr, 1, out.nbytes, s.handle)
+        tmp.free()
+        keep.append(out)
+        g.capture_end()
+    keep.append(g)
+    return keep
+
+
+def snapshot(backend: str | None, as_json: bool = False, out: str | None = None, demo: bool = False) -> int:
+    """Run the workload (after the demo's scenarios with ``demo``), then print the snapshot and
+    the summary, or with ``out`` record the history and write the snapshot files there."""
+    import graphpool as gp
     from graphpool.snapshot import render_snapshot
 
     if backend is not None:
         gp.set_backend(backend)
-    keep = [gp.alloc(n) for n in (100, 4096, 3 << 20)]
-    s = gp.Stream()
-    g = gp.CUDAGraph()
-    with gp.stream(s):
-        g.capture_begin()
-        out = gp.alloc(1 << 20)
-        runtime.get().device(s.device).memset(out.ptr, 0, out.nbytes, s.handle)
-        keep.append(out)
-        g.capture_end()
-    print(render_snapshot(gp.memory_snapshot(), as_json))
-    if not as_json:
-        print()
-        print(gp.memory_summary())
-    del keep, g
+    if out is not None:
+        gp.record_memory_history(True)
+    try:
+        if demo:
+            import contextlib
+            import io
+
+            from graphpool.demo import run as run_demo
+
+            with contextlib.redirect_stdout(io.StringIO()):
+                run_demo(None)
+        keep = _workload()
+        if out is None:
+            print(render_snapshot(gp.memory_snapshot(), as_json))
+            if not as_json:
+                print()
+                print(gp.memory_summary())
+        else:
+            _write_snapshot(out)
+        del keep
+    finally:
+        if out is not None:
+            gp.record_memory_history(False)
     return 0
+
+
+def _write_snapshot(out: str) -> None:
+    """Write snapshot.pickle, snapshot.html and (with matplotlib) snapshot.png into ``out``."""
+    import os
+
+    import graphpool as gp
+    from graphpool import viz
+    from graphpool.snapshot import dump
+
+    os.makedirs(out, exist_ok=True)
+    snap = gp.torch_snapshot()
+    events = sum(len(t) for t in snap["device_traces"])
+    pickle_path = os.path.join(out, "snapshot.pickle")
+    dump(snap, pickle_path)
+    print(f"{pickle_path}: {len(snap['segments'])} segments, {events} events (PyTorch's snapshot layout)")
+    print(
+        f"  open it at pytorch.org/memory_viz or: python -m torch.cuda._memory_viz trace_plot {pickle_path}"
+    )
+    html_path = os.path.join(out, "snapshot.html")
+    viz.write_html(snap, html_path)
+    print(f"{html_path}: segments by pool and stream, and memory over time (self-contained)")
+    png_path = os.path.join(out, "snapshot.png")
+    if viz.write_png(snap, png_path):
+        print(f"{png_path}: the same as a picture")
+    else:
+        print("no snapshot.png: matplotlib is not installed (pip install matplotlib)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
             as_json=as_json,
             progress=not args.no_progress,
         )
-    return snapshot(args.backend, as_json=args.json)
+    return snapshot(args.backend, as_json=args.json, out=args.out, demo=args.demo)
 
 
 if __name__ == "__main__":

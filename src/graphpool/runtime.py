@@ -60,6 +60,9 @@ class Runtime:
                     a.limits = a.limits.with_fraction(conf.per_process_memory_fraction).with_bytes(
                         conf.memory_limit
                     )
+                    history = _history
+                    if history is not None:
+                        a.record_history(*history)
                     self.allocators[index] = a
         return a
 
@@ -131,6 +134,23 @@ def set_capture_detection(on: bool) -> None:
             for a in rt.allocators:
                 if a is not None:
                     a.detect = on
+
+
+_history: tuple[int, bool] | None = None
+"""``(max_entries, stacks)`` of ``gp.record_memory_history`` for every allocator, made now
+or later (after a ``set_backend`` too); None while not recording."""
+
+
+def set_memory_history(max_entries: int | None, stacks: bool = True) -> None:
+    """Record allocator events on every device (``max_entries`` each), or stop (None)."""
+    global _history
+    with _lock:
+        _history = None if max_entries is None else (max_entries, stacks)
+        rt = _runtime
+        if rt is not None:
+            for a in rt.allocators:
+                if a is not None:
+                    a.record_history(max_entries, stacks)
 
 
 def capture_detection() -> bool:

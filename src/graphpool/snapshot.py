@@ -1,10 +1,15 @@
-"""Readable views of the allocator: ``memory_summary()`` and the ``snapshot`` command."""
+"""Readable views of the allocator: ``memory_summary()``, the ``snapshot`` command, and the
+history with snapshots in PyTorch's layout (``record_memory_history()``,
+``torch_snapshot()``, ``dump_snapshot()``; the events themselves: policy/history.py)."""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
 from typing import Any
 
+from graphpool import runtime
 from graphpool.policy.allocator import fmt_bytes
 
 ROWS = (
@@ -61,3 +66,151 @@ def render_snapshot(segments: list[dict[str, Any]], as_json: bool = False) -> st
             graph = f" graph {b['owner_graph']}" if b["owner_graph"] else ""
             out.append(f"  0x{b['address']:x} {fmt_bytes(b['size']):>12} {b['state']}{graph}")
     return "\n".join(out) if out else "(no segments)"
+
+
+# --------------------------------------------------------------- PyTorch's layout
+PICKLE_PROTOCOL = 4
+"""The web viewer's own unpickler (pytorch.org/memory_viz, MemoryViz.js) reads protocols 2
+to 4, and only dicts, lists, tuples, str, int, float, bool and None."""
+
+ORDINARY_POOL = (0, 0)
+"""``segment_pool_id`` of the ordinary pool: PyTorch's id for "no private pool" (graphpool's
+private pool ids always have one part non-zero)."""
+
+
+def _frames(frames: list[dict[str, Any]], memo: dict[int, Any]) -> list[dict[str, Any]]:
+    """A copy of a frame list that the allocator's history shares; each frame dict and list
+    is copied once (``memo``), so the copies stay shared and the pickle small."""
+    key = id(frames)
+    out = memo.get(key)
+    if out is None:
+        out = []
+        for f in frames:
+            d = memo.get(id(f))
+            if d is None:
+                d = memo[id(f)] = dict(f)
+            out.append(d)
+        memo[key] = out
+    return out
+
+
+def torch_layout(
+    states: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], backend: str
+) -> dict[str, Any]:
+    """The snapshot of ``torch.cuda.memory._snapshot()`` from each device's segments and
+    events (``CachingAllocator.history_snapshot()``, one pair per device index).
+
+    PyTorch's keys (2.11), in its order, then graphpool's: a segment's ``pool_graphs``
+    (labels of the unreleased graphs using its private pool), a block's ``owner_graph`` and
+    ``kept_for`` (as ``memory_snapshot()``), an event's ``device`` and ``pool_id``, and
+    ``allocator_settings``' ``GRAPHPOOL_ALLOC_CONF`` and ``backend``.
+    """
+    memo: dict[int, Any] = {}
+    segments: list[dict[str, Any]] = []
+    traces: list[list[dict[str, Any]]] = []
+    for segs, events in states:
+        for seg in segs:
+            pool = seg["segment_pool_id"]
+            segments.append(
+                {
+                    "device": seg["device"],
+                    "address": seg["address"],
+                    "total_size": seg["total_size"],
+                    "allocated_size": seg["allocated_size"],
+                    "active_size": seg["active_size"],
+                    "requested_size": seg["requested_size"],
+                    "stream": seg["stream"],
+                    "segment_type": seg["segment_type"],
+                    "segment_pool_id": ORDINARY_POOL if pool is None else tuple(pool),
+                    "is_expandable": False,
+                    "frames": _frames(seg["frames"], memo),
+                    "blocks": [
+                        {
+                            "address": b["address"],
+                            "size": b["size"],
+                            "requested_size": b["requested_size"],
+                            "state": b["state"],
+                            "frames": _frames(b["frames"], memo),
+                            "owner_graph": b["owner_graph"],
+                            "kept_for": list(b["kept_for"]),
+                        }
+                        for b in seg["blocks"]
+                    ],
+                    "pool_graphs": list(seg["pool_graphs"]),
+                }
+            )
+        trace = []
+        for e in events:
+            entry = dict(e)
+            entry["frames"] = _frames(e["frames"], memo)
+            entry["compile_context"] = "N/A"  # PyTorch 2.11's keys, without meaning here
+            entry["user_metadata"] = ""
+            trace.append(entry)
+        traces.append(trace)
+    return {
+        "segments": segments,
+        "device_traces": traces,
+        "allocator_settings": {
+            "PYTORCH_CUDA_ALLOC_CONF": "",
+            "max_split_size": -1,
+            "garbage_collection_threshold": 0.0,
+            "expandable_segments": False,
+            "GRAPHPOOL_ALLOC_CONF": os.environ.get("GRAPHPOOL_ALLOC_CONF", ""),
+            "backend": backend,
+        },
+        "external_annotations": [],
+    }
+
+
+def dump(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write ``snapshot`` as a pickle PyTorch's viewers open (protocol ``PICKLE_PROTOCOL``)."""
+    with open(path, "wb") as fh:
+        pickle.dump(snapshot, fh, protocol=PICKLE_PROTOCOL)
+
+
+# ------------------------------------------------------------------ the public calls
+def record_memory_history(
+    enabled: bool | str | None = True, *, max_entries: int = 100_000, stacks: bool = True
+) -> None:
+    """Record what the allocator does, for ``torch_snapshot()`` and ``dump_snapshot()``.
+
+    Every device records, in a ring buffer of its newest ``max_entries`` events:
+    allocations, frees (``free_requested``, then ``free_completed`` once the block is back
+    in its pool, later for a block held by stream uses or graphs), segment allocations and
+    releases, out-of-memory errors, capture begins and ends, and private pool creations and
+    releases, each with its device, stream, private pool id (None for the ordinary pool),
+    time and, with ``stacks``, the Python stack (at most 64 frames). ``enabled=False``
+    stops recording and drops the events: take the snapshot first. PyTorch's
+    ``enabled="all"`` and ``None`` mean True and False. Off by default; off, the cost is
+    one attribute test per allocation and per free.
+    """
+    if enabled is None or enabled == "all":
+        enabled = enabled == "all"
+    if not isinstance(enabled, bool):
+        raise ValueError(f"record_memory_history: enabled is True, False, 'all' or None, not {enabled!r}")
+    if isinstance(max_entries, bool) or not isinstance(max_entries, int):
+        raise TypeError(f"max_entries must be an int, not {type(max_entries).__name__}")
+    if max_entries < 1:
+        raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+    if not isinstance(stacks, bool):
+        raise TypeError(f"stacks must be True or False, not {stacks!r}")
+    runtime.set_memory_history(max_entries if enabled else None, stacks)
+
+
+def torch_snapshot() -> dict[str, Any]:
+    """Every device's segments and recorded events in PyTorch's snapshot layout.
+
+    The dict ``torch.cuda.memory._snapshot()`` returns (``segments``, ``device_traces``,
+    ``allocator_settings``), which PyTorch's viewers read (``dump_snapshot`` writes it for
+    them); graphpool's additions name the private pools' graphs (docs/behaviour.rst,
+    "History and snapshots"). Needs no PyTorch.
+    """
+    rt = runtime.get()
+    states = [([], []) if a is None else a.history_snapshot() for a in list(rt.allocators)]
+    return torch_layout(states, rt.name)
+
+
+def dump_snapshot(path: str | os.PathLike[str]) -> None:
+    """Write ``torch_snapshot()`` to ``path`` as a pickle that pytorch.org/memory_viz and
+    ``python -m torch.cuda._memory_viz`` open (PyTorch's ``_dump_snapshot``)."""
+    dump(torch_snapshot(), path)

@@ -59,6 +59,7 @@ from graphpool.errors import (
 from graphpool.policy import interrupts, observers
 from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import Bins, FreeList
+from graphpool.policy.history import History
 from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
@@ -159,6 +160,9 @@ class CachingAllocator:
         self.limits = MemoryLimits(self._total)
         self._limit_hit: str | None = None
         self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
+        # The event history (policy/history.py), None while not recording: malloc and free
+        # test it once each.
+        self._history: History | None = None
         # Detection of captures begun outside graphpool: the device's capture-id query,
         # bound once (on CUDA a C function; benchmarks/NOTES.md).
         self._detect = bool(detect)
@@ -204,7 +208,7 @@ class CachingAllocator:
         # would admit a bool and refuse numpy integers before the check below could run.
         requested = nbytes if type(nbytes) is int else self._check_size_type(nbytes)
         if requested < 0 or requested > self._total:
-            self._reject_size(requested)
+            self._reject_size(requested, stream)
         m = self.sizes.min_block
         size = m if requested < m else (requested + m - 1) & -m
         small = size <= self._small_limit
@@ -286,6 +290,8 @@ class CachingAllocator:
                         block.owner = rec
                         rec.written.append((ptr, block.size, block, serial))
                         rec.streams.add(stream)
+                if self._history is not None:
+                    self._history.alloc(ptr, requested, stream, owner)
                 if self._debug:
                     self._check()
                 return ptr
@@ -300,14 +306,14 @@ class CachingAllocator:
             raise TypeError(f"size must be an int number of bytes, not {type(nbytes).__name__}")
         return int(nbytes.__index__())
 
-    def _reject_size(self, nbytes: int) -> None:
+    def _reject_size(self, nbytes: int, stream: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        self._run_locked("malloc", lambda: self._raise_oom(nbytes, None, None))
+        self._run_locked("malloc", lambda: self._raise_oom(nbytes, None, None, stream))
 
-    def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None) -> NoReturn:
-        """Count an out-of-memory (device, and the private pool ``fl`` belongs to), log it, call
-        the observers (``_notify_oom``) and raise it."""
+    def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None, stream: int = 0) -> NoReturn:
+        """Count an out-of-memory (device, and the private pool ``fl`` belongs to), log it, record
+        it in the history, call the observers (``_notify_oom``) and raise it."""
         self.stats.num_ooms += 1
         if fl is not None and fl.owner is not None:
             fl.owner.stats.num_ooms += 1
@@ -315,6 +321,8 @@ class CachingAllocator:
         err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
         if _log.isEnabledFor(logging.INFO):
             _log.info("%s", err)
+        if self._history is not None:  # before the observers: one may take a snapshot
+            self._history.oom(nbytes, stream, self._device_free(), None if fl is None else fl.owner)
         fns = observers.current()
         if fns:
             self._notify_oom(fns, nbytes, err)
@@ -346,6 +354,13 @@ class CachingAllocator:
                     )
                 except Exception:  # warnings turned into errors: the chained exception says it
                     pass
+
+    def _device_free(self) -> int:
+        """The device's free memory now, 0 if it cannot tell (for the history's OOM events)."""
+        try:
+            return self.device.mem_info()[0]
+        except GraphpoolError:
+            return 0
 
     def _route(self, stream: int) -> CaptureRecord | None:
         """The capture ``stream`` belongs to, if any (one driver query); adopts an unknown one."""
@@ -390,7 +405,7 @@ class CachingAllocator:
                 if ptr is not None:
                     seg = least
         if ptr is None:
-            self._raise_oom(nbytes, seg, fl)
+            self._raise_oom(nbytes, seg, fl, stream)
         head = Block(ptr, seg, stream, fl)
         self._segments[ptr] = head
         insort(self._seg_bases, ptr)
@@ -404,6 +419,8 @@ class CachingAllocator:
             owner.segment_count += 1
             if rec is not None:  # may go back with the capture if it fails (see _touch)
                 self._set_creator(head, rec)
+        if self._history is not None:
+            self._history.segment_alloc(ptr, seg, stream, owner)
         if _log.isEnabledFor(logging.DEBUG):
             self._log_segment("allocated", head)
         return head
@@ -528,7 +545,9 @@ class CachingAllocator:
             if block is None:
                 self._bad_pointer(ptr, "free")
             block.allocated = False
-            if self._capturing or block.stream_uses:
+            if self._history is not None:
+                self._free_traced(block)
+            elif self._capturing or block.stream_uses:
                 self._free_held(block)
             else:
                 self._free_block(block, True)
@@ -559,13 +578,30 @@ class CachingAllocator:
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
-        if self._capturing or block.stream_uses:
+        if self._history is not None:
+            self._free_traced(block)
+        elif self._capturing or block.stream_uses:
             self._free_held(block)
         else:
             self._free_block(block, True)
 
-    def _free_held(self, block: Block) -> None:
+    def _free_traced(self, block: Block) -> None:
+        """A free while the history records: ``free_requested`` now, ``free_completed`` when
+        the block is back in its pool (now, or in ``_unhold`` when its last hold ends)."""
+        h = self._history
+        assert h is not None
+        ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.pool.owner
+        frames = h.free_requested(ptr, requested, stream, owner)
+        if self._capturing or block.stream_uses:
+            if self._free_held(block):
+                h.free_completed(ptr, requested, stream, owner, frames)
+        else:
+            self._free_block(block, True)
+            h.free_completed(ptr, requested, stream, owner, frames)
+
+    def _free_held(self, block: Block) -> bool:
         """A free that may keep the block back: during a capture, or with extra stream users.
+        True when the block went straight back to its pool, False when it is held.
 
         Whichever thread frees, and whenever a queued free is carried out, the same rules
         decide (``_captures_for_free``); a capture begun outside graphpool that ended is
@@ -579,7 +615,7 @@ class CachingAllocator:
                     if owner.fresh:
                         self._touch(block, rec)
                     self._free_block(block, True)
-                    return
+                    return True
         recs: list[CaptureRecord] = []
         if self._capturing:
             recs = self._captures_for_free(block)
@@ -587,7 +623,7 @@ class CachingAllocator:
                 # Eager memory of eager code (see _captures_for_free): back at once, with the
                 # one statistics update of a free made with no capture underway.
                 self._free_block(block, True)
-                return
+                return True
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
@@ -603,17 +639,18 @@ class CachingAllocator:
                 if block.stream_uses:
                     self._hold(block)
                     self._deferred.append(block)
-                return
+                return False
             if block.stream_uses:
                 self._hold(block)
                 self._deferred.append(block)
-                return
+                return False
         elif block.stream_uses:
             self._hold(block)
             self._insert_events(block)
-            self._unhold(block)
-            return
+            self._unhold(block)  # records the completion itself if this was the last hold
+            return False
         self._free_block(block, False)
+        return True
 
     def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
@@ -756,6 +793,8 @@ class CachingAllocator:
         if block.holds == 0:
             for st in self._scopes(block.pool):
                 st.hold(block.pool.is_small, block.size, -1)
+            if self._history is not None:
+                self._history.free_completed(block.ptr, block.requested, block.stream, block.pool.owner)
             self._free_block(block, False)
 
     def _check_pointer(self, ptr: Any, what: str) -> None:
@@ -944,6 +983,8 @@ class CachingAllocator:
                 if pool.segment_count == 0:
                     del self._freeable[pid]
                     del self._pools[pid]
+                    if self._history is not None:
+                        self._history.pool("pool_release", pool)
                     if _log.isEnabledFor(logging.DEBUG):
                         self._log_pool("released", pool)
         finally:
@@ -962,6 +1003,8 @@ class CachingAllocator:
         self.device.free(block.ptr)
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
+        if self._history is not None:
+            self._history.segment_free(block.ptr, block.size, block.stream, block.pool.owner)
         if _log.isEnabledFor(logging.DEBUG):
             self._log_segment("released", block)
         fl = block.pool
@@ -1047,6 +1090,8 @@ class CachingAllocator:
         rec.capture_id = cid
         self._captures[cid] = rec
         self._records[rec.sequence] = rec
+        if self._history is not None:
+            self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=False)
         if _log.isEnabledFor(logging.DEBUG):
             self._log_capture("began", rec)
         return rec
@@ -1077,6 +1122,8 @@ class CachingAllocator:
         if pool is None:
             pool = PrivatePool(pool_id)
             self._pools[pool_id] = pool
+            if self._history is not None:
+                self._history.pool("pool_create", pool)
             if _log.isEnabledFor(logging.DEBUG):
                 self._log_pool("created", pool)
         self._freeable.pop(pool_id, None)
@@ -1163,6 +1210,8 @@ class CachingAllocator:
         self._foreign[stream] = rec
         self._capturing += 1
         self._world.active += 1
+        if self._history is not None:
+            self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=True)
         if _log.isEnabledFor(logging.DEBUG):
             self._log_capture("begun outside graphpool adopted", rec)
         return rec
@@ -1231,6 +1280,10 @@ class CachingAllocator:
             del self._foreign[rec.stream]
         self._capturing -= 1
         self._world.active -= 1
+        if self._history is not None:
+            self._history.capture(
+                "capture_end", rec.stream, rec.pool, rec.capture_id, rec.label, failed=rec.failed
+            )
         if _log.isEnabledFor(logging.DEBUG):
             self._log_capture("failed" if rec.failed else "ended", rec)
         if not self._capturing:
@@ -1290,6 +1343,8 @@ class CachingAllocator:
         if pool.use_count == 0:
             if pool.segment_count == 0:
                 del self._pools[pool.id]
+                if self._history is not None:
+                    self._history.pool("pool_release", pool)
                 if _log.isEnabledFor(logging.DEBUG):
                     self._log_pool("released", pool)
             else:
@@ -1411,6 +1466,49 @@ class CachingAllocator:
             }
             out.append(seg)
         return out
+
+    # -------------------------------------------------------------- history
+    def record_history(self, max_entries: int | None, stacks: bool = True) -> None:
+        """Record events (policy/history.py) in a ring buffer of ``max_entries``; None stops
+        recording and drops the events. Called again while recording, it keeps the newest
+        events that fit the new bound."""
+        self._run_locked("record_history", lambda: self._record_history(max_entries, stacks))
+
+    def _record_history(self, max_entries: int | None, stacks: bool) -> None:
+        if max_entries is None:
+            self._history = None
+        elif self._history is None:
+            self._history = History(self.device.index, max_entries, stacks)
+        else:
+            self._history.configure(max_entries, stacks)
+
+    @property
+    def recording(self) -> bool:
+        """Whether the history records events."""
+        return self._history is not None
+
+    def history_snapshot(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The segments of ``snapshot()`` with their ``frames`` (the stacks that allocated each
+        segment and live block, empty if not recorded) and the graphs using each segment's
+        private pool (``pool_graphs``), and the recorded events, oldest first; at one moment."""
+        return self._run_locked("history_snapshot", self._history_snapshot)
+
+    def _history_snapshot(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        segments = self._snapshot()
+        graphs: dict[tuple[int, ...], list[str]] = {}
+        for rec in self._records.values():
+            graphs.setdefault(tuple(rec.pool.id), []).append(rec.label)
+        h = self._history
+        for seg in segments:
+            pool = seg["segment_pool_id"]
+            seg["pool_graphs"] = list(graphs.get(pool, ())) if pool is not None else []
+            seg["frames"] = h.segment_frames.get(seg["address"], []) if h is not None else []
+            for b in seg["blocks"]:
+                frames = None
+                if h is not None and b["state"] != "inactive":
+                    frames = h.block_frames.get(b["address"])
+                b["frames"] = frames if frames is not None else []
+        return segments, (list(h.entries) if h is not None else [])
 
     def check_invariants(self) -> None:
         """Verify every invariant (policy/check.py); raises AssertionError on the first broken one."""
