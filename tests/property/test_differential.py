@@ -18,6 +18,7 @@ nothing to compare.
 from __future__ import annotations
 
 import importlib
+import itertools
 import importlib.util
 import shutil
 import sys
@@ -124,6 +125,10 @@ class Run:
 
     def _make(self) -> None:
         side = self.side
+        # Pool ids and release tokens come from process-wide counters, one per copy of the
+        # package, which earlier tests advanced differently: restart both at the same place.
+        for name in ("_graph_ids", "_handle_ids", "_tokens"):
+            setattr(side.pools_mod, name, itertools.count(1_000_000))
         self.dev = side.fake_mod.FakeDevice(TOTAL, streams=True)
         self.a = side.alloc_mod.CachingAllocator(self.dev, sizes=side.fake_mod.SHRUNK)
         self.ptrs: list[int] = []  # every address handed out, live or not
