@@ -8,6 +8,7 @@ to where it started.
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -160,8 +161,12 @@ def test_capture_on_the_legacy_default_stream_is_refused(backend: Any) -> None:
 
 def test_replay_and_pool_before_capture(backend: Any) -> None:
     g = gp.CUDAGraph()
-    with pytest.raises(gp.CaptureError):
+    with pytest.raises(gp.CaptureError) as info:
         g.replay()
+    assert str(info.value) == (
+        f"{g.label}: replay() needs a successful capture first "
+        "(capture_begin()/capture_end() or `with gp.graph(g):`)"
+    )
     with pytest.raises(gp.CaptureError):
         g.pool()
     g.reset()  # resetting an empty graph is harmless
@@ -218,6 +223,41 @@ def test_capture_end_on_another_stream_is_refused(backend: Any) -> None:
     s1.synchronize()
     g.reset()
     del a
+    assert settle() == base
+
+
+def test_capture_end_from_another_thread_is_refused_and_the_capture_goes_on(backend: Any) -> None:
+    xp = backend.xp
+    base = settle()
+    g = gp.CUDAGraph()
+    s = gp.Stream()
+    a = xp.ones(1000, dtype=xp.float32)
+    seen: list[BaseException] = []
+
+    def other() -> None:
+        with gp.stream(s):
+            try:
+                g.capture_end()
+            except gp.CaptureError as exc:
+                seen.append(exc)
+
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g.capture_begin()
+        b = a + 1
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert len(seen) == 1 and gp.is_current_stream_capturing()
+        message = str(seen[0])
+        assert message.startswith(f"{g.label}: capture_end() was refused and the capture goes on (")
+        assert message.endswith("); end it from the thread that began it")
+        g.capture_end()
+    g.replay()
+    gp.synchronize()
+    assert float(b.sum().item()) == 2000.0
+    g.reset()
+    del a, b
     assert settle() == base
 
 
@@ -382,6 +422,30 @@ def test_invalid_capture_error_mode(backend: Any) -> None:
     gp.check_invariants()
 
 
+@pytest.mark.parametrize("bad", ["loose", 1, None, ["global"]])
+def test_invalid_capture_error_mode_is_a_value_error_in_gp_graph_too(backend: Any, bad: Any) -> None:
+    """Any bad mode, of any type (an unhashable one too), is refused the same way, by
+    capture_begin and by the gp.graph context (which passes its mode on)."""
+    message = f"capture_error_mode must be one of global, thread_local, relaxed, not {bad!r}"
+    with gp.stream(gp.Stream()):
+        with pytest.raises(ValueError) as info:
+            gp.CUDAGraph().capture_begin(capture_error_mode=bad)
+        assert str(info.value) == message
+    with pytest.raises(ValueError) as info:
+        with gp.graph(gp.CUDAGraph(), capture_error_mode=bad):
+            pass
+    assert str(info.value) == message
+    assert not gp.is_current_stream_capturing()
+    gp.check_invariants()
+
+
+def test_replay_checks_mode_is_checked() -> None:
+    with pytest.raises(ValueError) as info:
+        gp.set_replay_checks("on")
+    assert str(info.value) == "replay checks are 'off', 'warn' or 'raise', not 'on'"
+    assert gp.replay_checks() == "off"
+
+
 @pytest.mark.parametrize("bad", [(0, 0), (1, 1), (-1, 0)])
 def test_invalid_pool_ids_are_refused(backend: Any, bad: tuple[int, int]) -> None:
     g = gp.CUDAGraph()
@@ -402,7 +466,7 @@ def test_memory_stats_of_an_unknown_pool(backend: Any) -> None:
 
 
 def test_graph_context_needs_a_graph_and_a_stream(backend: Any) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^gp\.graph needs a CUDAGraph, not str$"):
         gp.graph("not a graph")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         gp.graph(gp.CUDAGraph(), stream=3)  # type: ignore[arg-type]

@@ -138,6 +138,65 @@ def test_graph_copy_and_pickle_are_refused(sim: Any) -> None:
             fn(g)
 
 
+def test_graph_copy_and_pickle_say_why_and_what_to_do(sim: Any) -> None:
+    g = gp.CUDAGraph()
+    copied = (
+        f"a graphpool CUDAGraph ({g.label}) cannot be copied: it owns its captured CUDA graph "
+        "and private pool. Capture a new CUDAGraph instead."
+    )
+    for fn in (copy.copy, copy.deepcopy):
+        with pytest.raises(TypeError) as info:
+            fn(g)
+        assert str(info.value) == copied
+    with pytest.raises(TypeError) as info:
+        pickle.dumps(g)
+    assert str(info.value) == (
+        f"a graphpool CUDAGraph ({g.label}) cannot be pickled: it is device state of this "
+        "process. Capture it again where it is needed."
+    )
+
+
+def test_reset_and_collection_destroy_the_graphs_device_objects(sim: Any) -> None:
+    from graphpool.sim import xp
+
+    dev = runtime.get().device(0)
+
+    def live() -> tuple[int, int]:
+        return len(dev._graphs), len(dev._execs)
+
+    a = xp.ones(4)
+    before = live()
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        b = a + 1
+    assert live() == (before[0] + 1, before[1] + 1)  # the graph and its executable
+    g.reset()
+    assert live() == before
+    h = gp.CUDAGraph()
+    with gp.graph(h):
+        c = a + 2
+    del h
+    gc.collect()  # collected: its finalizer hands both objects to the allocator ...
+    gp.empty_cache()  # ... whose next call destroys them, each with its own call
+    assert live() == before
+    del b, c
+
+
+def test_graph_repr_says_its_state(sim: Any) -> None:
+    from graphpool.sim import xp
+
+    g = gp.CUDAGraph()
+    a = xp.ones(4)
+    assert repr(g) == f"<graphpool.CUDAGraph {g.label} empty>"
+    with gp.graph(g):
+        assert repr(g) == f"<graphpool.CUDAGraph {g.label} capturing>"
+        b = a + 1
+    assert repr(g) == f"<graphpool.CUDAGraph {g.label} captured>"
+    del b
+    g.reset()
+    assert repr(g) == f"<graphpool.CUDAGraph {g.label} empty>"
+
+
 # ------------------------------------------------------------------ 1. xp arrays
 def test_xp_copies_are_real_copies_and_pickle_round_trips(sim: Any) -> None:
     from graphpool.sim import xp

@@ -14,6 +14,7 @@ earlier check's message and says so in ``note``.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -271,6 +272,11 @@ def corrupt_spare_in_use(st: State) -> None:
     st.a._spare.append(st.allocated)
 
 
+def corrupt_spare_whole_segment_in_use(st: State) -> None:
+    p = st.a.malloc(24576, stream=S2)  # a large segment of one block: no neighbours
+    st.a._spare.append(st.a._active[p])
+
+
 def corrupt_spare_filed(st: State) -> None:
     spare = _detached(st, st.a._small)
     st.a._small.insert(spare)
@@ -466,6 +472,7 @@ CASES: dict[str, Case] = {
     "untracked allocation": Case(corrupt_untracked, "allocated but not tracked"),
     "negative holds": Case(corrupt_negative_holds, "negative hold count"),
     "spare in use": Case(corrupt_spare_in_use, "still in use"),
+    "spare whole segment in use": Case(corrupt_spare_whole_segment_in_use, "still in use"),
     "spare filed": Case(corrupt_spare_filed, "still filed as free"),
     "spare twice": Case(corrupt_spare_twice, "a spare block listed twice"),
     "tracked count": Case(corrupt_tracked_count, "tracked allocations != allocated blocks"),
@@ -543,7 +550,10 @@ def test_checker_catches(name: str) -> None:
     finally:
         for undo in st.restore:
             undo()
-    assert case.message in str(info.value), (case.note, str(info.value))
+    text = str(info.value)
+    assert case.message in text, (case.note, text)
+    # the report says the check's own words, not run into others
+    assert re.search(rf"(?<!\w){re.escape(case.message)}(?!\w)", text), (case.note, text)
 
 
 def _check_messages() -> list[str]:

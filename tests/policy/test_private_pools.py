@@ -7,6 +7,10 @@ reset is ``release_capture(rec)``.
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
+
 import pytest
 from fakedevice import FakeDevice
 
@@ -16,6 +20,7 @@ from graphpool.device.protocol import (
     CAPTURE_MODE_THREAD_LOCAL,
 )
 from graphpool.errors import CaptureError, DoubleFreeError, OutOfMemoryError
+from graphpool.policy import private_pools
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
@@ -93,14 +98,26 @@ def test_pool_id_coerce_accepts(good: object) -> None:
 
 @pytest.mark.parametrize("bad", [(0, 0), (1, 1), (-1, 0), (0, -2), (5, 7)])
 def test_pool_id_coerce_rejects_values(bad: tuple[int, int]) -> None:
-    with pytest.raises(ValueError):
+    expected = f"invalid pool id {tuple(bad)}: exactly one part must be a positive int"
+    with pytest.raises(ValueError) as info:
         PoolId.coerce(bad)
+    assert str(info.value) == expected
 
 
 @pytest.mark.parametrize("bad", [None, 3, "1,0", (1,), (1, 0, 0), (1.0, 0), [1, 0], (True, 0)])
 def test_pool_id_coerce_rejects_types(bad: object) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError) as info:
         PoolId.coerce(bad)
+    assert str(info.value) == f"a pool id is a pair of ints such as g.pool() returns, not {bad!r}"
+
+
+def test_private_pool_repr_names_its_id_users_and_segments() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    a.malloc(4096, stream=S1)
+    assert repr(rec.pool) == "PrivatePool((7, 0), use_count=1, segments=1)"
+    end(a, dev, rec)
+    a.release_capture(rec)
 
 
 def test_pool_id_counters_increase() -> None:
@@ -302,6 +319,138 @@ def test_ordinary_block_freed_during_capture_is_kept_until_release() -> None:
     ok(a)
     assert a.malloc(4096, stream=S2) == e
     assert a.private_pools() == []  # P never got a segment: gone with its last user
+    ok(a)
+
+
+def test_oom_message_counts_each_kept_block_once() -> None:
+    """Blocks kept for captured graphs are summed in the out-of-memory message, each once
+    even when two graphs keep it."""
+    dev, a = make(total=1 << 30)
+    x = a.malloc(4096, stream=S2)
+    y = a.malloc(8192, stream=S2)
+    g1 = begin(a, dev, P, S1)
+    g2 = begin(a, dev, Q, S3)
+    g2.thread = -1  # begun by another thread: it may touch x and y as well
+    a.free(x)
+    a.free(y)  # kept by both graphs
+    assert {b.ptr for b in g1.kept} == {b.ptr for b in g2.kept} == {x, y}
+    end(a, dev, g1)
+    end(a, dev, g2)
+    with pytest.raises(OutOfMemoryError, match=r"12\.00 KiB of ordinary blocks kept for captured graphs"):
+        a.malloc((1 << 30) + 1, stream=S2)
+    a.release_capture(g1)
+    a.release_capture(g2)
+    ok(a)
+
+
+def test_pool_block_with_another_stream_user_freed_during_its_pools_capture_is_not_kept() -> None:
+    """A block of P that another stream used, freed while a capture into P and one into Q are
+    underway, goes back to P once that stream's work is done: neither graph keeps it."""
+    dev, a = make()
+    g1 = begin(a, dev, P, S1)
+    x = a.malloc(4096, stream=S1)  # P's, an output of g1
+    end(a, dev, g1)
+    a.record_stream(x, S3)
+    g2 = begin(a, dev, P, S1)
+    g3 = begin(a, dev, Q, S2)
+    blk = a.lookup(x)
+    a.free(x)
+    assert blk not in g2.kept and blk not in g3.kept
+    assert a._deferred == [blk]  # its event is recorded once no capture is underway
+    end(a, dev, g2)
+    end(a, dev, g3)
+    a.release_capture(g3)
+    dev.complete_all()
+    a.malloc(512, stream=S2)  # eager: polls the event
+    g4 = begin(a, dev, P, S1)
+    assert a.malloc(4096, stream=S1) == x  # back in P
+    end(a, dev, g4)
+    ok(a)
+
+
+def test_a_failed_captures_segment_stays_while_the_user_holds_a_block_of_it() -> None:
+    dev, a = make()
+    keep = begin(a, dev, H, S1)
+    a.malloc(KiB, stream=S1)
+    end(a, dev, keep)  # H lives
+    failed = begin(a, dev, H, S1)
+    x = a.malloc(8 * MiB, stream=S1)  # a new 20 MiB segment of the failing capture
+    abort(a, dev, failed)
+    a.empty_cache()  # the user still holds x: its segment stays
+    assert pstats(a, H)["reserved_bytes.all.current"] == 22 * MiB
+    assert a.lookup(x).allocated  # type: ignore[union-attr]
+    a.free(x)
+    a.empty_cache()  # now whole and free: it goes back with the failed capture
+    assert pstats(a, H)["reserved_bytes.all.current"] == 2 * MiB
+    ok(a)
+
+
+def test_a_repeated_capture_id_is_refused_and_changes_nothing() -> None:
+    """A device that hands out a capture id twice: the second capture is refused, and no
+    capture is counted underway once the first ends."""
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    with pytest.raises(CaptureError, match=f"^capture id {rec.capture_id} is already registered$"):
+        a.begin_capture(Q, lambda: rec.capture_id, stream=S2)
+    end(a, dev, rec)
+    a.release_capture(rec)
+    a.empty_cache()  # allowed: no capture is underway
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0 and dev.used == 0
+    ok(a)
+
+
+class _AttachInterrupted(FakeDevice):
+    def attach_release(self, stream: int, token: int) -> None:
+        raise KeyboardInterrupt
+
+
+def test_an_adoption_interrupted_while_tying_its_pool_to_the_graph_leaves_no_pool() -> None:
+    dev = _AttachInterrupted()
+    a = CachingAllocator(dev)
+    dev.begin(S1)
+    with pytest.raises(KeyboardInterrupt):
+        a.adopt_capture(S1, pool=P)
+    dev.end(S1)
+    assert a.private_pools() == [] and a._captures == {}
+    ok(a)
+
+
+def test_a_capture_collected_mid_capture_on_its_own_thread_is_ended_by_the_next_call() -> None:
+    dev, a = make()
+    rec = begin(a, dev, P, S1)
+    a.malloc(4096, stream=S1)
+    a.defer_release(rec)  # its graph was collected mid-capture, on this thread
+    a.malloc(512, stream=S2)  # ends the device capture and releases the record
+    assert rec.released and dev.capturing == {} and dev.graphs == set()
+    ok(a)
+
+
+def test_a_capture_of_a_live_thread_queued_for_release_waits_for_that_thread() -> None:
+    """Only the capturing thread can end its capture: while it runs, the release stays
+    queued; once it is gone, the next call releases the record."""
+    dev, a = make()
+    began: list[CaptureRecord] = []
+    done = threading.Event()
+
+    def capturing_thread() -> None:
+        began.append(begin(a, dev, P, S1))
+        done.wait(10)
+
+    t = threading.Thread(target=capturing_thread)
+    t.start()
+    try:
+        while not began:
+            time.sleep(0.001)
+        (rec,) = began
+        a.defer_release(rec)  # its graph was collected on this thread while that one captures
+        a.malloc(512, stream=S2)
+        assert not rec.released and dev.capturing == {S1: rec.capture_id}
+        assert list(a._pending) == [rec]
+    finally:
+        done.set()
+        t.join()
+    a.malloc(512, stream=S2)
+    assert rec.released and dev.capturing == {}
     ok(a)
 
 
@@ -888,4 +1037,27 @@ def test_record_streamed_free_inside_a_detected_capture_is_kept() -> None:
     a.memory_stats()
     dev.complete_all()
     a.empty_cache()
+    ok(a)
+
+
+def test_releasing_a_graph_leaves_another_graphs_release_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graphpool capture has no release token: releasing it forgets no token of a capture
+    begun outside graphpool (here the process's first token, 1)."""
+    monkeypatch.setattr(private_pools, "_tokens", itertools.count(1))
+    dev, a = make()
+    dev.begin(S2)
+    foreign = a.adopt_capture(S2, pool=Q)
+    assert foreign.token == 1 and dev.attached == {1: S2}
+    out = a.malloc(KiB, stream=S2)
+    dev.end(S2)
+    a.end_adopted(foreign)
+    native = begin(a, dev, P, S1)
+    end(a, dev, native)
+    a.release_capture(native)
+    dev.release(1)  # the foreign graph is destroyed: its pool goes once empty
+    a.memory_stats()
+    assert foreign.released
+    a.free(out)
+    a.empty_cache()
+    assert a.private_pools() == []
     ok(a)

@@ -12,9 +12,10 @@ import pytest
 from fakedevice import SHRUNK, FakeDevice
 
 from graphpool.errors import DoubleFreeError, ForeignPointerError, GraphpoolError, OutOfMemoryError
-from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.allocator import CachingAllocator, fmt_bytes
 from graphpool.policy.pools import DEFAULT, SizeConfig
-from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES
+from graphpool.policy.private_pools import PoolId
+from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES, PoolStats
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -124,6 +125,13 @@ def test_size_config_rounding_helpers() -> None:
     assert not DEFAULT.should_split(False, MiB) and DEFAULT.should_split(False, MiB + 512)
 
 
+def test_least_segment_of_a_small_request_is_a_small_segment() -> None:
+    """Whatever round_large is: the largest small request too."""
+    sizes = SizeConfig(round_large=512 * KiB)
+    assert [sizes.least_segment(n) for n in (512, MiB)] == [2 * MiB, 2 * MiB]
+    assert sizes.least_segment(MiB + 512) == 1536 * KiB
+
+
 def test_size_config_validation() -> None:
     with pytest.raises(ValueError):
         SizeConfig(min_block=500)
@@ -133,6 +141,38 @@ def test_size_config_validation() -> None:
         SizeConfig(small_size=4 * MiB, small_segment=2 * MiB)
     with pytest.raises(ValueError):
         SizeConfig(min_large_alloc=40 * MiB, large_segment=20 * MiB)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_block": 0}, "min_block must be a power of two"),
+        ({"min_block": -512}, "min_block must be a power of two"),
+        ({"min_block": 768}, "min_block must be a power of two"),
+        ({"min_block": 1024, "small_size": 1024 * 1024 + 512}, "small_size must be a multiple of min_block"),
+        ({"round_large": 2 * MiB + 256}, "round_large must be a multiple of min_block"),
+        ({"small_segment": 1 * MiB - 512}, "small_segment must hold the largest small request"),
+        ({"large_segment": 10 * MiB - 512}, "large_segment must hold every request below min_large_alloc"),
+    ],
+)
+def test_size_config_rejects_each_bad_tunable_with_its_reason(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        SizeConfig(**kwargs)
+
+
+def test_size_config_accepts_the_limits_of_each_rule() -> None:
+    """Each rule's boundary is allowed: a 1-byte block (a power of two), a small segment
+    exactly the largest small request, a large segment exactly ``min_large_alloc``."""
+    one = SizeConfig(
+        min_block=1, small_size=3, small_segment=3, large_segment=5, min_large_alloc=5, round_large=7
+    )
+    assert one.round_size(0) == 1 and one.round_size(2) == 2
+    assert [one.segment_size(n) for n in (5, 7, 8, 15)] == [7, 7, 14, 21]  # multiples of 7
+    tight = SizeConfig(
+        small_size=2 * MiB, small_segment=2 * MiB, large_segment=10 * MiB, min_large_alloc=10 * MiB
+    )
+    assert tight.segment_size(2 * MiB) == 2 * MiB and tight.segment_size(10 * MiB - 512) == 10 * MiB
+    assert SizeConfig(min_block=2048).round_size(2049) == 4096
 
 
 # --------------------------------------------------------------------------- small / large
@@ -445,7 +485,14 @@ def test_requested_bytes_tracks_what_was_asked_for() -> None:
     assert st["requested_bytes.all.allocated"] == 3 * MiB + 1007
     assert st["requested_bytes.all.peak"] == 3 * MiB + 1007
     a.free(q)
-    assert a.memory_stats()["requested_bytes.all.current"] == 0
+    st = a.memory_stats()
+    assert st["requested_bytes.all.current"] == 0
+    assert st["requested_bytes.all.freed"] == 3 * MiB + 1007
+    p = a.malloc(1000, stream=S1)
+    q = a.malloc(2000, stream=S1)
+    a.free(p)
+    a.free(q)
+    assert a.memory_stats()["requested_bytes.small_pool.freed"] == 4000
     ok(a)
 
 
@@ -496,6 +543,25 @@ def test_peaks_and_accumulated_counters_and_their_resets() -> None:
     ok(a)
     blk = a.lookup(q)  # the live allocation survives the reset
     assert blk is not None and (blk.ptr, blk.size, blk.allocated) == (q, 512, True)
+
+
+def test_reset_peak_counts_held_blocks_in_the_active_peak() -> None:
+    """After reset_peak each kind's active peak is its level then, held blocks included: it
+    stays there when a hold ends later, while the other kind is the one changing."""
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)  # small
+    q = a.malloc(4096, stream=S1)  # small, stays allocated
+    a.record_stream(p, S2)
+    a.free(p)  # held on its event: two small blocks active
+    a.malloc(2 * MiB + 512, stream=S1)  # large: the large kind changes last
+    a.reset_peak()
+    dev.complete_all()
+    a.malloc(4 * MiB, stream=S1)  # large again; polls the event: p's hold ends
+    st = a.memory_stats()
+    assert (st["active.small_pool.current"], st["active_bytes.small_pool.current"]) == (1, 4096)
+    assert (st["active.small_pool.peak"], st["active_bytes.small_pool.peak"]) == (2, 8192)
+    assert a.lookup(q) is not None and a.lookup(p) is None
+    ok(a)
 
 
 def test_free_after_reset_accumulated_keeps_invariants() -> None:
@@ -662,6 +728,31 @@ def test_oom_retry_waits_for_pending_events_before_release() -> None:
     ok(a)
 
 
+def test_oom_asks_the_driver_again_only_for_a_smaller_segment() -> None:
+    """A small request's least segment is its usual one: after the refusal and the retry
+    (once the cache is released) the driver is not asked a third time."""
+    dev, a = make(total=1 * MiB)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(512, stream=S1)
+    assert dev.refused == 2
+    st = a.memory_stats()
+    assert (st["num_alloc_retries"], st["num_ooms"]) == (1, 1)
+    ok(a)
+
+
+def test_pool_stats_hold_of_the_other_kind_raises_its_active_peak() -> None:
+    """A hold of one kind, while the other kind changed last, counts in that kind's active
+    peak (and in the total's)."""
+    st = PoolStats()
+    st.on_malloc(True, 512, 512, 0, 0)  # the small kind changes
+    st.hold(False, 4096, 1)  # a large block starts being held ...
+    st.hold(False, 4096, -1)  # ... and stops
+    d = st.as_dict()
+    assert (d["active.large_pool.peak"], d["active_bytes.large_pool.peak"]) == (1, 4096)
+    assert (d["active.all.peak"], d["active_bytes.all.peak"]) == (2, 4608)
+    assert d["active.large_pool.current"] == 0
+
+
 def test_request_larger_than_the_device_fails_without_touching_state() -> None:
     dev, a = make(total=1 << 30)
     a.malloc(512, stream=S1)
@@ -678,7 +769,7 @@ def test_request_larger_than_the_device_fails_without_touching_state() -> None:
 def test_bad_sizes_raise_and_change_nothing() -> None:
     dev, a = make()
     before = a.memory_stats()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^cannot allocate a negative number of bytes \(-1\)$"):
         a.malloc(-1, stream=S1)
     for bad in (1.5, "10", None, True, b"x"):
         with pytest.raises(TypeError):
@@ -690,6 +781,26 @@ def test_bad_sizes_raise_and_change_nothing() -> None:
 
 
 # --------------------------------------------------------------------------- bad frees
+def test_fmt_bytes_names_the_largest_unit_that_keeps_the_figure_at_least_one() -> None:
+    assert [fmt_bytes(n) for n in (0, 512, 1023)] == ["0 B", "512 B", "1023 B"]
+    assert [fmt_bytes(n) for n in (1024, 1536, 20 * MiB, 3 << 30)] == [
+        "1.00 KiB",
+        "1.50 KiB",
+        "20.00 MiB",
+        "3.00 GiB",
+    ]
+    assert fmt_bytes(5 << 40) == "5.00 TiB"
+
+
+def test_oom_message_says_what_to_do() -> None:
+    _, a = make(total=1 << 30)
+    with pytest.raises(OutOfMemoryError) as info:
+        a.malloc((1 << 30) + 1, stream=S1)
+    assert str(info.value).endswith(
+        "Free buffers you no longer need, reset graphs you no longer replay, then call empty_cache()."
+    )
+
+
 def test_free_errors_are_typed_and_change_nothing() -> None:
     _, a = make()
     p = a.malloc(4096, stream=S1)
@@ -706,7 +817,7 @@ def test_free_errors_are_typed_and_change_nothing() -> None:
         a.free(0x1234)  # never graphpool's
     with pytest.raises(ForeignPointerError):
         a.free(q + 100 * MiB)  # past every segment
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"^free: expected an int device address, got str$"):
         a.free("0x10")  # type: ignore[arg-type]
     assert a.memory_stats() == before
     assert a.lookup(q) is not None
@@ -758,6 +869,29 @@ def test_lookup_and_snapshot_describe_blocks() -> None:
         "kept_for": [],
     }
     assert a.lookup(p + 512) is None
+    assert seg["active_size"] == 1024
+    q = a.malloc(4096, stream=S1)
+    a.malloc(512, stream=S1)
+    a.record_stream(q, S2)
+    a.free(q)  # held on its event: active, not allocated
+    (seg,) = a.snapshot()
+    assert (seg["allocated_size"], seg["active_size"]) == (1024 + 512, 1024 + 4096 + 512)
+
+
+def test_block_repr_says_address_size_stream_and_state() -> None:
+    _, a = make()
+    p = a.malloc(1000, stream=S1)
+    q = a.malloc(4096, stream=S1)
+    a.malloc(512, stream=S1)
+    a.record_stream(q, S2)
+    held = a.lookup(q)
+    a.free(q)  # held on its event
+    assert repr(a.lookup(p)) == f"Block(0x{p:x}, 1024, stream={S1}, allocated)"
+    assert repr(held) == f"Block(0x{q:x}, 4096, stream={S1}, held)"
+    tail = a.snapshot()[0]["blocks"][-1]
+    assert tail["state"] == FREE
+    free_tail = a._segments[p].next.next.next  # type: ignore[union-attr]
+    assert repr(free_tail) == f"Block(0x{tail['address']:x}, {tail['size']}, stream={S1}, free)"
 
 
 # --------------------------------------------------------------------------- finalizer frees
@@ -777,9 +911,43 @@ def test_a_bad_deferred_free_warns_and_does_not_fail_the_next_call() -> None:
     a.free(p)
     a.defer_free(p)  # freed already
     a.defer_free(0x1234)  # never graphpool's
-    with pytest.warns(RuntimeWarning):
+    with pytest.warns(RuntimeWarning) as warned:
         q = a.malloc(512, stream=S1)
     assert a.lookup(q) is not None
+    said = [str(w.message) for w in warned]
+    assert [m.split("(")[0] for m in said] == ["graphpool: deferred work failed: DoubleFreeError"] + [
+        "graphpool: deferred work failed: ForeignPointerError"
+    ]
+    assert all("free: 0x" in m for m in said)  # the error names the call and the pointer
+    ok(a)
+
+
+def test_a_deferred_free_with_another_stream_waits_for_that_streams_work() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    q = a.malloc(4096, stream=S1)  # keeps p from merging with the tail
+    a.defer_free(p, S2)  # a finalizer: p was also used on S2
+    r = a.malloc(4096, stream=S1)  # carries out the free: p waits on an event of S2
+    assert r != p and [s for _, s in dev.recorded] == [S2]
+    dev.complete_all()
+    assert a.malloc(4096, stream=S1) == p
+    a.defer_free(q, S1)  # its own stream: no event, reusable at once
+    assert a.malloc(4096, stream=S1) == q and len(dev.recorded) == 1
+    ok(a)
+
+
+def test_the_event_of_a_record_on_a_destroyed_stream_is_reused() -> None:
+    dev, a = make()
+    p = a.malloc(4096, stream=S1)
+    q = a.malloc(4096, stream=S1)
+    a.record_stream(p, S3)
+    dev.destroyed.add(S3)
+    a.free(p)  # S3 is gone: the device is synchronized instead, the event kept for later
+    assert dev.recorded == [] and a.lookup(p) is None
+    a.record_stream(q, S2)
+    a.free(q)
+    assert list(dev.events) == [ev for ev, _ in dev.recorded]  # one event made, recorded on S2
+    assert [s for _, s in dev.recorded] == [S2]
     ok(a)
 
 
@@ -808,6 +976,54 @@ class _ReenteringDevice(FakeDevice):
         if callable(hook):
             hook()
         return super().malloc(nbytes)
+
+
+class _ReenteringRecordDevice(FakeDevice):
+    """Runs ``hook`` inside the allocator's next event record (in a free, say)."""
+
+    hook: object = None
+
+    def record_event(self, event: int, stream: int) -> None:
+        hook, self.hook = self.hook, None
+        if callable(hook):
+            hook()
+        super().record_event(event, stream)
+
+
+def test_a_call_that_reenters_free_raises_and_a_free_is_queued() -> None:
+    dev = _ReenteringRecordDevice()
+    a = CachingAllocator(dev)
+    p = a.malloc(4096, stream=7)
+    q = a.malloc(4096, stream=7)
+    a.record_stream(p, 8)
+    seen: list[BaseException] = []
+
+    rec = a.begin_capture(PoolId(1, 0), lambda: dev.begin(9), stream=9)
+    dev.end(9)
+    a.end_capture(rec)
+    calls = {
+        "memory_stats": a.memory_stats,
+        "release_capture": lambda: a.release_capture(rec),
+        "check_invariants": a.check_invariants,
+    }
+
+    def hook() -> None:
+        for call in calls.values():
+            try:
+                call()
+            except GraphpoolError as e:
+                seen.append(e)
+        a.free(q)  # queued: carried out by the next call
+
+    dev.hook = hook
+    a.free(p)  # records an event on stream 8: runs the hook mid-free
+    assert [str(e).split(" re-entered")[0] for e in seen] == [f"graphpool: {c}" for c in calls]
+    assert a.lookup(q).allocated  # type: ignore[union-attr]
+    a.check_invariants()
+    assert a.malloc(512, stream=7) == q  # the queued free was carried out first: q is free
+    assert a.memory_stats()["allocation.all.current"] == 1
+    a.release_capture(rec)
+    a.check_invariants()
 
 
 def test_a_free_that_reenters_malloc_is_queued_not_applied_mid_call() -> None:
@@ -850,6 +1066,30 @@ def test_a_reentering_free_of_a_bad_pointer_still_raises_at_once() -> None:
     a.check_invariants()
 
 
+def test_a_reentering_free_finds_a_pointer_queued_with_its_stream() -> None:
+    """``defer_free(ptr, stream)`` queues (ptr, stream): a re-entered free of that pointer is
+    a double free at once, as for a pointer queued alone."""
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    live = a.malloc(1024, stream=7)
+    seen: list[BaseException] = []
+
+    def hook() -> None:
+        a.defer_free(live, 9)  # a finalizer: the block was also used on stream 9
+        try:
+            a.free(live)
+        except DoubleFreeError as e:
+            seen.append(e)
+
+    dev.hook = hook
+    p = a.malloc(4 << 20, stream=7)  # a new segment: runs the hook mid-call
+    assert len(seen) == 1 and str(seen[0]) == f"free: 0x{live:x} is already queued to be freed"
+    a.free(p)  # carries out the queued free of ``live`` (once)
+    assert a.lookup(live) is None
+    dev.complete_all()
+    a.check_invariants()
+
+
 def test_a_malloc_that_reenters_the_allocator_raises_and_loses_nothing() -> None:
     dev = _ReenteringDevice()
     a = CachingAllocator(dev)
@@ -868,6 +1108,10 @@ def test_a_malloc_that_reenters_the_allocator_raises_and_loses_nothing() -> None
     dev.hook = hook
     p = a.malloc(4096, stream=7)
     assert len(seen) == 2 and "malloc re-entered" in str(seen[0]) and "memory_stats" in str(seen[1])
+    assert (
+        "(a finalizer run by garbage collection during an allocator call?). From finalizers only "
+        "free buffers; graphpool queues those frees." in str(seen[0])
+    )
     assert a.memory_stats()["allocation.all.current"] == 1
     a.free(p)
     a.empty_cache()

@@ -82,11 +82,13 @@ OTHER_PEAKS = ("inactive_split", "inactive_split_bytes")
 KINDS = ("all", "small_pool", "large_pool")
 NIGHTLY = bool(os.environ.get("GRAPHPOOL_NIGHTLY"))
 CI = bool(os.environ.get("CI"))
+# The mutation run (tests/mutation/README.md): a quarter of the local examples, seeded.
+MUTATION = bool(os.environ.get("GRAPHPOOL_MUTATION"))
 
 
 def _machine_settings(ci: int, nightly: int, local: int, steps: int) -> settings:
     return settings(
-        max_examples=nightly if NIGHTLY else ci if CI else local,
+        max_examples=nightly if NIGHTLY else ci if CI else local // 4 if MUTATION else local,
         stateful_step_count=steps,
         deadline=None,
         derandomize=CI and not NIGHTLY,  # the nightly run explores new examples every night

@@ -431,6 +431,10 @@ def test_global_mode_refuses_another_threads_synchronize_clearly(backend: Any) -
     _run_threads(a, b)
     assert "global" in str(seen["b"]) and "capture_error_mode" in str(seen["b"])
     assert "failed and was discarded" in str(seen["a"])
+    assert str(seen["a"]).endswith(
+        "A call that is not allowed during capture (synchronize, event query, device allocation) "
+        "invalidates it; capture_error_mode='thread_local' or 'relaxed' allows some of them."
+    )
     settle()
 
 
@@ -447,6 +451,24 @@ def test_nested_gp_graph_on_one_thread(backend: Any) -> None:
     gp.synchronize()
     assert (total(a), total(b)) == (20.0, 30.0)
     del a, b, outer, inner
+    settle()
+
+
+def test_successive_gp_graphs_of_a_thread_capture_on_its_side_stream(backend: Any) -> None:
+    """Without ``stream=``, gp.graph captures on one side stream per thread and device,
+    made once (a nested one, while it captures, gets a stream of its own)."""
+    xp = backend.xp
+    settle()
+    a = xp.ones(10, dtype=xp.float32)
+    seen, kept = [], []
+    for _ in range(2):
+        g = gp.CUDAGraph()
+        with gp.graph(g):
+            seen.append(gp.current_stream())
+            kept.append(a + 1)
+        kept.append(g)
+    assert seen[0] == seen[1] and seen[0] != gp.current_stream()
+    del kept, g
     settle()
 
 

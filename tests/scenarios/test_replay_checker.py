@@ -1,0 +1,158 @@
+"""The replay checker at its edges: pool mates that never replayed, inputs whose producer
+is gone, and the checker turned off again.
+
+The `backend` fixture runs each test on the simulator and, marked gpu, on a real GPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+from scenario_common import settle
+
+import graphpool as gp
+from graphpool import scenarios
+
+N = 1000
+
+
+def test_no_report_while_the_pool_mates_never_replayed(backend: Any) -> None:
+    """g1 reads c (made by g0) and drops it; g2 is then handed c's memory. Replaying g1
+    before g0 or g2 ever ran reports nothing: no replay has overwritten c."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s = gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1, g2 = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        c = a + 1
+        g0.capture_end()
+        g1.capture_begin(pool)
+        e = c + 3
+        del c
+        g1.capture_end()
+        g2.capture_begin(pool)
+        f = a + 4
+        g2.capture_end()
+    gp.current_stream().wait_stream(s)
+    g1.replay()  # nothing replayed before it
+    g0.replay()
+    g2.replay()  # overwrites c after g0 made it ...
+    with pytest.raises(gp.ReplayHazardError, match=r"reads .* made by .* overwrote"):
+        g1.replay()  # ... which g1 reads: reported now
+    gp.synchronize()
+    del e, f, g0, g1, g2
+    settle()
+
+
+@pytest.mark.parametrize("gone", ["first producer", "second producer"])
+def test_an_overwritten_input_is_reported_when_another_inputs_producer_is_gone(
+    backend: Any, gone: str
+) -> None:
+    """gc reads x (made by ga) and y (made by gb); both are dropped after, and gd is handed
+    their memory. One producer is reset: the other input, overwritten by gd's replay after
+    its producer's, is still reported, whichever input the checker looks at first."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s = gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    ga, gb, gc, gd = (gp.CUDAGraph() for _ in range(4))
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        ga.capture_begin(pool)
+        x = a + 1
+        ga.capture_end()
+        gb.capture_begin(pool)
+        y = a + 2
+        gb.capture_end()
+        gc.capture_begin(pool)
+        z = x + y
+        gc.capture_end()
+        del x, y
+        gd.capture_begin(pool)
+        w = [a + 3, a + 4]
+        gd.capture_end()
+    gp.current_stream().wait_stream(s)
+    ga.replay()
+    gb.replay()
+    gd.replay()  # overwrites x and y after both producers ran
+    (ga if gone == "first producer" else gb).reset()
+    with pytest.raises(gp.ReplayHazardError, match=r"reads .* made by .* overwrote"):
+        gc.replay()
+    gp.synchronize()
+    del z, w, ga, gb, gc, gd
+    settle()
+
+
+def test_turning_the_checker_off_silences_it(backend: Any) -> None:
+    """A hazard the checker reports ("raise") goes unreported once it is "off" again."""
+    xp = backend.xp
+    settle()
+    r = scenarios.three_graphs(xp, "via graph_pool_handle()")
+    g0, g1, g2 = r["g0"], r["g1"], r["g2"]
+    gp.set_replay_checks("raise")
+    for g in (g0, g1, g2):  # capture order: nothing to report
+        g.replay()
+    with pytest.raises(gp.ReplayHazardError):
+        g0.replay()  # around the cycle: overwrites g2's output, still referenced
+    gp.set_replay_checks("off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g0.replay()  # the same hazard: no error, no warning
+        g2.replay()
+        g1.replay()
+    gp.synchronize()
+    del r, g0, g1, g2
+    settle()
+
+
+def test_every_pool_mate_that_replayed_after_is_checked(backend: Any) -> None:
+    """g drops two temporaries that P and Q are then handed for their outputs. Replaying g
+    after one of them is reported whatever the other did: a mate that last replayed before
+    g does not end the search (both roles are played by each, whatever order the checker
+    visits them in)."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("warn")
+    pool = gp.graph_pool_handle()
+    s = gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g, p_graph, q_graph = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g.capture_begin(pool)
+        t1 = a + 1
+        t2 = a + 2
+        out = t1 + t2
+        del t1, t2  # back to the pool: P and Q are handed this memory
+        g.capture_end()
+        p_graph.capture_begin(pool)
+        p = a + 3
+        p_graph.capture_end()
+        q_graph.capture_begin(pool)
+        q = a + 4
+        q_graph.capture_end()
+    gp.current_stream().wait_stream(s)
+
+    def replay(graph: gp.CUDAGraph) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            graph.replay()
+        return [str(w.message) for w in seen]
+
+    assert replay(g) == []
+    for later in (q_graph, p_graph, q_graph):  # the other one last replayed before g did
+        assert replay(later) == []
+        said = replay(g)
+        assert len(said) == 1 and f"replays after {later.label} and overwrites" in said[0], said
+    gp.synchronize()
+    del out, p, q, g, p_graph, q_graph
+    settle()
