@@ -18,8 +18,8 @@ nothing to compare.
 from __future__ import annotations
 
 import importlib
-import itertools
 import importlib.util
+import itertools
 import shutil
 import sys
 from collections.abc import Callable, Iterator
