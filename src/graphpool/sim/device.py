@@ -460,14 +460,20 @@ class SimDevice:
                     "cudaErrorIllegalState",
                     f"stream {stream} did not begin a capture",
                 )
-            if cap.mode != CAPTURE_MODE_RELAXED and cap.thread is not threading.current_thread():
-                raise cuda_error(call, "cudaErrorStreamCaptureWrongThread")
+            wrong_thread = cap.mode != CAPTURE_MODE_RELAXED and cap.thread is not threading.current_thread()
             capture.finish(cap)
             for handle in cap.seq:
                 member = self._streams.get(handle)
                 if member is not None and member.capture is cap:
                     member.capture = None
             tokens = tuple(cap.tokens)
+            if wrong_thread:
+                # CUDA ends the capture all the same and gives no graph: on the H200 (driver
+                # 580, CUDA 13) the stream no longer captured after this error
+                # (benchmarks/results/2026-11-30-h200-run14).
+                capture.invalidate(cap)
+                self._drop(tokens)
+                raise cuda_error(call, "cudaErrorStreamCaptureWrongThread")
             if cap.status == CAPTURE_STATUS_INVALIDATED:
                 self._drop(tokens)  # the graph is discarded: its user objects go with it
                 raise cuda_error(call, "cudaErrorStreamCaptureInvalidated")
