@@ -443,3 +443,26 @@ def test_ipython_cells_get_the_guard_back(monkeypatch: pytest.MonkeyPatch) -> No
         signal.signal(signal.SIGINT, old)
     monkeypatch.setitem(sys.modules, "IPython", ModuleType("IPython"))  # no shell running
     assert interrupts.guard_ipython_cells() is False
+
+
+@plain
+def test_a_deferred_handler_runs_with_the_lock_released() -> None:
+    """A handler deferred out of malloc may wait for a thread that allocates (a SIGTERM handler
+    joining workers): it runs once the lock is released, not merely once the update is done."""
+    a = new_allocator()
+    a.free(a.malloc(512, stream=0))
+    seen: list[tuple[bool, bool]] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (a.free(a.malloc(1024, stream=0)), done.set()))
+        worker.start()
+        worker.join(5)
+        seen.append((a._lock._is_owned(), done.is_set()))
+
+    guarded = gp.guard_signal_handler(handler)
+    with interrupted(("place",), lambda frame: guarded(signal.SIGINT, frame)):
+        ptr = a.malloc(512, stream=0)
+    assert seen == [(False, True)]
+    a.free(ptr)
+    a.check_invariants()

@@ -273,3 +273,24 @@ def test_memory_limits_describe_the_cap_they_pass() -> None:
     assert "fraction" in both and "memory limit of 80" in both
     assert lim.with_fraction(None).cap == 80 and lim.with_bytes(None).cap == 50
     assert MemoryLimits(100).cap is None
+
+
+def test_a_limit_refusal_that_the_cache_then_satisfied_is_not_blamed_later() -> None:
+    """A segment refused by a limit, the request then served from the cache: a later
+    out-of-memory error with no limit in force does not say a limit was hit."""
+    import graphpool as gp
+
+    gp.set_backend("sim")
+    a = gp.runtime.allocator()
+    a._limit_hit = "a memory limit of 20.00 MiB"  # as a refusal earlier in the process left it
+    gp.set_memory_limit(None)
+    with pytest.raises(gp.OutOfMemoryError) as info:
+        gp.alloc(a._total + 1)
+    assert "limit" not in str(info.value)
+    half = gp.alloc(a._total // 2 + (1 << 20))
+    a._limit_hit = "a memory limit of 20.00 MiB"
+    with pytest.raises(gp.OutOfMemoryError) as info:
+        gp.alloc(a._total // 2 + (1 << 20))  # a segment the device cannot give: no limit either
+    assert "a limit was hit" not in str(info.value)
+    half.free()
+    gp.empty_cache()

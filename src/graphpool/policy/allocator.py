@@ -26,10 +26,11 @@ The lock is reentrant, so every locked call marks the allocator ``_busy``: a cal
 re-enters on the same thread (user code run by garbage collection inside a call) must not
 see half-updated state. ``free`` then queues the pointer; anything else raises.
 
-Signals: a busy call (and ``free_owned``, ``_notify_oom`` while they hold the lock) is a
-critical section for a guarded signal handler (policy/interrupts.py): in the plain-Python
-build a handler whose signal lands there runs right after the section, which tests
-``_signals`` when it ends.
+Signals: a call holding the lock is a critical section for a guarded signal handler
+(policy/interrupts.py): in the plain-Python build a handler whose signal lands there runs
+right after the lock is released (each locked call tests ``_signals`` then), never with the
+lock held. Out-of-memory observers and the OOM log line run after the release too
+(``_after_oom``).
 """
 
 from __future__ import annotations
@@ -185,16 +186,21 @@ class CachingAllocator:
         ``_busy`` and the ``try``: a KeyboardInterrupt can neither keep the lock nor leave
         the allocator marked busy.
         """
-        with self._lock:
-            if self._busy:
-                _reentered(name)
-            self._busy = True
-            try:
-                return fn()
-            finally:
-                self._busy = False
-                if self._signals:  # a signal came mid-call (policy/interrupts.py): handle it now
-                    interrupts.run_pending()
+        try:
+            with self._lock:
+                if self._busy:
+                    _reentered(name)
+                self._busy = True
+                try:
+                    return fn()
+                finally:
+                    self._busy = False
+        except OutOfMemoryError as err:
+            self._after_oom(err)
+            raise
+        finally:
+            if self._signals:  # a signal came mid-call (policy/interrupts.py): handle it now,
+                interrupts.run_pending()  # the lock released (a handler may wait for a thread)
 
     # ------------------------------------------------------------------ malloc
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
@@ -212,93 +218,98 @@ class CachingAllocator:
         m = self.sizes.min_block
         size = m if requested < m else (requested + m - 1) & -m
         small = size <= self._small_limit
-        with self._lock:  # `with`: see _run_locked
-            if self._busy:
-                _reentered("malloc")
-            self._busy = True
-            try:
-                if self._pending:
-                    self._drain()
-                rec = None
-                if self._capturing:
-                    rec = self._route(stream)
-                elif self._detect and self._query(stream):
-                    rec = self._adopt_found(stream)
-                if rec is None and (self._waiting or self._orphans) and not self._world.active:
-                    self._process_events()
-                if rec is None:
-                    fl = self._small if small else self._large
-                else:
-                    fl = rec.pool.small if small else rec.pool.large
-                # Best fit: the first block of this stream sorted by (size, address) with room
-                # (freelist.py). Written out here: a call would cost more than the bisect.
-                block: Block | None = None
-                bins = fl.bins.get(stream)
-                hit: Bins | None = None  # the bins still holding ``block`` at ``i``
-                i = 0
-                if bins is not None:
-                    sizes = bins.sizes
-                    i = bisect_left(sizes, size)
-                    if i < len(sizes):
-                        block = bins.blocks[i]
-                        hit = bins
-                d_cnt = d_bytes = 0
-                rest: Block | None = None
-                if block is None:
-                    block = self._slow_block(fl, size, stream, requested, rec)
-                if block.prev is not None or block.next is not None:
-                    d_cnt = -1
-                    d_bytes = -block.size
-                remaining = block.size - size
-                if (remaining >= m) if small else (remaining > self._small_limit):
-                    # split: the front is handed out, the rest stays free (a recycled Block)
-                    rest = self._spare1
-                    if rest is not None:
-                        self._spare1 = None
+        try:
+            with self._lock:  # `with`: see _run_locked
+                if self._busy:
+                    _reentered("malloc")
+                self._busy = True
+                try:
+                    if self._pending:
+                        self._drain()
+                    rec = None
+                    if self._capturing:
+                        rec = self._route(stream)
+                    elif self._detect and self._query(stream):
+                        rec = self._adopt_found(stream)
+                    if rec is None and (self._waiting or self._orphans) and not self._world.active:
+                        self._process_events()
+                    if rec is None:
+                        fl = self._small if small else self._large
                     else:
-                        rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
-                    rest.ptr = block.ptr + size
-                    rest.size = remaining
-                    rest.stream = stream
-                    rest.pool = fl
-                    nxt = rest.next = block.next
-                    if nxt is not None:
-                        nxt.prev = rest
-                    rest.prev = block
-                    block.next = rest
-                    block.size = size
-                    d_cnt += 1
-                    d_bytes += remaining
-                if hit is not None:
-                    fl.place(hit, i, rest)  # the remainder usually takes the block's entry
-                elif rest is not None:
-                    fl.insert(rest)
-                block.allocated = True
-                block.requested = requested
-                ptr = block.ptr
-                self._active[ptr] = block
-                serial = self._serial + 1  # allocation order: tells allocations apart (captures)
-                self._serial = serial
-                block.serial = serial
-                self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
-                owner = fl.owner
-                if owner is not None:
-                    owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
-                    if rec is not None:
-                        if len(owner.fresh) != rec.fresh:  # another capture's segments
-                            self._touch(block, rec)
-                        block.owner = rec
-                        rec.written.append((ptr, block.size, block, serial))
-                        rec.streams.add(stream)
-                if self._history is not None:
-                    self._history.alloc(ptr, requested, stream, owner)
-                if self._debug:
-                    self._check()
-                return ptr
-            finally:
-                self._busy = False
-                if self._signals:  # see _run_locked
-                    interrupts.run_pending()
+                        fl = rec.pool.small if small else rec.pool.large
+                    # Best fit: the first block of this stream sorted by (size, address) with room
+                    # (freelist.py). Written out here: a call would cost more than the bisect.
+                    block: Block | None = None
+                    bins = fl.bins.get(stream)
+                    hit: Bins | None = None  # the bins still holding ``block`` at ``i``
+                    i = 0
+                    if bins is not None:
+                        sizes = bins.sizes
+                        i = bisect_left(sizes, size)
+                        if i < len(sizes):
+                            block = bins.blocks[i]
+                            hit = bins
+                    d_cnt = d_bytes = 0
+                    rest: Block | None = None
+                    if block is None:
+                        block = self._slow_block(fl, size, stream, requested, rec)
+                    if block.prev is not None or block.next is not None:
+                        d_cnt = -1
+                        d_bytes = -block.size
+                    remaining = block.size - size
+                    if (remaining >= m) if small else (remaining > self._small_limit):
+                        # split: the front is handed out, the rest stays free (a recycled Block)
+                        rest = self._spare1
+                        if rest is not None:
+                            self._spare1 = None
+                        else:
+                            rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
+                        rest.ptr = block.ptr + size
+                        rest.size = remaining
+                        rest.stream = stream
+                        rest.pool = fl
+                        nxt = rest.next = block.next
+                        if nxt is not None:
+                            nxt.prev = rest
+                        rest.prev = block
+                        block.next = rest
+                        block.size = size
+                        d_cnt += 1
+                        d_bytes += remaining
+                    if hit is not None:
+                        fl.place(hit, i, rest)  # the remainder usually takes the block's entry
+                    elif rest is not None:
+                        fl.insert(rest)
+                    block.allocated = True
+                    block.requested = requested
+                    ptr = block.ptr
+                    self._active[ptr] = block
+                    serial = self._serial + 1  # allocation order: tells allocations apart (captures)
+                    self._serial = serial
+                    block.serial = serial
+                    self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                    owner = fl.owner
+                    if owner is not None:
+                        owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                        if rec is not None:
+                            if len(owner.fresh) != rec.fresh:  # another capture's segments
+                                self._touch(block, rec)
+                            block.owner = rec
+                            rec.written.append((ptr, block.size, block, serial))
+                            rec.streams.add(stream)
+                    if self._history is not None:
+                        self._history.alloc(ptr, requested, stream, owner)
+                    if self._debug:
+                        self._check()
+                    return ptr
+                finally:
+                    self._busy = False
+        except OutOfMemoryError as err:
+            self._after_oom(err)
+            raise
+        finally:
+            if self._signals:  # see _run_locked
+                interrupts.run_pending()
 
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
@@ -309,40 +320,43 @@ class CachingAllocator:
     def _reject_size(self, nbytes: int, stream: int) -> None:
         if nbytes < 0:
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
-        self._run_locked("malloc", lambda: self._raise_oom(nbytes, None, None, stream))
+        self._run_locked("malloc", lambda: self._raise_too_large(nbytes, stream))
+
+    def _raise_too_large(self, nbytes: int, stream: int) -> NoReturn:
+        """A request larger than the device: out of memory, with no limit to blame."""
+        self._limit_hit = None
+        self._raise_oom(nbytes, None, None, stream)
 
     def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None, stream: int = 0) -> NoReturn:
-        """Count an out-of-memory (device, and the private pool ``fl`` belongs to), log it, record
-        it in the history, call the observers (``_notify_oom``) and raise it."""
+        """Count an out-of-memory (device, and the private pool ``fl`` belongs to), record it in
+        the history and raise it; ``_after_oom`` logs it and calls the observers once the lock
+        is released."""
         self.stats.num_ooms += 1
         if fl is not None and fl.owner is not None:
             fl.owner.stats.num_ooms += 1
         limit, self._limit_hit = self._limit_hit, None
         err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
-        if _log.isEnabledFor(logging.INFO):
-            _log.info("%s", err)
         if self._history is not None:  # before the observers: one may take a snapshot
             self._history.oom(nbytes, stream, self._device_free(), None if fl is None else fl.owner)
         fns = observers.current()
-        if fns:
-            self._notify_oom(fns, nbytes, err)
+        # Logging and observers run once the lock is released (``_after_oom``): a logging
+        # handler or an observer may take its own locks, call graphpool or wait for threads.
+        err._graphpool_oom = (fns, nbytes, self.stats.as_dict() if fns else None)  # type: ignore[attr-defined]
         raise err
 
-    def _notify_oom(self, fns: tuple[observers.Observer, ...], nbytes: int, err: OutOfMemoryError) -> None:
-        """Call the out-of-memory observers with this device's statistics of now, the lock
-        released (as PyTorch does): they may call graphpool, and other threads go on. The
-        caller raises ``err`` after, whatever happened meanwhile: nothing of this call's state
-        is used again. An observer's exception is chained to ``err`` and warned about."""
-        stats = self.stats.as_dict()
-        self._busy = False
-        try:  # the release inside: a signal right after it still takes the lock back
-            self._lock.release()
-            if self._signals:  # a signal came earlier in this call (policy/interrupts.py)
-                interrupts.run_pending()
-            errors = observers.call(fns, self.device.index, nbytes, stats)
-        finally:
-            self._lock.acquire()
-            self._busy = True
+    def _after_oom(self, err: OutOfMemoryError) -> None:
+        """An out-of-memory error is leaving malloc, the lock released: log it and call the
+        observers with the statistics of the moment it happened (as PyTorch does). An
+        observer's exception is chained to ``err`` and warned about; ``err`` is raised after."""
+        note = err.__dict__.pop("_graphpool_oom", None)
+        if note is None:  # not raised by this allocator, or already followed up
+            return
+        fns, nbytes, stats = note
+        if _log.isEnabledFor(logging.INFO):
+            _log.info("%s", err)
+        if not fns:
+            return
+        errors = observers.call(fns, self.device.index, nbytes, stats)
         if errors:
             err.__context__ = errors[0]
             for exc in errors:
@@ -383,6 +397,7 @@ class CachingAllocator:
         cache again, release every cached unsplit segment and retry once; then try the
         smallest segment that holds the request. The returned block is in no free list.
         """
+        self._limit_hit = None  # only a refusal during this request may be blamed on a limit
         if self._tokens:
             self._poll_released()
         seg = self.sizes.segment_size(size)
@@ -509,8 +524,12 @@ class CachingAllocator:
         ``ptr`` is typed ``object``: compiled, an ``int`` parameter would refuse a wrong type
         with mypyc's message before graphpool's could say what is wrong (the differential
         test, tests/property/test_differential.py, compares the two builds' errors)."""
-        with self._lock:
-            self._free_locked(ptr)
+        try:
+            with self._lock:
+                self._free_locked(ptr)
+        finally:
+            if self._signals:  # see _run_locked
+                interrupts.run_pending()
 
     def free_owned(self, ptr: object) -> None:
         """``free`` for the owner of a live allocation (``DeviceBuffer.free``): never waits.
@@ -555,8 +574,6 @@ class CachingAllocator:
                 self._check()
         finally:
             self._busy = False
-            if self._signals:  # see _run_locked
-                interrupts.run_pending()
 
     def defer_free(self, ptr: object, stream: int | None = None) -> None:
         """Queue a free for the next allocator call. Lock-free and no device call: for
@@ -1525,6 +1542,11 @@ class CachingAllocator:
 # The critical sections a guarded signal handler waits for (policy/interrupts.py). Compiled,
 # these methods have no Python code and are skipped: they run no handler half-way.
 interrupts.register(
-    busy=(CachingAllocator.malloc, CachingAllocator._free_locked, CachingAllocator._run_locked),
-    owned=(CachingAllocator.free_owned, CachingAllocator._notify_oom),
+    owned=(
+        CachingAllocator.malloc,
+        CachingAllocator.free,
+        CachingAllocator.free_owned,
+        CachingAllocator._free_locked,
+        CachingAllocator._run_locked,
+    ),
 )

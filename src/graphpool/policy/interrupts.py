@@ -11,11 +11,11 @@ no handler half-way, so nothing here ever defers anything in that build.
 it (``run_pending``) as soon as it leaves the section; anywhere else it runs at once. A
 critical section is a frame of one of the functions registered with ``register``:
 
-- ``busy`` functions (malloc, the body of free, ``_run_locked``): while their ``self`` is
-  marked ``_busy`` and its ``_lock`` is held by this thread. ``_busy`` is set right before the
-  ``try`` that clears it, so every mutation runs inside;
-- ``owned`` functions (``free_owned``, the out-of-memory observer call): while ``self._lock``
-  is held by this thread (they take or give back the lock outside any ``with``).
+- the allocator's locked calls (malloc, free, ``free_owned``, the body of free,
+  ``_run_locked``) while ``self._lock`` is held by this thread. Every mutation runs with the
+  lock held; the handler then runs once the lock is released, so it may call graphpool or wait
+  for a thread that does (``busy`` functions, which also need ``self._busy`` set, remain
+  available to ``register``).
 
 Each such function checks ``pending`` (one attribute read) right after its section ends and
 calls ``run_pending``, which runs the handlers unless an outer section is still underway
