@@ -28,17 +28,19 @@ def sim() -> Iterator[None]:
 
 def test_each_pytorch_key_parses() -> None:
     conf = parse_alloc_conf(
-        "max_split_size_mb:512, max_non_split_rounding_mb:64,"
+        "max_split_size_mb:512, max_non_split_rounding_mb:64,garbage_collection_threshold:0.6,"
         "roundup_power2_divisions:4,expandable_segments:False"
     )
     assert conf.max_split_size == 512 * MiB
     assert conf.max_non_split_rounding == 64 * MiB
     assert conf.roundup_power2_divisions == (4,) * 16
+    assert conf.garbage_collection_threshold == 0.6
     assert conf.expandable_segments is False
     assert conf.policy() == {
         "max_split_size": 512 * MiB,
         "max_non_split_rounding": 64 * MiB,
         "roundup_power2_divisions": (4,) * 16,
+        "garbage_collection_threshold": 0.6,
     }
     assert parse_alloc_conf("max_split_size_mb:20").max_split_size == 20 * MiB  # PyTorch's least
     assert parse_alloc_conf("max_split_size_mb:64,max_split_size_mb:128").max_split_size == 128 * MiB
@@ -66,7 +68,6 @@ def test_the_list_form_of_roundup_power2_divisions_follows_pytorch() -> None:
         ("garbage_collection_threshold:0", r"\(0.0, 1.0\)"),
         ("garbage_collection_threshold:1.0", r"\(0.0, 1.0\)"),
         ("garbage_collection_threshold:most", "not a number"),
-        ("garbage_collection_threshold:0.6", "not implemented yet"),
         ("roundup_power2_divisions:3", "power of two"),
         ("roundup_power2_divisions:[256:3]", "power of two or 0"),
         ("roundup_power2_divisions:[100:2]", "must be a power of two"),
@@ -89,6 +90,20 @@ def test_max_split_size_mb_from_the_environment(sim: None, monkeypatch: pytest.M
     gp.alloc(50 * MiB).free()
     with gp.alloc(30 * MiB):  # the cached 50 MiB block is oversize: not for a 30 MiB request
         assert gp.memory_stats()["reserved_bytes.all.current"] == 80 * MiB
+
+
+def test_garbage_collection_threshold_through_the_public_api(sim: None) -> None:
+    gp.set_allocator_config("garbage_collection_threshold:0.5,per_process_memory_fraction:1.0")
+    for _ in range(3):  # three 300 MiB segments, cached
+        bufs = [gp.alloc(300 * MiB) for _ in range(3)]
+        for b in bufs:
+            b.free()
+    assert gp.memory_stats()["reserved_bytes.all.current"] == 900 * MiB
+    with gp.alloc(100 * MiB):  # a cached block fits: no collection; its block is the youngest
+        pass
+    with gp.alloc(400 * MiB):  # a new segment, 900 MiB > 0.5 x 1 GiB: the two older blocks go back
+        assert gp.memory_stats()["num_device_free"] == 2
+        assert gp.memory_stats()["reserved_bytes.all.current"] == 700 * MiB
 
 
 def test_set_allocator_config_before_the_first_allocation(sim: None) -> None:

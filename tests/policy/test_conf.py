@@ -157,3 +157,34 @@ def test_configure_only_before_the_first_allocation() -> None:
     assert reserved(a) == 80 * MiB
     with pytest.raises(RuntimeError, match="before the first allocation"):
         a.configure(DEFAULT)
+
+
+def gc_allocator(total: int = 1000 * MiB, fraction: float | None = 1.0) -> CachingAllocator:
+    a = make(SizeConfig(garbage_collection_threshold=0.5), total=total)
+    a.limits = a.limits.with_fraction(fraction)
+    return a
+
+
+def test_garbage_collection_releases_the_blocks_unused_longest() -> None:
+    a = gc_allocator()
+    p, q, r = (a.malloc(200 * MiB, stream=S1) for _ in range(3))  # searches 1-3
+    for x in (p, q, r):
+        a.free(x)  # each goes in at 3
+    a.free(a.malloc(200 * MiB, stream=S1))  # search 4 takes p's block, back in at 4
+    # Search 5 finds nothing: 600 MiB reserved > 0.5 x 1000 MiB. Ages 1, 2, 2 (average 5/3):
+    # q's and r's segments go back (400 MiB >= the 100 MiB excess), p's stays.
+    a.malloc(300 * MiB, stream=S1)
+    assert reserved(a) == 500 * MiB
+    assert stat(a, "num_device_free") == 2
+    assert stat(a, "segment.all.current") == 2
+    a.check_invariants()
+
+
+def test_garbage_collection_needs_a_memory_fraction_and_an_excess() -> None:
+    for a in (gc_allocator(fraction=None), gc_allocator(total=2000 * MiB)):
+        p, q, r = (a.malloc(200 * MiB, stream=S1) for _ in range(3))
+        for x in (p, q, r):
+            a.free(x)
+        a.malloc(300 * MiB, stream=S1)  # no fraction, or 600 MiB <= 0.5 x 2000 MiB: nothing freed
+        assert stat(a, "num_device_free") == 0
+        assert reserved(a) == 900 * MiB

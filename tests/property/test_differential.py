@@ -134,6 +134,8 @@ class Run:
         self.dev = side.fake_mod.FakeDevice(TOTAL, streams=True)
         sizes = dataclasses.replace(side.fake_mod.SHRUNK, **self.conf)
         self.a = side.alloc_mod.CachingAllocator(self.dev, sizes=sizes)
+        if sizes.garbage_collection_threshold:  # collects only under a memory fraction
+            self.a.limits = self.a.limits.with_fraction(0.8)
         self.ptrs: list[int] = []  # every address handed out, live or not
         self.live: list[int] = []  # those not freed by the program yet
         self.recs: list[Any] = []  # capture records, in the order begun
@@ -274,6 +276,7 @@ CONFS = st.sampled_from(
         {"max_split_size": 40960},  # SHRUNK's large segment: oversize blocks are common
         {"max_split_size": 65536, "max_non_split_rounding": 49152, "roundup_power2_divisions": (4,) * 16},
         {"roundup_power2_divisions": (2,) * 16},
+        {"garbage_collection_threshold": 0.3, "max_split_size": 49152},
     )
 )
 """The configurations a program runs under, both sides the same (the default most often)."""

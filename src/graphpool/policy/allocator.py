@@ -177,6 +177,7 @@ class CachingAllocator:
         self._max_split = self._total + 1 if sizes.max_split_size is None else sizes.max_split_size
         self._non_split = sizes.non_split_rounding()
         self._divisions = bool(sizes.roundup_power2_divisions)
+        self._gc_threshold = sizes.garbage_collection_threshold
 
     def configure(self, sizes: SizeConfig) -> None:
         """Replace the size policy (``gp.set_allocator_config``): only before the first allocation,
@@ -260,6 +261,7 @@ class CachingAllocator:
                     fl = self._small if small else self._large
                 else:
                     fl = rec.pool.small if small else rec.pool.large
+                fl.calls += 1  # the free blocks' clock (garbage_collection_threshold)
                 # Best fit: the first block of this stream sorted by (size, address) with room
                 # (freelist.py). Written out here: a call would cost more than the bisect.
                 block: Block | None = None
@@ -424,6 +426,8 @@ class CachingAllocator:
         """
         if self._tokens:
             self._poll_released()
+        if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
+            self._collect(self._gc_threshold)
         seg = self.sizes.segment_size(size)
         ptr = self._device_malloc(seg)
         if ptr is None and self._max_split <= self._total and fl.owner is None and not self._world.active:
@@ -466,6 +470,44 @@ class CachingAllocator:
         if _log.isEnabledFor(logging.DEBUG):
             self._log_segment("allocated", head)
         return head
+
+    def _collect(self, threshold: float) -> None:
+        """PyTorch's ``garbage_collect_cached_blocks``: while reserved memory passes ``threshold``
+        times the memory fraction's cap, release the whole free segments of the ordinary large
+        pool whose age (searches of the pool since they went in) is at least the average age,
+        pass after pass, until that excess is reclaimed. No event sync, no capture underway."""
+        cap = self.limits.fraction_bytes()
+        assert cap is not None
+        reserved = self.stats.current("reserved_bytes")
+        limit = int(threshold * cap)
+        if reserved <= limit:
+            return
+        fl = self._large
+        now = fl.calls
+        blocks = [b for b in fl if b.prev is None and b.next is None]
+        total_age = sum(now - b.gc_base for b in blocks)
+        target = reserved - limit
+        reclaimed = 0
+        freed = True
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            while reclaimed < target and freed and blocks:
+                threshold_age = total_age / len(blocks)
+                freed = False
+                kept = []
+                for b in blocks:
+                    age = now - b.gc_base
+                    if age >= threshold_age:
+                        freed = True
+                        reclaimed += b.size
+                        total_age -= age
+                        fl.remove(b)
+                        self._release_segment(b)
+                    else:
+                        kept.append(b)
+                blocks = kept
+        finally:
+            self.device.exchange_capture_mode(prev)
 
     def _release_oversize(self, fl: FreeList, size: int, stream: int) -> bool:
         """Out of memory with ``max_split_size`` set: give back the smallest free oversize

@@ -107,7 +107,12 @@ class AllocConf(NamedTuple):
     def policy(self) -> dict[str, Any]:
         """The ``SizeConfig`` fields this configuration sets (policy/pools.py)."""
         out: dict[str, Any] = {}
-        for name in ("max_split_size", "max_non_split_rounding", "roundup_power2_divisions"):
+        for name in (
+            "max_split_size",
+            "max_non_split_rounding",
+            "roundup_power2_divisions",
+            "garbage_collection_threshold",
+        ):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -206,7 +211,7 @@ def parse_alloc_conf(text: str) -> AllocConf:
             elif not 0.0 < number < 1.0:
                 raise ValueError(f"{key}:{value.strip()}: set it in (0.0, 1.0), as PyTorch")
             else:
-                raise ValueError(f"{key} is not implemented yet; leave it out")
+                conf[key] = number
         elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
             mb = _natural(key, value)
             if mb < MIN_SPLIT_MB:

@@ -31,6 +31,9 @@ class SizeConfig:
     this (None: ``large_segment``, PyTorch's 20 MiB).
     ``roundup_power2_divisions``: requests round up to 1/N of their power-of-two range, N one of
     16 entries (1 MiB ranges upward, policy/limits.py); () rounds to ``min_block`` only.
+    ``garbage_collection_threshold``: with a memory fraction set, before a new segment,
+    release the least recently used free segments of the large pool while reserved memory
+    passes this share of the fraction's cap (0: never, PyTorch's default).
     """
 
     min_block: int = 512
@@ -42,6 +45,7 @@ class SizeConfig:
     max_split_size: int | None = None
     max_non_split_rounding: int | None = None
     roundup_power2_divisions: tuple[int, ...] = ()
+    garbage_collection_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_block <= 0 or self.min_block & (self.min_block - 1):
@@ -57,6 +61,8 @@ class SizeConfig:
             raise ValueError("max_split_size must be at least large_segment")
         if self.max_non_split_rounding is not None and self.max_non_split_rounding < self.large_segment:
             raise ValueError("max_non_split_rounding must be at least large_segment")
+        if not 0.0 <= self.garbage_collection_threshold < 1.0:
+            raise ValueError("garbage_collection_threshold must be in [0, 1)")
         divs = self.roundup_power2_divisions
         if divs and (len(divs) != 16 or any(d < 0 or d & (d - 1) for d in divs)):
             raise ValueError("roundup_power2_divisions: 16 entries, each 0 or a power of two")
