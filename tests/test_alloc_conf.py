@@ -144,3 +144,11 @@ def test_set_allocator_config_refuses_bad_text_and_changes_nothing(sim: None) ->
     gp.alloc(50 * MiB).free()
     with gp.alloc(30 * MiB):  # no max_split_size: the cached block is split
         assert gp.memory_stats()["reserved_bytes.all.current"] == 50 * MiB
+
+
+def test_torch_snapshot_reports_the_options(sim: None) -> None:
+    settings = gp.torch_snapshot()["allocator_settings"]
+    assert (settings["max_split_size"], settings["garbage_collection_threshold"]) == (-1, 0.0)
+    gp.set_allocator_config("max_split_size_mb:64,garbage_collection_threshold:0.25")
+    settings = gp.torch_snapshot()["allocator_settings"]
+    assert (settings["max_split_size"], settings["garbage_collection_threshold"]) == (64 * MiB, 0.25)
