@@ -12,7 +12,7 @@ import pytest
 
 import graphpool as gp
 from graphpool import runtime
-from graphpool.policy.limits import MemoryLimits, parse_alloc_conf, parse_size
+from graphpool.policy.limits import AllocConf, MemoryLimits, parse_alloc_conf, parse_size
 from graphpool.sim import SimBackend
 
 MiB = 1024 * 1024
@@ -214,14 +214,14 @@ def test_alloc_conf_parses_both_keys() -> None:
     conf = parse_alloc_conf(" memory_limit:8GiB , per_process_memory_fraction:0.5,")
     assert conf.memory_limit == 8 * 1024**3
     assert conf.per_process_memory_fraction == 0.5
-    assert parse_alloc_conf("") == (None, None)
+    assert parse_alloc_conf("") == AllocConf()
 
 
 @pytest.mark.parametrize(
     ("bad", "match"),
     [
         ("memory_limit", "key:value"),
-        ("max_split_size_mb:128", "memory_limit, per_process_memory_fraction"),
+        ("max_splt_size_mb:128", "memory_limit, per_process_memory_fraction"),
         ("memory_limit:lots", "not a size"),
         ("per_process_memory_fraction:half", "not a number"),
         ("per_process_memory_fraction:1.5", r"\[0, 1\]"),

@@ -54,7 +54,7 @@ from graphpool.memory import (
 )
 from graphpool.policy import interrupts as _interrupts
 from graphpool.policy.private_pools import PoolId
-from graphpool.runtime import capture_detection, set_capture_detection
+from graphpool.runtime import capture_detection, set_allocator_config, set_capture_detection
 from graphpool.runtime import set_backend as _set_backend
 from graphpool.snapshot import dump_snapshot, record_memory_history, torch_snapshot
 from graphpool.streams import (
@@ -261,6 +261,7 @@ __all__ = [
     "replay_checks",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "set_allocator_config",
     "set_backend",
     "set_capture_detection",
     "set_device",

@@ -6,6 +6,7 @@ backends (``set_backend``) is one assignment. Allocators are made on first use.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -55,7 +56,10 @@ class Runtime:
                 if a is None:
                     conf = alloc_conf()  # first: a bad GRAPHPOOL_ALLOC_CONF makes no allocator
                     a = CachingAllocator(
-                        self.backend.get_device(index), sizes=self.sizes, world=self.world, detect=_detect
+                        self.backend.get_device(index),
+                        sizes=configured_sizes(self.sizes, conf),
+                        world=self.world,
+                        detect=_detect,
                     )
                     a.limits = a.limits.with_fraction(conf.per_process_memory_fraction).with_bytes(
                         conf.memory_limit
@@ -92,15 +96,62 @@ stream_listeners: list[Callable[[object], None]] = []
 """Called with the new current Stream whenever ``gp.stream`` or ``gp.graph`` switches it."""
 
 
+_config_text = ""
+"""What ``gp.set_allocator_config`` set: parsed after ``GRAPHPOOL_ALLOC_CONF``, so its keys win."""
+
+
 def alloc_conf() -> AllocConf:
     """The allocator settings of ``GRAPHPOOL_ALLOC_CONF`` (``key:value,key:value``, as
-    PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``), read as each device's allocator is made:
-    ``memory_limit:8GiB`` and ``per_process_memory_fraction:0.5`` (policy/limits.py)."""
+    PyTorch's ``PYTORCH_CUDA_ALLOC_CONF``), read as each device's allocator is made, with
+    those of ``set_allocator_config`` over them (policy/limits.py lists the keys)."""
     text = os.environ.get("GRAPHPOOL_ALLOC_CONF", "")
     try:
-        return parse_alloc_conf(text)
+        parse_alloc_conf(text)
     except ValueError as exc:
         raise ValueError(f"GRAPHPOOL_ALLOC_CONF={text!r}: {exc}") from None
+    return parse_alloc_conf(text + "," + _config_text)
+
+
+def configured_sizes(sizes: SizeConfig, conf: AllocConf) -> SizeConfig:
+    """``sizes`` with the policy options of ``conf`` (max_split_size_mb, ...) in it."""
+    fields = conf.policy()
+    return dataclasses.replace(sizes, **fields) if fields else sizes
+
+
+def set_allocator_config(text: str) -> None:
+    """Set allocator options as ``GRAPHPOOL_ALLOC_CONF`` does, e.g.
+    ``gp.set_allocator_config("max_split_size_mb:512,roundup_power2_divisions:4")``: PyTorch's
+    options and graphpool's limits (docs/behaviour.rst, "Configuration"). Its keys win over the
+    variable's. Only before the current backend's first allocation (RuntimeError after one);
+    ValueError for a bad text or unknown key. Kept for allocators made later, after a
+    ``set_backend`` too; ``""`` clears it."""
+    global _config_text
+    if not isinstance(text, str):
+        raise TypeError(f"set_allocator_config takes a str such as 'max_split_size_mb:512', not {text!r}")
+    parse_alloc_conf(text)  # ValueError before anything changes
+    with _lock:
+        rt = _runtime
+        made = [a for a in rt.allocators if a is not None] if rt is not None else []
+        for a in made:
+            if a.has_allocated():
+                raise RuntimeError(
+                    "set_allocator_config() must run before the first allocation: device "
+                    f"{a.device.index} has already allocated (set GRAPHPOOL_ALLOC_CONF instead, or "
+                    "call it first thing)"
+                )
+        old = _config_text
+        _config_text = text
+        try:
+            conf = alloc_conf()
+            if rt is not None:
+                for a in made:
+                    a.configure(configured_sizes(rt.sizes, conf))
+                    a.limits = a.limits.with_fraction(conf.per_process_memory_fraction).with_bytes(
+                        conf.memory_limit
+                    )
+        except BaseException:
+            _config_text = old
+            raise
 
 
 def _detect_from_env() -> bool:

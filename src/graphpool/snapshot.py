@@ -11,6 +11,7 @@ from typing import Any
 
 from graphpool import runtime
 from graphpool.policy.allocator import fmt_bytes
+from graphpool.policy.limits import AllocConf
 
 ROWS = (
     ("Allocated memory", "allocated_bytes", True),
@@ -95,7 +96,9 @@ def _frames(frames: list[dict[str, Any]], memo: dict[int, Any]) -> list[dict[str
 
 
 def torch_layout(
-    states: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]], backend: str
+    states: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+    backend: str,
+    conf: AllocConf | None = None,
 ) -> dict[str, Any]:
     """The snapshot of ``torch.cuda.memory._snapshot()`` from each device's segments and
     events (``CachingAllocator.history_snapshot()``, one pair per device index).
@@ -103,8 +106,10 @@ def torch_layout(
     PyTorch's keys (2.11), in its order, then graphpool's: a segment's ``pool_graphs``
     (labels of the unreleased graphs using its private pool), a block's ``owner_graph`` and
     ``kept_for`` (as ``memory_snapshot()``), an event's ``device`` and ``pool_id``, and
-    ``allocator_settings``' ``GRAPHPOOL_ALLOC_CONF`` and ``backend``.
+    ``allocator_settings``' ``GRAPHPOOL_ALLOC_CONF`` and ``backend``. ``conf``: the options in
+    force (``max_split_size`` and ``garbage_collection_threshold`` come from it; default: none).
     """
+    conf = conf or AllocConf()
     memo: dict[int, Any] = {}
     segments: list[dict[str, Any]] = []
     traces: list[list[dict[str, Any]]] = []
@@ -152,8 +157,8 @@ def torch_layout(
         "device_traces": traces,
         "allocator_settings": {
             "PYTORCH_CUDA_ALLOC_CONF": "",
-            "max_split_size": -1,
-            "garbage_collection_threshold": 0.0,
+            "max_split_size": -1 if conf.max_split_size is None else conf.max_split_size,
+            "garbage_collection_threshold": conf.garbage_collection_threshold or 0.0,
             "expandable_segments": False,
             "GRAPHPOOL_ALLOC_CONF": os.environ.get("GRAPHPOOL_ALLOC_CONF", ""),
             "backend": backend,
@@ -207,7 +212,11 @@ def torch_snapshot() -> dict[str, Any]:
     """
     rt = runtime.get()
     states = [([], []) if a is None else a.history_snapshot() for a in list(rt.allocators)]
-    return torch_layout(states, rt.name)
+    try:
+        conf = runtime.alloc_conf()
+    except ValueError:  # a bad GRAPHPOOL_ALLOC_CONF: no allocator was made under it
+        conf = AllocConf()
+    return torch_layout(states, rt.name, conf)
 
 
 def dump_snapshot(path: str | os.PathLike[str]) -> None:

@@ -17,6 +17,7 @@ nothing to compare.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import itertools
@@ -118,8 +119,9 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side
 class Run:
     """One implementation's allocator and device, and the handles a program refers to by index."""
 
-    def __init__(self, side: Side) -> None:
+    def __init__(self, side: Side, conf: dict[str, Any] | None = None) -> None:
         self.side = side
+        self.conf = conf or {}  # SizeConfig options (PyTorch's GRAPHPOOL_ALLOC_CONF keys)
         with side.active():
             self._make()
 
@@ -130,7 +132,10 @@ class Run:
         for name in ("_graph_ids", "_handle_ids", "_tokens"):
             setattr(side.pools_mod, name, itertools.count(1_000_000))
         self.dev = side.fake_mod.FakeDevice(TOTAL, streams=True)
-        self.a = side.alloc_mod.CachingAllocator(self.dev, sizes=side.fake_mod.SHRUNK)
+        sizes = dataclasses.replace(side.fake_mod.SHRUNK, **self.conf)
+        self.a = side.alloc_mod.CachingAllocator(self.dev, sizes=sizes)
+        if sizes.garbage_collection_threshold:  # collects only under a memory fraction
+            self.a.limits = self.a.limits.with_fraction(0.8)
         self.ptrs: list[int] = []  # every address handed out, live or not
         self.live: list[int] = []  # those not freed by the program yet
         self.recs: list[Any] = []  # capture records, in the order begun
@@ -264,14 +269,29 @@ OPS = st.one_of(
 )
 
 
+CONFS = st.sampled_from(
+    (
+        {},
+        {},
+        {"max_split_size": 40960},  # SHRUNK's large segment: oversize blocks are common
+        {"max_split_size": 65536, "max_non_split_rounding": 49152, "roundup_power2_divisions": (4,) * 16},
+        {"roundup_power2_divisions": (2,) * 16},
+        {"garbage_collection_threshold": 0.3, "max_split_size": 49152},
+    )
+)
+"""The configurations a program runs under, both sides the same (the default most often)."""
+
+
 @settings(
     max_examples=300,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(program=st.lists(OPS, min_size=20, max_size=120))
-def test_compiled_policy_matches_the_reference(sides: tuple[Side, Side], program: list[Any]) -> None:
-    compiled, reference = Run(sides[0]), Run(sides[1])
+@given(program=st.lists(OPS, min_size=20, max_size=120), conf=CONFS)
+def test_compiled_policy_matches_the_reference(
+    sides: tuple[Side, Side], program: list[Any], conf: dict[str, Any]
+) -> None:
+    compiled, reference = Run(sides[0], conf), Run(sides[1], conf)
     for n, op in enumerate(program):
         got, want = compiled.step(op), reference.step(op)
         assert got == want, f"step {n} {op}: compiled {got} != reference {want}"

@@ -127,6 +127,8 @@ class CachingAllocator:
         self._small = FreeList(True)
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
+        self._total = device.mem_info()[1]
+        self._apply_sizes(sizes)
         self._active: dict[int, Block] = {}
         self.stats = PoolStats()
         # Block objects absorbed by merges, reused by splits. The last one waits apart in
@@ -155,7 +157,6 @@ class CachingAllocator:
         self._freeable: dict[PoolId, PrivatePool] = {}
         self._capture_seq = 0
         self._serial = 0
-        self._total = device.mem_info()[1]
         # Caps on reserved memory (policy/limits.py), swapped whole by their setters; the
         # description of the cap that refused the last driver allocation, for the OOM message.
         self.limits = MemoryLimits(self._total)
@@ -168,6 +169,34 @@ class CachingAllocator:
         # bound once (on CUDA a C function; benchmarks/NOTES.md).
         self._detect = bool(detect)
         self._query: Callable[[int], int] = device.capture_id
+
+    def _apply_sizes(self, sizes: SizeConfig) -> None:
+        """Take ``sizes`` and the figures malloc reads from it. With no ``max_split_size``,
+        ``_max_split`` is past any block (no block is oversize: one int test in malloc)."""
+        self.sizes = sizes
+        self._small_limit = sizes.small_size
+        self._max_split = self._total + 1 if sizes.max_split_size is None else sizes.max_split_size
+        self._non_split = sizes.non_split_rounding()
+        self._divisions = bool(sizes.roundup_power2_divisions)
+        self._gc_threshold = sizes.garbage_collection_threshold
+
+    def configure(self, sizes: SizeConfig) -> None:
+        """Replace the size policy (``gp.set_allocator_config``): only before the first allocation,
+        since blocks already cut follow the policy they were cut under. RuntimeError after."""
+
+        def run() -> None:
+            if self.has_allocated():
+                raise RuntimeError(
+                    f"the allocator of device {self.device.index} has already allocated: its "
+                    "configuration can be set only before the first allocation"
+                )
+            self._apply_sizes(sizes)
+
+        self._run_locked("configure", run)
+
+    def has_allocated(self) -> bool:
+        """Whether this allocator ever handed out memory or holds a segment."""
+        return bool(self._serial or self._segments)
 
     @property
     def detect(self) -> bool:
@@ -217,6 +246,8 @@ class CachingAllocator:
             self._reject_size(requested, stream)
         m = self.sizes.min_block
         size = m if requested < m else (requested + m - 1) & -m
+        if self._divisions:  # roundup_power2_divisions (pools.py)
+            size = self.sizes.round_divisions(requested)
         small = size <= self._small_limit
         try:
             with self._lock:  # `with`: see _run_locked
@@ -237,6 +268,7 @@ class CachingAllocator:
                         fl = self._small if small else self._large
                     else:
                         fl = rec.pool.small if small else rec.pool.large
+                    fl.calls += 1  # the free blocks' clock (garbage_collection_threshold)
                     # Best fit: the first block of this stream sorted by (size, address) with room
                     # (freelist.py). Written out here: a call would cost more than the bisect.
                     block: Block | None = None
@@ -253,11 +285,15 @@ class CachingAllocator:
                     rest: Block | None = None
                     if block is None:
                         block = self._slow_block(fl, size, stream, requested, rec)
+                    elif block.size >= self._max_split and self._refuses(block.size, size):
+                        hit = None  # an oversize block this request may not take (max_split_size)
+                        block = self._slow_block(fl, size, stream, requested, rec)
                     if block.prev is not None or block.next is not None:
                         d_cnt = -1
                         d_bytes = -block.size
                     remaining = block.size - size
-                    if (remaining >= m) if small else (remaining > self._small_limit):
+                    large_split = remaining > self._small_limit and size < self._max_split
+                    if (remaining >= m) if small else large_split:
                         # split: the front is handed out, the rest stays free (a recycled Block)
                         rest = self._spare1
                         if rest is not None:
@@ -310,6 +346,12 @@ class CachingAllocator:
         finally:
             if self._signals:  # see _run_locked
                 interrupts.run_pending()
+
+    def _refuses(self, bsize: int, size: int) -> bool:
+        """Whether a request of ``size`` may not take an oversize free block of ``bsize`` bytes
+        (PyTorch's ``get_free_block``): a request under ``max_split_size`` never takes one; a
+        larger one only when the block wastes less than ``max_non_split_rounding``."""
+        return size < self._max_split or bsize >= size + self._non_split
 
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
@@ -400,13 +442,18 @@ class CachingAllocator:
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
         if self._tokens:
             self._poll_released()
+        if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
+            self._collect(self._gc_threshold)
         seg = self.sizes.segment_size(size)
         ptr = self._device_malloc(seg)
+        if ptr is None and self._max_split <= self._total and fl.owner is None and not self._world.active:
+            if self._release_oversize(fl, size, stream):  # PyTorch's release_available_cached_blocks
+                ptr = self._device_malloc(seg)
         if ptr is None and not self._world.active:
             self._synchronize_events()
             block = fl.best_fit(stream, size)
-            if block is not None:  # a stream use that just completed freed a fitting block
-                fl.remove(block)
+            if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
+                fl.remove(block)  # a stream use that just completed freed a fitting block
                 return block
             self._release_cached()
             self.stats.num_alloc_retries += 1
@@ -439,6 +486,75 @@ class CachingAllocator:
         if _log.isEnabledFor(logging.DEBUG):
             self._log_segment("allocated", head)
         return head
+
+    def _collect(self, threshold: float) -> None:
+        """PyTorch's ``garbage_collect_cached_blocks``: while reserved memory passes ``threshold``
+        times the memory fraction's cap, release the whole free segments of the ordinary large
+        pool whose age (searches of the pool since they went in) is at least the average age,
+        pass after pass, until that excess is reclaimed. No event sync, no capture underway."""
+        cap = self.limits.fraction_bytes()
+        assert cap is not None
+        reserved = self.stats.current("reserved_bytes")
+        limit = int(threshold * cap)
+        if reserved <= limit:
+            return
+        fl = self._large
+        now = fl.calls
+        blocks = [b for b in fl if b.prev is None and b.next is None]
+        total_age = sum(now - b.gc_base for b in blocks)
+        target = reserved - limit
+        reclaimed = 0
+        freed = True
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            while reclaimed < target and freed and blocks:
+                threshold_age = total_age / len(blocks)
+                freed = False
+                kept = []
+                for b in blocks:
+                    age = now - b.gc_base
+                    if age >= threshold_age:
+                        freed = True
+                        reclaimed += b.size
+                        total_age -= age
+                        fl.remove(b)
+                        self._release_segment(b)
+                    else:
+                        kept.append(b)
+                blocks = kept
+        finally:
+            self.device.exchange_capture_mode(prev)
+
+    def _release_oversize(self, fl: FreeList, size: int, stream: int) -> bool:
+        """Out of memory with ``max_split_size`` set: give back the smallest free oversize
+        segment of ``stream`` that holds the request (at least ``max_split_size``), else the
+        largest ones until as much is freed (PyTorch's ``release_available_cached_blocks``).
+        True when enough was freed. Ordinary pools only, no capture underway (the caller checks)."""
+        key = max(size, self._max_split)
+        bins = fl.bins.get(stream)
+        if bins is None or not bins.sizes:
+            return False
+        i = bisect_left(bins.sizes, key)
+        if i < len(bins.sizes):
+            victims = [bins.blocks[i]]
+        else:
+            victims = []
+            freed = 0
+            for block in reversed(bins.blocks):
+                if freed >= key or block.size < self._max_split:
+                    break
+                victims.append(block)
+                freed += block.size
+        # Oversize blocks are never split, so each is a whole segment; check all the same.
+        victims = [b for b in victims if b.prev is None and b.next is None]
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            for block in victims:
+                fl.remove(block)
+                self._release_segment(block)
+        finally:
+            self.device.exchange_capture_mode(prev)
+        return sum(b.size for b in victims) >= key
 
     def _log_segment(self, what: str, head: Block) -> None:
         """Log a segment's allocation or release (DEBUG; the caller checked the level)."""

@@ -45,6 +45,7 @@ class Block:
         "owner",
         "serial",
         "creator",
+        "gc_base",
     )
 
     def __init__(self, ptr: int, size: int, stream: int, pool: FreeList) -> None:
@@ -61,6 +62,7 @@ class Block:
         self.owner: Any = None
         self.serial = 0
         self.creator: Any = None  # first blocks: the capture the segment may go back with
+        self.gc_base = 0  # its free list's ``calls`` when it went in (garbage_collection_threshold)
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else ("held" if self.holds else "free")

@@ -53,12 +53,15 @@ def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
 class FreeList:
     """Free blocks of one pool kind, by stream. ``owner`` is the private pool or None."""
 
-    __slots__ = ("is_small", "owner", "bins")
+    __slots__ = ("is_small", "owner", "bins", "calls")
 
     def __init__(self, is_small: bool, owner: Any = None) -> None:
         self.is_small = is_small
         self.owner = owner
         self.bins: dict[int, Bins] = {}  # stream -> its free blocks
+        # Searches so far (malloc counts them): a free block's age is ``calls - gc_base``,
+        # PyTorch's ``gc_count`` (garbage_collection_threshold, CachingAllocator._collect).
+        self.calls = 0
 
     def __iter__(self) -> Iterator[Block]:
         """A snapshot of every free block, so the caller may remove while iterating. O(n)."""
@@ -75,6 +78,7 @@ class FreeList:
 
     def insert(self, block: Block) -> None:
         """Add a free block. O(log n) + memmove."""
+        block.gc_base = self.calls
         bins = self.bins.get(block.stream)
         if bins is None:
             bins = self.bins[block.stream] = Bins()
@@ -115,6 +119,7 @@ class FreeList:
             ):
                 sizes[i] = size
                 blocks[i] = new
+                new.gc_base = self.calls
                 return
         del sizes[i]
         del blocks[i]

@@ -31,8 +31,24 @@ UNITS = {
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
-CONF_KEYS = ("memory_limit", "per_process_memory_fraction")
-"""The keys ``GRAPHPOOL_ALLOC_CONF`` knows."""
+CONF_KEYS = (
+    "memory_limit",
+    "per_process_memory_fraction",
+    "max_split_size_mb",
+    "max_non_split_rounding_mb",
+    "roundup_power2_divisions",
+    "garbage_collection_threshold",
+    "expandable_segments",
+)
+"""The keys ``GRAPHPOOL_ALLOC_CONF`` knows (all but ``memory_limit`` are PyTorch's)."""
+
+MiB = 1024 * 1024
+MIN_SPLIT_MB = 20
+"""Smallest ``max_split_size_mb`` and ``max_non_split_rounding_mb``: PyTorch's large segment
+(``kLargeBuffer``, 20 MiB), as PyTorch checks."""
+DIVISION_INTERVALS = 16
+"""``roundup_power2_divisions`` holds one entry per power-of-two size range from 1 MiB up
+(the last one open-ended), as PyTorch's ``kRoundUpPowerOfTwoIntervals``."""
 
 
 def check_fraction(fraction: Any) -> float:
@@ -77,19 +93,106 @@ def parse_size(text: str) -> int:
 
 
 class AllocConf(NamedTuple):
-    """What ``GRAPHPOOL_ALLOC_CONF`` sets (None: not set)."""
+    """What ``GRAPHPOOL_ALLOC_CONF`` sets (None: not set). Sizes in bytes; ``roundup_power2_divisions``
+    as its 16 per-range entries (``DIVISION_INTERVALS``)."""
 
     memory_limit: int | None = None
     per_process_memory_fraction: float | None = None
+    max_split_size: int | None = None
+    max_non_split_rounding: int | None = None
+    roundup_power2_divisions: tuple[int, ...] | None = None
+    garbage_collection_threshold: float | None = None
+    expandable_segments: bool | None = None
+
+    def policy(self) -> dict[str, Any]:
+        """The ``SizeConfig`` fields this configuration sets (policy/pools.py)."""
+        out: dict[str, Any] = {}
+        for name in (
+            "max_split_size",
+            "max_non_split_rounding",
+            "roundup_power2_divisions",
+            "garbage_collection_threshold",
+        ):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def _split_top(text: str) -> list[str]:
+    """``text`` cut at the commas outside brackets (the list form of ``roundup_power2_divisions``)."""
+    parts: list[str] = []
+    depth = 0
+    start = 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def _natural(key: str, value: str) -> int:
+    value = value.strip()
+    if not value.isdigit():
+        raise ValueError(f"{key}:{value} is not a whole number")
+    return int(value)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def parse_divisions(value: str) -> tuple[int, ...]:
+    """PyTorch's ``roundup_power2_divisions`` value as its 16 per-range entries: ``N`` (every
+    range), or ``[256:1,512:2,>:8]`` (the first entry also covers every smaller range; ``>``
+    every range after the last named one). Range keys are sizes in MiB, each a power of two
+    naming the range that starts there; divisions are powers of two (0 or 1: no rounding)."""
+    key = "roundup_power2_divisions"
+    value = value.strip()
+    table = [0] * DIVISION_INTERVALS
+    if not value.startswith("["):
+        n = _natural(key, value)
+        if not _power_of_two(n):
+            raise ValueError(f"{key}:{n}: the divisions must be a power of two")
+        return (n,) * DIVISION_INTERVALS
+    if not value.endswith("]") or not value[1:-1].strip():
+        raise ValueError(f"{key}:{value}: expected a list such as [256:1,512:2,>:8]")
+    first = True
+    last = 0
+    for item in value[1:-1].split(","):
+        bound, sep, count = item.partition(":")
+        bound = bound.strip()
+        if not sep:
+            raise ValueError(f"{key}: {item.strip()!r} is not size_mb:divisions")
+        n = _natural(key, count)
+        if n and not _power_of_two(n):
+            raise ValueError(f"{key}: {item.strip()!r}: the divisions must be a power of two or 0")
+        if bound == ">":
+            table[last + 1 :] = [n] * (DIVISION_INTERVALS - last - 1)
+            continue
+        mb = _natural(key, bound)
+        if not _power_of_two(mb):
+            raise ValueError(f"{key}: {item.strip()!r}: the size (MiB) must be a power of two")
+        index = min(mb.bit_length() - 1, DIVISION_INTERVALS - 1)
+        if first:
+            table[:index] = [n] * index
+            first = False
+        table[index] = n
+        last = index
+    return tuple(table)
 
 
 def parse_alloc_conf(text: str) -> AllocConf:
     """Parse ``key:value`` pairs separated by commas (PyTorch's ``PYTORCH_CUDA_ALLOC_CONF`` form),
-    e.g. ``memory_limit:8GiB,per_process_memory_fraction:0.5``. Raises ValueError naming
-    the bad part and the known keys."""
-    limit: int | None = None
-    fraction: float | None = None
-    for part in text.split(","):
+    e.g. ``memory_limit:8GiB,max_split_size_mb:512``; a later pair overrides an earlier one.
+    Raises ValueError naming the bad part and the known keys."""
+    conf: dict[str, Any] = {}
+    for part in _split_top(text):
         if not part.strip():
             continue
         key, sep, value = part.partition(":")
@@ -97,14 +200,36 @@ def parse_alloc_conf(text: str) -> AllocConf:
         if not sep or key not in CONF_KEYS:
             raise ValueError(f"{part.strip()!r}: expected key:value with a key among {', '.join(CONF_KEYS)}")
         if key == "memory_limit":
-            limit = parse_size(value)
-        else:
+            conf[key] = parse_size(value)
+        elif key in ("per_process_memory_fraction", "garbage_collection_threshold"):
             try:
                 number = float(value)
             except ValueError:
-                raise ValueError(f"per_process_memory_fraction:{value.strip()} is not a number") from None
-            fraction = check_fraction(number)
-    return AllocConf(limit, fraction)
+                raise ValueError(f"{key}:{value.strip()} is not a number") from None
+            if key == "per_process_memory_fraction":
+                conf[key] = check_fraction(number)
+            elif not 0.0 < number < 1.0:
+                raise ValueError(f"{key}:{value.strip()}: set it in (0.0, 1.0), as PyTorch")
+            else:
+                conf[key] = number
+        elif key in ("max_split_size_mb", "max_non_split_rounding_mb"):
+            mb = _natural(key, value)
+            if mb < MIN_SPLIT_MB:
+                raise ValueError(f"{key}:{mb} is too small: it must be >= {MIN_SPLIT_MB}, as PyTorch's")
+            conf[key.removesuffix("_mb")] = mb * MiB
+        elif key == "roundup_power2_divisions":
+            conf[key] = parse_divisions(value)
+        else:  # expandable_segments
+            flag = value.strip()
+            if flag not in ("True", "true", "False", "false"):
+                raise ValueError(f"expandable_segments:{flag}: use True or False")
+            if flag in ("True", "true"):
+                raise ValueError(
+                    "expandable_segments:True is not implemented yet (graphpool maps no virtual "
+                    "memory); leave it out or write expandable_segments:False"
+                )
+            conf[key] = False
+    return AllocConf(**conf)
 
 
 class MemoryLimits:

@@ -23,6 +23,17 @@ class SizeConfig:
     ``large_segment``: segment for large requests under ``min_large_alloc`` (20 MiB).
     ``min_large_alloc``: requests this big get a segment of their own (10 MiB).
     ``round_large``: such segments round up to a multiple of this (2 MiB).
+
+    PyTorch's allocator options (``GRAPHPOOL_ALLOC_CONF``, docs/behaviour.rst "Configuration"):
+    ``max_split_size``: blocks this big or bigger are never split, and only requests this big
+    or bigger take them (None: no such blocks, PyTorch's default).
+    ``max_non_split_rounding``: such a request takes such a block only if it wastes less than
+    this (None: ``large_segment``, PyTorch's 20 MiB).
+    ``roundup_power2_divisions``: requests round up to 1/N of their power-of-two range, N one of
+    16 entries (1 MiB ranges upward, policy/limits.py); () rounds to ``min_block`` only.
+    ``garbage_collection_threshold``: with a memory fraction set, before a new segment,
+    release the least recently used free segments of the large pool while reserved memory
+    passes this share of the fraction's cap (0: never, PyTorch's default).
     """
 
     min_block: int = 512
@@ -31,6 +42,10 @@ class SizeConfig:
     large_segment: int = 20 * MiB
     min_large_alloc: int = 10 * MiB
     round_large: int = 2 * MiB
+    max_split_size: int | None = None
+    max_non_split_rounding: int | None = None
+    roundup_power2_divisions: tuple[int, ...] = ()
+    garbage_collection_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_block <= 0 or self.min_block & (self.min_block - 1):
@@ -42,6 +57,35 @@ class SizeConfig:
             raise ValueError("small_segment must hold the largest small request")
         if not self.min_large_alloc <= self.large_segment:
             raise ValueError("large_segment must hold every request below min_large_alloc")
+        if self.max_split_size is not None and self.max_split_size < self.large_segment:
+            raise ValueError("max_split_size must be at least large_segment")
+        if self.max_non_split_rounding is not None and self.max_non_split_rounding < self.large_segment:
+            raise ValueError("max_non_split_rounding must be at least large_segment")
+        if not 0.0 <= self.garbage_collection_threshold < 1.0:
+            raise ValueError("garbage_collection_threshold must be in [0, 1)")
+        divs = self.roundup_power2_divisions
+        if divs and (len(divs) != 16 or any(d < 0 or d & (d - 1) for d in divs)):
+            raise ValueError("roundup_power2_divisions: 16 entries, each 0 or a power of two")
+
+    def non_split_rounding(self) -> int:
+        """How much bigger than a request at least ``max_split_size`` a block it takes may be."""
+        r = self.max_non_split_rounding
+        return self.large_segment if r is None else r
+
+    def round_divisions(self, nbytes: int) -> int:
+        """PyTorch's ``round_size`` with ``roundup_power2_divisions`` set: a request of ``nbytes``
+        (>= ``min_block``) rounds up to the next 1/N step of its power-of-two range, N the
+        entry of that range, when N > 1 and ``nbytes`` > N x ``min_block``; else as
+        ``round_size``."""
+        divs = self.roundup_power2_divisions
+        n = divs[min(max(nbytes.bit_length() - 21, 0), len(divs) - 1)] if divs else 0
+        if n <= 1 or nbytes <= self.min_block * n:
+            return self.round_size(nbytes)
+        floor = 1 << (nbytes.bit_length() - 1)
+        if floor == nbytes:
+            return nbytes
+        step = floor >> (n.bit_length() - 1)
+        return (nbytes + step - 1) & -step
 
     def round_size(self, nbytes: int) -> int:
         """Round a request up to a multiple of ``min_block`` (0 becomes ``min_block``)."""

@@ -1,0 +1,190 @@
+"""PyTorch's allocator options in the policy (``SizeConfig``), with figures computed by hand
+from PyTorch's rules (c10/cuda/CUDACachingAllocator.cpp): ``max_split_size`` (oversize blocks:
+``get_free_block``, ``should_split``, ``release_available_cached_blocks``) and
+``roundup_power2_divisions`` (``round_size``, ``roundup_power2_next_division``)."""
+
+from __future__ import annotations
+
+import pytest
+from fakedevice import FakeDevice
+
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.pools import DEFAULT, SizeConfig
+
+KiB = 1024
+MiB = 1024 * KiB
+S1 = 1
+SPLIT40 = SizeConfig(max_split_size=40 * MiB)
+
+
+def make(sizes: SizeConfig, total: int = 1 << 34) -> CachingAllocator:
+    return CachingAllocator(FakeDevice(total), sizes=sizes)
+
+
+def stat(a: CachingAllocator, name: str) -> int:
+    return a.memory_stats()[name]
+
+
+def reserved(a: CachingAllocator) -> int:
+    return stat(a, "reserved_bytes.all.current")
+
+
+def test_a_request_under_max_split_size_never_takes_an_oversize_block() -> None:
+    a = make(SPLIT40)
+    a.free(a.malloc(50 * MiB, stream=S1))
+    p = a.malloc(30 * MiB, stream=S1)  # the cached 50 MiB block is oversize: a segment of its own
+    assert reserved(a) == 80 * MiB
+    assert stat(a, "segment.all.current") == 2
+    a.free(p)
+    a.check_invariants()
+    b = make(DEFAULT)  # without the option the cached block is taken and split
+    b.free(b.malloc(50 * MiB, stream=S1))
+    b.malloc(30 * MiB, stream=S1)
+    assert reserved(b) == 50 * MiB
+
+
+def test_a_large_request_takes_an_oversize_block_only_within_the_rounding_and_never_splits_it() -> None:
+    a = make(SPLIT40)
+    a.free(a.malloc(100 * MiB, stream=S1))
+    p = a.malloc(90 * MiB, stream=S1)  # 100 < 90 + 20: taken whole, not split
+    assert stat(a, "active_bytes.all.current") == 100 * MiB
+    assert stat(a, "requested_bytes.all.current") == 90 * MiB
+    assert reserved(a) == 100 * MiB
+    a.free(p)
+    a.malloc(60 * MiB, stream=S1)  # 100 >= 60 + 20: wastes too much, a new segment
+    assert reserved(a) == 160 * MiB
+    assert stat(a, "active_bytes.all.current") == 60 * MiB
+    a.check_invariants()
+
+
+def test_max_non_split_rounding_widens_what_an_oversize_block_may_waste() -> None:
+    a = make(SizeConfig(max_split_size=40 * MiB, max_non_split_rounding=50 * MiB))
+    a.free(a.malloc(100 * MiB, stream=S1))
+    a.malloc(60 * MiB, stream=S1)  # 100 < 60 + 50
+    assert reserved(a) == 100 * MiB
+    assert stat(a, "active_bytes.all.current") == 100 * MiB
+
+
+def test_blocks_under_max_split_size_split_as_before() -> None:
+    a = make(SPLIT40)
+    a.free(a.malloc(30 * MiB, stream=S1))
+    a.malloc(12 * MiB, stream=S1)  # 30 MiB block, not oversize: split, 18 MiB stays free
+    assert reserved(a) == 30 * MiB
+    assert stat(a, "active_bytes.all.current") == 12 * MiB
+    assert stat(a, "inactive_split_bytes.all.current") == 18 * MiB
+
+
+def test_out_of_memory_releases_oversize_blocks_first_and_keeps_the_rest() -> None:
+    a = make(SPLIT40, total=90 * MiB)
+    a.free(a.malloc(5 * MiB, stream=S1))  # a 20 MiB segment, cached
+    a.free(a.malloc(50 * MiB, stream=S1))  # oversize, cached
+    a.malloc(30 * MiB, stream=S1)  # 20 MiB left on the device: the 50 MiB segment goes back
+    assert reserved(a) == 50 * MiB  # the 20 MiB segment is kept
+    assert stat(a, "num_device_free") == 1
+    assert stat(a, "num_alloc_retries") == 0  # no full release was needed
+    a.check_invariants()
+
+
+def test_out_of_memory_releases_the_largest_oversize_blocks_until_enough() -> None:
+    a = make(SPLIT40, total=100 * MiB)
+    p, q = a.malloc(50 * MiB, stream=S1), a.malloc(44 * MiB, stream=S1)
+    a.free(p)
+    a.free(q)
+    a.malloc(60 * MiB, stream=S1)  # 50 then 44 MiB released: 94 >= 60
+    assert reserved(a) == 60 * MiB
+    assert stat(a, "num_device_free") == 2
+    assert stat(a, "num_alloc_retries") == 0
+    b = make(DEFAULT, total=100 * MiB)
+    p, q = b.malloc(50 * MiB, stream=S1), b.malloc(44 * MiB, stream=S1)
+    b.free(p)
+    b.free(q)
+    b.malloc(60 * MiB, stream=S1)
+    assert stat(b, "num_alloc_retries") == 1  # without the option: the full release
+
+
+@pytest.mark.parametrize(
+    ("divisions", "requested", "expected"),
+    [
+        (4, 4200, 5120),  # 4096..8192 in steps of 1024
+        (4, 2048, 2048),  # a power of two stays
+        (4, 1200, 1536),  # not above 4 x 512: plain 512 B rounding
+        (4, 1_200_000, 1_310_720),  # 1 MiB..2 MiB in steps of 256 KiB (a large request)
+        (2, 1_000_000, 1 * MiB),  # 512 KiB..1 MiB in steps of 512 KiB: still small
+        (1, 4200, 4608),  # 1: no power-of-two rounding
+        (8, 3 * MiB + 1, 3 * MiB + 256 * KiB),
+    ],
+)
+def test_roundup_power2_divisions_rounds_requests_as_pytorch(
+    divisions: int, requested: int, expected: int
+) -> None:
+    a = make(SizeConfig(roundup_power2_divisions=(divisions,) * 16))
+    a.malloc(requested, stream=S1)
+    assert stat(a, "active_bytes.all.current") == expected
+    assert stat(a, "requested_bytes.all.current") == requested
+
+
+def test_roundup_power2_divisions_per_size_range() -> None:
+    # 1 MiB..2 MiB (entry 0) in 2 steps, 2 MiB..4 MiB (entry 1) in 8
+    sizes = SizeConfig(roundup_power2_divisions=(2, 8) + (0,) * 14)
+    a = make(sizes)
+    a.malloc(MiB + 1, stream=S1)
+    assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB
+    a.malloc(2 * MiB + 1, stream=S1)
+    assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB + 2 * MiB + 256 * KiB
+    a.malloc(4 * MiB + 1, stream=S1)  # entry 2 is 0: plain rounding
+    assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB + 2 * MiB + 256 * KiB + 4 * MiB + 512
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_split_size": 10 * MiB}, "max_split_size"),
+        ({"max_non_split_rounding": MiB}, "max_non_split_rounding"),
+        ({"roundup_power2_divisions": (3,) * 16}, "power of two"),
+        ({"roundup_power2_divisions": (2,) * 15}, "16 entries"),
+    ],
+)
+def test_bad_options_are_refused(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SizeConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_configure_only_before_the_first_allocation() -> None:
+    a = make(DEFAULT)
+    a.configure(SPLIT40)
+    a.free(a.malloc(50 * MiB, stream=S1))
+    a.malloc(30 * MiB, stream=S1)
+    assert reserved(a) == 80 * MiB
+    with pytest.raises(RuntimeError, match="before the first allocation"):
+        a.configure(DEFAULT)
+
+
+def gc_allocator(total: int = 1000 * MiB, fraction: float | None = 1.0) -> CachingAllocator:
+    a = make(SizeConfig(garbage_collection_threshold=0.5), total=total)
+    a.limits = a.limits.with_fraction(fraction)
+    return a
+
+
+def test_garbage_collection_releases_the_blocks_unused_longest() -> None:
+    a = gc_allocator()
+    p, q, r = (a.malloc(200 * MiB, stream=S1) for _ in range(3))  # searches 1-3
+    for x in (p, q, r):
+        a.free(x)  # each goes in at 3
+    a.free(a.malloc(200 * MiB, stream=S1))  # search 4 takes p's block, back in at 4
+    # Search 5 finds nothing: 600 MiB reserved > 0.5 x 1000 MiB. Ages 1, 2, 2 (average 5/3):
+    # q's and r's segments go back (400 MiB >= the 100 MiB excess), p's stays.
+    a.malloc(300 * MiB, stream=S1)
+    assert reserved(a) == 500 * MiB
+    assert stat(a, "num_device_free") == 2
+    assert stat(a, "segment.all.current") == 2
+    a.check_invariants()
+
+
+def test_garbage_collection_needs_a_memory_fraction_and_an_excess() -> None:
+    for a in (gc_allocator(fraction=None), gc_allocator(total=2000 * MiB)):
+        p, q, r = (a.malloc(200 * MiB, stream=S1) for _ in range(3))
+        for x in (p, q, r):
+            a.free(x)
+        a.malloc(300 * MiB, stream=S1)  # no fraction, or 600 MiB <= 0.5 x 2000 MiB: nothing freed
+        assert stat(a, "num_device_free") == 0
+        assert reserved(a) == 900 * MiB
