@@ -282,6 +282,7 @@ CONFS = st.sampled_from(
 """The configurations a program runs under, both sides the same (the default most often)."""
 
 
+@pytest.mark.filterwarnings("ignore:graphpool. deferred work failed:RuntimeWarning")  # both sides alike
 @settings(
     max_examples=300,
     deadline=None,
