@@ -182,9 +182,10 @@ def set_capture_detection(on: bool) -> None:
         _detect = on
         rt = _runtime
         if rt is not None:
-            for a in rt.allocators:
-                if a is not None:
-                    a.detect = on
+            with rt._lock:  # as in set_memory_history
+                for a in rt.allocators:
+                    if a is not None:
+                        a.detect = on
 
 
 _history: tuple[int, bool] | None = None
@@ -199,9 +200,10 @@ def set_memory_history(max_entries: int | None, stacks: bool = True) -> None:
         _history = None if max_entries is None else (max_entries, stacks)
         rt = _runtime
         if rt is not None:
-            for a in rt.allocators:
-                if a is not None:
-                    a.record_history(max_entries, stacks)
+            with rt._lock:  # an allocator made meanwhile read the setting before: reach it too
+                for a in rt.allocators:
+                    if a is not None:
+                        a.record_history(max_entries, stacks)
 
 
 def capture_detection() -> bool:
