@@ -542,3 +542,11 @@ def test_the_layout_matches_pytorchs_own_snapshot() -> None:
     assert {"alloc", "free_requested", "free_completed", "segment_alloc", "oom"} <= set(mine)
     frames = [f for e in theirs["device_traces"][0] for f in e["frames"]]
     assert frames and set(frames[0]) == FRAME_KEYS
+
+
+@pytest.mark.parametrize("path", [0, 1, True, None, 2.5])
+def test_dump_snapshot_wants_a_path_not_a_file_descriptor(path: Any) -> None:
+    """An int is not taken as a file descriptor (``True`` would write to stdout and close it)."""
+    with pytest.raises(TypeError, match="needs a file path"):
+        gp.dump_snapshot(path)
+    os.fstat(1)  # stdout still open

@@ -168,7 +168,12 @@ def torch_layout(
 
 
 def dump(snapshot: dict[str, Any], path: str | os.PathLike[str]) -> None:
-    """Write ``snapshot`` as a pickle PyTorch's viewers open (protocol ``PICKLE_PROTOCOL``)."""
+    """Write ``snapshot`` as a pickle PyTorch's viewers open (protocol ``PICKLE_PROTOCOL``).
+
+    ``path`` must be a path: ``open`` would take an int as a file descriptor (``True`` is 1,
+    this process's stdout) and close it after."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"dump_snapshot needs a file path (str or os.PathLike), not {type(path).__name__}")
     with open(path, "wb") as fh:
         pickle.dump(snapshot, fh, protocol=PICKLE_PROTOCOL)
 

@@ -292,8 +292,11 @@ class CachingAllocator:
                         d_cnt = -1
                         d_bytes = -block.size
                     remaining = block.size - size
-                    large_split = remaining > self._small_limit and size < self._max_split
-                    if (remaining >= m) if small else large_split:
+                    if small:
+                        split = remaining >= m
+                    else:  # max_split_size: an oversize block is never split
+                        split = remaining > self._small_limit and size < self._max_split
+                    if split:
                         # split: the front is handed out, the rest stays free (a recycled Block)
                         rest = self._spare1
                         if rest is not None:
@@ -675,17 +678,7 @@ class CachingAllocator:
         try:
             if self._pending:
                 self._drain()
-            # self._free(ptr), written out: one uncompiled call less (benchmarks/NOTES.md, entry 3)
-            block = self._active.pop(ptr, None) if type(ptr) is int else None
-            if block is None:
-                self._bad_pointer(ptr, "free")
-            block.allocated = False
-            if self._history is not None:
-                self._free_traced(block)
-            elif self._capturing or block.stream_uses:
-                self._free_held(block)
-            else:
-                self._free_block(block, True)
+            self._free(ptr)
             if self._debug:
                 self._check()
         finally:
@@ -705,8 +698,8 @@ class CachingAllocator:
         self._pending.append(rec)
 
     def _free(self, ptr: object) -> None:
-        """Free the allocation at ``ptr`` queued by a finalizer (whose thread is unknown; its
-        capture detection ran when it was queued)."""
+        """Free the allocation at ``ptr``: the one body of ``free`` and of a free queued by a
+        finalizer (whose thread is unknown; no capture query is needed, see _free_held)."""
         block = self._active.pop(ptr, None) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "free")
