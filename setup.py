@@ -34,13 +34,16 @@ COMPILED = [
 
 
 NATIVE = "src/graphpool/device/_capture"  # the C capture query and user objects (device layer)
+# PyTorch's allocator entry points (graphpool.torch): C++, and optional on its own, so a
+# machine without a C++ compiler still gets the compiled policy.
+TORCH_SHIM = "src/graphpool/_torch_shim"
 
 RECORD = "src/graphpool/_compiled_sources.json"  # read by graphpool.build.stale()
 
 
 def _clear_in_tree() -> None:
     """Remove compiled modules an earlier editable install left next to the sources."""
-    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc", NATIVE]
+    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc", NATIVE, TORCH_SHIM]
     for stem in stems:
         for path in glob.glob(f"{stem}.*.so") + glob.glob(f"{stem}.*.pyd"):
             os.remove(path)
@@ -66,10 +69,25 @@ class OptionalBuildExt(build_ext):
     fails to build the others are removed and every module stays plain Python.
     """
 
+    def build_extension(self, ext) -> None:  # type: ignore[no-untyped-def]
+        """Build one module; a failure of the optional PyTorch shim alone only leaves it out."""
+        if ext.name != "graphpool._torch_shim":
+            super().build_extension(ext)
+            return
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # no C++ compiler: graphpool.torch says so when installed
+            self._skipped = [*getattr(self, "_skipped", []), ext]  # nothing to copy for it
+            print(
+                f"graphpool: PyTorch shim not built ({e}); graphpool.torch.install() will refuse",
+                file=sys.stderr,
+            )
+
     def run(self) -> None:
         in_tree = self.inplace or self.editable_mode
         try:
             super().run()
+            self.extensions = [e for e in self.extensions if e not in getattr(self, "_skipped", [])]
             if self.editable_mode:  # `pip install -e`: the source tree is what gets imported
                 self.copy_extensions_to_source()
             if in_tree and self.extensions:
@@ -217,7 +235,11 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     from setuptools import Extension
 
     libs = [] if sys.platform == "win32" else ["dl"]
-    return [*mods, Extension("graphpool.device._capture", [NATIVE + ".c"], libraries=libs)]
+    return [
+        *mods,
+        Extension("graphpool.device._capture", [NATIVE + ".c"], libraries=libs),
+        Extension("graphpool._torch_shim", [TORCH_SHIM + ".cpp"], language="c++"),
+    ]
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

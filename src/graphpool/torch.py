@@ -1,0 +1,116 @@
+"""PyTorch integration: PyTorch's CUDA tensors allocated by graphpool.
+
+``install()`` makes graphpool PyTorch's CUDA allocator, through
+``torch.cuda.memory.CUDAPluggableAllocator`` and ``change_current_allocator`` (the way
+``rmm.allocators.torch`` plugs RMM in). Every CUDA tensor PyTorch makes is then a graphpool
+block on PyTorch's current stream, so a process that mixes PyTorch with CuPy
+(``graphpool.cupy.install()``) or Numba keeps one cache, one set of statistics and one
+history, and PyTorch's captures get graphpool's capture rules through detection.
+
+PyTorch calls two C functions of a shared library; graphpool's (``graphpool._torch_shim``,
+C++, built by the compiled install) take the GIL and call ``_malloc`` and ``_free`` here.
+A failed allocation reaches PyTorch as a C++ exception, which PyTorch raises as a
+``RuntimeError`` carrying graphpool's message (out of memory included: not
+``torch.OutOfMemoryError``).
+
+What PyTorch gives up with any pluggable allocator (README, "PyTorch"): its own memory
+statistics and snapshots (use ``gp.memory_stats()``, ``gp.memory_snapshot()``), its graph
+pools (a ``torch.cuda.graph`` capture is served from a private pool of graphpool's, made
+by detection, so keep ``gp.set_capture_detection(True)``, the default; PyTorch's
+``pool=`` sharing does not reach graphpool), and ``Tensor.record_stream`` (PyTorch does not
+forward it: a tensor used on another stream must be kept alive until that stream's work
+is done, or synchronized). ``install()`` must run before PyTorch's first CUDA allocation
+and cannot be undone in the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any
+
+from graphpool import runtime
+
+_lock = threading.Lock()
+_installed = False
+_MALLOC = "graphpool_torch_malloc"
+_FREE = "graphpool_torch_free"
+
+
+def _shim() -> Any:
+    """The compiled shim module; RuntimeError naming the fix when the install has none."""
+    try:
+        from graphpool import _torch_shim  # type: ignore[attr-defined]
+    except ImportError as e:
+        raise RuntimeError(
+            "graphpool.torch needs graphpool's compiled PyTorch shim (graphpool/_torch_shim, C++), "
+            "which this install lacks: reinstall graphpool on a machine with a C++ compiler and "
+            "without GRAPHPOOL_COMPILE=0"
+        ) from e
+    return _torch_shim
+
+
+def library_path() -> str:
+    """The shared library PyTorch loads (the compiled shim's file)."""
+    path = _shim().__file__
+    assert path is not None
+    return str(path)
+
+
+def _malloc(size: int, device: int, stream: int) -> int:
+    """PyTorch's allocation of ``size`` bytes on ``device`` for stream handle ``stream``."""
+    if size == 0:  # a null pointer that holds nothing, as PyTorch's own allocator gives
+        return 0
+    return runtime.allocator(device).malloc(size, stream=stream)
+
+
+def _free(ptr: int, size: int, device: int, stream: int) -> None:
+    """PyTorch's free of the allocation at ``ptr``. Never waits for another thread's call
+    (``free_owned``): PyTorch frees from destructors, possibly inside a graphpool call."""
+    runtime.allocator(device).free_owned(ptr)
+
+
+def hooks() -> tuple[Any, Any]:
+    """The two Python callables the shim calls: ``(malloc, free)`` (for tests and tools)."""
+    return _malloc, _free
+
+
+def install() -> None:
+    """Make graphpool PyTorch's CUDA allocator for the rest of the process (idempotent).
+
+    Needs the "cuda" backend and PyTorch with CUDA, and must run before PyTorch allocates
+    on the GPU: PyTorch refuses to swap an allocator it has used (RuntimeError, with
+    PyTorch's reason).
+    """
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        shim = _shim()
+        name = runtime.get().name
+        if name != "cuda":
+            raise RuntimeError(
+                f"graphpool.torch needs the 'cuda' backend, but the {name!r} backend is in use: "
+                "call graphpool.set_backend('cuda') first"
+            )
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("graphpool.torch.install(): PyTorch sees no CUDA device")
+        shim.set_hooks(_malloc, _free)
+        try:
+            plugged = torch.cuda.memory.CUDAPluggableAllocator(shim.__file__, _MALLOC, _FREE)
+            torch.cuda.memory.change_current_allocator(plugged)
+        except Exception as e:
+            shim.close()
+            raise RuntimeError(
+                "graphpool.torch.install() must run before PyTorch's first CUDA allocation "
+                f"(PyTorch said: {e})"
+            ) from e
+        atexit.register(shim.close)  # tensors PyTorch drops after Python is gone are left alone
+        _installed = True
+
+
+def installed() -> bool:
+    """Whether ``install()`` made graphpool PyTorch's allocator in this process."""
+    return _installed

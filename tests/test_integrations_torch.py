@@ -1,0 +1,198 @@
+"""graphpool.torch: the C entry points PyTorch loads, on the simulator through ctypes, and
+PyTorch itself with graphpool as its allocator on a GPU (tests/torch_probe.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from gpu_guard import cuda_unusable
+from graphpool import runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def shim() -> Iterator[Any]:
+    """The compiled shim with graphpool's hooks set, on the simulator; closed afterwards."""
+    import graphpool.torch as gtorch
+
+    try:
+        mod = gtorch._shim()
+    except RuntimeError as e:
+        if gp.compiled():  # the compiled install builds the shim with the policy
+            raise
+        pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
+    gp.set_backend("sim")
+    mod.set_hooks(*gtorch.hooks())
+    try:
+        yield mod
+    finally:
+        mod.close()
+        gp.check_invariants()
+
+
+@pytest.fixture
+def lib(shim: Any) -> Any:
+    """The shim as PyTorch sees it: a shared library with two C functions."""
+    import graphpool.torch as gtorch
+
+    dll = ctypes.CDLL(gtorch.library_path())
+    dll.graphpool_torch_malloc.restype = ctypes.c_void_p
+    dll.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    dll.graphpool_torch_free.restype = None
+    dll.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return dll
+
+
+def test_c_entry_points_allocate_and_free_through_graphpool(lib: Any) -> None:
+    s = gp.Stream()
+    base = gp.memory_allocated()
+    ptrs = [lib.graphpool_torch_malloc(n, 0, s.handle) for n in (1000, 4096, 3 << 20)]
+    assert all(ptrs) and len(set(ptrs)) == 3
+    assert gp.memory_allocated() - base == 1024 + 4096 + (3 << 20)
+    active = {
+        b["address"]
+        for seg in gp.memory_snapshot()
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    }
+    assert set(ptrs) <= active
+    for p, n in zip(ptrs, (1000, 4096, 3 << 20), strict=True):
+        lib.graphpool_torch_free(p, n, 0, s.handle)
+    assert gp.memory_allocated() == base
+    # the cache serves the next request of that stream from the block just freed
+    assert lib.graphpool_torch_malloc(1000, 0, s.handle) == ptrs[0]
+    lib.graphpool_torch_free(ptrs[0], 1000, 0, s.handle)
+
+
+def test_zero_bytes_is_a_null_pointer_holding_nothing(lib: Any) -> None:
+    base = gp.memory_allocated()
+    assert lib.graphpool_torch_malloc(0, 0, 0) is None  # NULL
+    assert gp.memory_allocated() == base
+    lib.graphpool_torch_free(None, 0, 0, 0)  # PyTorch may free a null pointer: nothing happens
+    assert gp.memory_allocated() == base
+
+
+def test_a_failed_allocation_carries_graphpools_message(shim: Any) -> None:
+    # the exported function throws std::runtime_error(message) instead (PyTorch raises it
+    # as RuntimeError); try_malloc runs the same path and raises the message here
+    with pytest.raises(RuntimeError, match=r"OutOfMemoryError: out of memory on device 0"):
+        shim.try_malloc(1 << 60, 0, 0)
+    with pytest.raises(RuntimeError, match=r"ForeignPointerError|no device|device"):
+        shim.try_malloc(64, 7, 0)  # a device the simulator does not have
+    gp.check_invariants()
+    assert gp.memory_allocated() == 0
+
+
+def test_a_bad_free_is_reported_never_raised(lib: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    lib.graphpool_torch_free(0x3039, 8, 0, 0)  # not graphpool's
+    assert len(seen) == 1 and type(seen[0].exc_value).__name__ == "ForeignPointerError"
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # twice
+    assert len(seen) == 2 and type(seen[1].exc_value).__name__ == "DoubleFreeError"
+    gp.check_invariants()
+
+
+def test_after_close_malloc_fails_and_free_does_nothing(shim: Any, lib: Any) -> None:
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    shim.close()  # what atexit does: the interpreter is going away
+    with pytest.raises(RuntimeError, match="no allocator hook"):
+        shim.try_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # left alone
+    assert gp.memory_allocated() == 512
+    runtime.allocator(0).free(p)
+
+
+def test_a_capture_through_the_entry_points_gets_a_private_pool(lib: Any) -> None:
+    """PyTorch does not tell a pluggable allocator about its captures: detection does."""
+    dev = runtime.get().device(0)
+    s = gp.Stream()
+    lib.graphpool_torch_free(lib.graphpool_torch_malloc(1 << 20, 0, s.handle), 1 << 20, 0, s.handle)
+    dev.begin_capture(s.handle, 0)  # global mode, begun outside graphpool (as PyTorch does)
+    tmp = lib.graphpool_torch_malloc(1 << 20, 0, s.handle)
+    out = lib.graphpool_torch_malloc(1 << 20, 0, s.handle)
+    lib.graphpool_torch_free(tmp, 1 << 20, 0, s.handle)  # freed inside the capture
+    graph = dev.end_capture(s.handle)
+    eager = lib.graphpool_torch_malloc(1 << 20, 0, s.handle)  # same stream, after the capture
+    assert eager not in (tmp, out)  # the captured graph's memory is never handed out
+    pools = {seg["segment_pool_id"] for seg in gp.memory_snapshot()} - {None}
+    assert len(pools) == 1
+    for p in (out, eager):
+        lib.graphpool_torch_free(p, 1 << 20, 0, s.handle)
+    dev.destroy_graph(graph)
+    gp.synchronize()
+    gp.empty_cache()
+    assert {seg["segment_pool_id"] for seg in gp.memory_snapshot()} == set()
+
+
+def test_install_refuses_without_cuda_before_touching_pytorch() -> None:
+    import graphpool.torch as gtorch
+
+    gp.set_backend("sim")
+    expected = "needs the 'cuda' backend" if gp.compiled() else "C\\+\\+ compiler"
+    with pytest.raises(RuntimeError, match=expected):
+        gtorch.install()
+    assert not gtorch.installed()
+
+
+def test_plain_install_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    import graphpool.torch as gtorch
+
+    real = builtins.__import__
+
+    def no_shim(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "graphpool" and args and args[2] and "_torch_shim" in args[2]:
+            raise ImportError("no shim")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_shim)
+    with pytest.raises(RuntimeError, match="C\\+\\+ compiler"):
+        gtorch._shim()
+
+
+@pytest.mark.gpu
+def test_pytorch_allocates_through_graphpool() -> None:
+    reason = cuda_unusable()
+    if reason is not None:
+        pytest.skip(reason)
+    pytest.importorskip("torch")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(gp.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "torch_probe.py")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(json.dumps(out, indent=1))
+    assert out["installed"] is True
+    assert out["allocated_delta"] == out["tensor_bytes"]
+    assert out["owned_by_graphpool"] and out["values_ok"] and out["freed_back"]
+    assert out["cupy_reuses_torch_block"] in (True, None)
+    assert out["backward_ok"] and out["after_oom_ok"] and out["invariants_ok"]
+    assert out["oom"].startswith("RuntimeError") and "out of memory" in out["oom"]
+    assert out.get("graph") is None, out.get("graph")
+    assert out["graph_overwritten"] == 0 and out["graph_result_ok"]
+    assert out["graph_private_segments"] >= 1 and out["graph_pool_segments_after_del"] == 0

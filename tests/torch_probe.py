@@ -1,0 +1,145 @@
+"""Run in a fresh process by tests/test_integrations_torch.py on a GPU: PyTorch with graphpool as
+its allocator (graphpool.torch.install()), each check's outcome printed as one JSON object.
+
+A fresh process because PyTorch's allocator can be swapped only before its first CUDA
+allocation, and never back.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import warnings
+from typing import Any
+
+import graphpool as gp
+
+
+def _try(fn: Any) -> str:
+    """'ok: <value>' or '<ExceptionType>: <message, first 200 characters>'."""
+    try:
+        return f"ok: {fn()!r}"
+    except Exception as e:  # recorded, not raised: the probe reports what PyTorch does
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def main() -> dict[str, Any]:
+    gp.set_backend("cuda")
+    import torch
+
+    import graphpool.torch as gtorch
+
+    out: dict[str, Any] = {"torch": torch.__version__}
+    gtorch.install()
+    gtorch.install()  # idempotent
+    out["installed"] = gtorch.installed()
+    out["backend"] = (
+        torch._C._cuda_getAllocatorBackend() if hasattr(torch._C, "_cuda_getAllocatorBackend") else None
+    )
+
+    # 1. tensors come from graphpool, with the right contents
+    base = gp.memory_allocated()
+    x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+    y = x * 2 + 1
+    torch.cuda.synchronize()
+    out["allocated_delta"] = gp.memory_allocated() - base
+    out["tensor_bytes"] = 2 * x.numel() * 4
+    out["owned_by_graphpool"] = any(
+        b["address"] <= y.data_ptr() < b["address"] + b["size"]
+        for seg in gp.memory_snapshot()
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    )
+    out["values_ok"] = bool(torch.equal(y[:5].cpu(), torch.tensor([1.0, 3.0, 5.0, 7.0, 9.0])))
+    torch_blocks = (x.data_ptr(), y.data_ptr())
+    del x, y
+    gc.collect()
+    out["freed_back"] = gp.memory_allocated() == base
+
+    # 2. one cache with CuPy: the memory PyTorch freed is what CuPy gets next (same stream;
+    # PyTorch's two 4 MiB blocks merged back into their segment, so CuPy's block starts there)
+    try:
+        import cupy
+
+        import graphpool.cupy as gcupy
+
+        gcupy.install()
+        reserved = gp.memory_reserved()
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; older CuPy lacks the new call
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cs = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
+        with cs:
+            a = cupy.empty(1 << 20, dtype=cupy.float32)
+            out["cupy_reuses_torch_block"] = (
+                int(a.data.ptr) in torch_blocks and gp.memory_reserved() == reserved
+            )
+            del a
+        gcupy.uninstall()
+    except ImportError:
+        out["cupy_reuses_torch_block"] = None
+
+    # 3. autograd (backward runs on PyTorch's own threads)
+    w = torch.randn(256, 256, device="cuda", requires_grad=True)
+    loss = (w @ w).square().sum()
+    loss.backward()
+    torch.cuda.synchronize()
+    out["backward_ok"] = w.grad is not None and bool(torch.isfinite(w.grad).all())
+    del w, loss
+    gc.collect()
+
+    # 4. out of memory: a clean error, the process and the allocator keep working
+    try:
+        torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+        out["oom"] = "no error"
+    except Exception as e:
+        out["oom"] = f"{type(e).__name__}: {str(e)[:160]}"
+    z = torch.ones(1000, device="cuda")
+    out["after_oom_ok"] = float(z.sum().item()) == 1000.0
+    del z
+    gp.check_invariants()
+
+    # 5. a torch.cuda.graph capture: the CuPy hazard, through PyTorch's API
+    s = torch.cuda.Stream()
+    inp = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(g, stream=s):
+            t = inp * 3.0
+            res = t + 1.0
+            del t  # freed inside the capture: graphpool keeps it for the graph
+        with torch.cuda.stream(s):
+            eager = torch.full((1 << 20,), 7.0, device="cuda")  # same stream, after the capture
+        s.synchronize()
+        g.replay()
+        s.synchronize()
+        out["graph_overwritten"] = int((eager != 7.0).sum().item())
+        out["graph_result_ok"] = bool((res == 4.0).all().item())
+        pools = [p for p in gp.memory_snapshot() if p["segment_pool_id"] is not None]
+        out["graph_private_segments"] = len(pools)
+        del g, res, eager
+        gc.collect()
+        torch.cuda.synchronize()
+        gp.empty_cache()
+        out["graph_pool_segments_after_del"] = len(
+            [p for p in gp.memory_snapshot() if p["segment_pool_id"] is not None]
+        )
+    except Exception as e:
+        out["graph"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+    # 6. what PyTorch's own memory calls do with a pluggable allocator
+    out["torch_memory_allocated"] = _try(torch.cuda.memory_allocated)
+    out["torch_empty_cache"] = _try(torch.cuda.empty_cache)
+    out["record_stream"] = _try(lambda: torch.ones(10, device="cuda").record_stream(s))
+    gc.collect()
+    torch.cuda.synchronize()
+    gp.check_invariants()
+    out["invariants_ok"] = True
+    return out
+
+
+if __name__ == "__main__":
+    result = main()
+    json.dump(result, sys.stdout)
+    sys.stdout.write("\n")
