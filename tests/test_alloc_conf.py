@@ -41,7 +41,9 @@ def test_each_pytorch_key_parses() -> None:
         "max_non_split_rounding": 64 * MiB,
         "roundup_power2_divisions": (4,) * 16,
         "garbage_collection_threshold": 0.6,
+        "expandable_segments": False,
     }
+    assert parse_alloc_conf("expandable_segments:True").policy() == {"expandable_segments": True}
     assert parse_alloc_conf("max_split_size_mb:20").max_split_size == 20 * MiB  # PyTorch's least
     assert parse_alloc_conf("max_split_size_mb:64,max_split_size_mb:128").max_split_size == 128 * MiB
 
@@ -75,7 +77,6 @@ def test_the_list_form_of_roundup_power2_divisions_follows_pytorch() -> None:
         ("roundup_power2_divisions:[]", "expected a list"),
         ("roundup_power2_divisions:[256]", "size_mb:divisions"),
         ("expandable_segments:yes", "True or False"),
-        ("expandable_segments:True", "not implemented yet"),
         ("max_split_size:512", "with a key among"),
         ("backend:cudaMallocAsync", "with a key among"),
     ],
@@ -135,8 +136,8 @@ def test_set_allocator_config_keys_win_over_the_variable(sim: None, monkeypatch:
 
 
 def test_set_allocator_config_refuses_bad_text_and_changes_nothing(sim: None) -> None:
-    with pytest.raises(ValueError, match="not implemented yet"):
-        gp.set_allocator_config("expandable_segments:True")
+    with pytest.raises(ValueError, match="True or False"):
+        gp.set_allocator_config("expandable_segments:maybe")
     with pytest.raises(ValueError, match="with a key among"):
         gp.set_allocator_config("max_split_size_mb:64,nonsense:1")
     with pytest.raises(TypeError, match="takes a str"):

@@ -25,6 +25,7 @@ only mean something on a real GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -37,6 +38,7 @@ from typing import Any
 
 import graphpool as gp
 from graphpool import runtime
+from graphpool.policy.allocator import CachingAllocator
 
 _SPIN_SRC = r"""
 extern "C" __global__ void gp_spin(long long cycles) {
@@ -469,6 +471,8 @@ def bench_cupy_hazard() -> dict[str, Any]:
 TRACE_SIDES = {
     "graphpool": "gp.alloc(n, stream) / buf.free()",
     "policy": "graphpool's policy alone: runtime.allocator().malloc(n, stream=h) / .free(ptr)",
+    "expandable": "graphpool's policy with expandable_segments:True (an allocator of its own on the "
+    "device): .malloc(n, stream=h) / .free(ptr)",
     "cupy": "cupy.cuda.MemoryPool().malloc(n) on the event's stream / drop the MemoryPointer",
     "torch": "torch.cuda.caching_allocator_alloc(n, device, stream) / caching_allocator_delete(ptr), "
     "PyTorch's public calls (a Python wrapper that switches the device around the C++ call)",
@@ -568,7 +572,60 @@ def _graphpool_sides(events: list[tuple[int, int, int, int]], streams: list[gp.S
         gp_replay()
         return gp.max_memory_reserved(dev) - base
 
-    return {"graphpool": _Side(gp_replay, empty, peak), "policy": _Side(policy_replay, empty, None)}
+    sides = {"graphpool": _Side(gp_replay, empty, peak), "policy": _Side(policy_replay, empty, None)}
+    sides["expandable"] = _expandable_side(policy_events, alloc)
+    return sides
+
+
+def _expandable_side(events: list[ReplayEvent], like: CachingAllocator) -> _Side:
+    """The policy with expandable segments, on an allocator of its own beside ``like``'s."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(like.sizes, expandable_segments=True)
+    exp = CachingAllocator(like.device, sizes=sizes, world=rt.world)
+    malloc, free = exp.malloc, exp.free
+
+    def replay() -> None:
+        live: dict[int, int] = {}
+        for k, i, n, s in events:
+            if k:
+                live[i] = malloc(n, stream=s)
+            else:
+                free(live.pop(i))
+
+    def empty() -> None:
+        exp.empty_cache()
+
+    def peak() -> int:
+        exp.empty_cache()
+        base = exp.memory_stats()["reserved_bytes.all.current"]
+        exp.reset_peak()
+        replay()
+        return exp.memory_stats()["reserved_bytes.all.peak"] - base
+
+    return _Side(replay, empty, peak, empty)
+
+
+def _torch_expandable_peak(
+    events: list[tuple[int, int, int, int]], handles: list[int], device: int
+) -> int | None:
+    """Peak reserved bytes of PyTorch's allocator with its expandable segments turned on for one
+    untimed replay (then off again, its cache emptied before and after); None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None or not torch.cuda.is_available():
+        return None
+    side = _torch_sides(events, handles, device)["torch"]
+    torch.cuda.empty_cache()
+    setter("expandable_segments:True")
+    try:
+        assert side.peak is not None
+        return side.peak()
+    finally:
+        torch.cuda.empty_cache()
+        setter("expandable_segments:False")
 
 
 def _cupy_side(events: list[tuple[int, int, int, int]], handles: list[int]) -> _Side:
@@ -832,6 +889,10 @@ def bench_traces(repeat: int, quick: bool, skipped: Skipped | None = None) -> di
                     sync()
                     cold[k] += _per_call(side.replay, 1, 1)
             peaks = {k: side.peak() for k, side in sides.items() if side.peak is not None}
+            if "torch" in sides:
+                torch_exp = _torch_expandable_peak(events, handles, device)
+                if torch_exp:
+                    peaks["torch expandable"] = torch_exp
         finally:
             for side in sides.values():
                 if side.close is not None:
@@ -847,17 +908,23 @@ def bench_traces(repeat: int, quick: bool, skipped: Skipped | None = None) -> di
         for k in sides:
             row[f"{k}, warm (us)"] = statistics.median(warm[k]) / ops * 1e6
             row[f"{k}, cold (us)"] = statistics.median(cold[k]) / ops * 1e6
-            if k in peaks:
-                row[f"{k}, peak reserved (bytes)"] = peaks[k]
+        for k in peaks:
+            row[f"{k}, peak reserved (bytes)"] = peaks[k]
+        live_peak = traces.peak_live_bytes(trace)
+        for k in peaks:  # every allocator's reserved/live, expandable segments beside the rest
+            if live_peak:
+                row[f"{k} peak reserved/peak live"] = peaks[k] / live_peak
+        for when in ("warm", "cold"):
+            row[f"expandable/policy time, {when}"] = (
+                row[f"expandable, {when} (us)"] / row[f"policy, {when} (us)"]
+            )
         for k in sides:
-            if k in ("graphpool", "policy"):
+            if k in ("graphpool", "policy", "expandable"):
                 continue
             for when in ("warm", "cold"):
                 row[f"graphpool/{k} time, {when}"] = row[f"graphpool, {when} (us)"] / row[f"{k}, {when} (us)"]
             if peaks.get(k):
                 row[f"graphpool/{k} peak reserved"] = peaks["graphpool"] / peaks[k]
-        if row["peak live (bytes)"]:
-            row["graphpool peak reserved/peak live"] = peaks["graphpool"] / row["peak live (bytes)"]
         out["traces"][trace.name] = row
     for name, version in _versions().items():
         if name in out["sides"]:

@@ -127,7 +127,7 @@ def torch_layout(
                     "stream": seg["stream"],
                     "segment_type": seg["segment_type"],
                     "segment_pool_id": ORDINARY_POOL if pool is None else tuple(pool),
-                    "is_expandable": False,
+                    "is_expandable": seg["is_expandable"],
                     "frames": _frames(seg["frames"], memo),
                     "blocks": [
                         {
@@ -159,7 +159,7 @@ def torch_layout(
             "PYTORCH_CUDA_ALLOC_CONF": "",
             "max_split_size": -1 if conf.max_split_size is None else conf.max_split_size,
             "garbage_collection_threshold": conf.garbage_collection_threshold or 0.0,
-            "expandable_segments": False,
+            "expandable_segments": bool(conf.expandable_segments),
             "GRAPHPOOL_ALLOC_CONF": os.environ.get("GRAPHPOOL_ALLOC_CONF", ""),
             "backend": backend,
         },

@@ -62,6 +62,8 @@ class FakeDevice:
         self.refuse_end: set[int] = set()  # streams whose end_capture fails (thread-bound, thread gone)
         self.refused = 0  # driver allocations refused (out of memory)
         self.graphs: set[int] = set()  # graph handles made by end_capture, not destroyed
+        self.reserved: dict[int, tuple[int, set[int]]] = {}  # va -> (size, mapped granules)
+        self._next_va = 1 << 46
 
     # memory
     def malloc(self, nbytes: int) -> int | None:
@@ -81,6 +83,52 @@ class FakeDevice:
 
     def mem_info(self) -> tuple[int, int]:
         return self.total - self.used, self.total
+
+    # virtual memory: a granule of 8 KiB (SHRUNK's scale, as 2 MiB is a real device's);
+    # reservations come from their own address range
+    GRAN = 8192
+
+    def vmm_granularity(self) -> int:
+        return self.GRAN
+
+    def vmm_reserve(self, nbytes: int) -> int:
+        self.calls.append("reserve")
+        assert nbytes > 0 and nbytes % self.GRAN == 0
+        va = self._next_va
+        self._next_va += nbytes + self.GRAN
+        self.reserved[va] = (nbytes, set())
+        return va
+
+    def _granules(self, va: int, nbytes: int) -> tuple[set[int], range]:
+        for base, (size, mapped) in self.reserved.items():
+            if base <= va and va + nbytes <= base + size:
+                assert (va - base) % self.GRAN == 0 and nbytes % self.GRAN == 0 and nbytes > 0
+                first = (va - base) // self.GRAN
+                return mapped, range(first, first + nbytes // self.GRAN)
+        raise AssertionError(f"[{va:#x}, +{nbytes}) is in no reservation")
+
+    def vmm_map(self, va: int, nbytes: int) -> bool:
+        self.calls.append("map")
+        mapped, granules = self._granules(va, nbytes)
+        assert not any(g in mapped for g in granules), "mapped twice"
+        if self.used + nbytes > self.total:
+            self.refused += 1
+            return False
+        mapped.update(granules)
+        self.used += nbytes
+        return True
+
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        self.calls.append("unmap")
+        mapped, granules = self._granules(va, nbytes)
+        assert all(g in mapped for g in granules), "unmapping unmapped memory"
+        mapped.difference_update(granules)
+        self.used -= nbytes
+
+    def vmm_release(self, va: int, nbytes: int) -> None:
+        self.calls.append("release")
+        size, mapped = self.reserved.pop(va)
+        assert size == nbytes and not mapped
 
     # events
     def create_event(self) -> int:

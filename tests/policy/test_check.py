@@ -14,6 +14,7 @@ earlier check's message and says so in ``note``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from fakedevice import SHRUNK, FakeDevice
 
 from graphpool.policy import check
 from graphpool.policy.allocator import CachingAllocator
-from graphpool.policy.block import Block, iter_segment
+from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.check import check_invariants
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
@@ -441,6 +442,65 @@ def corrupt_allocated_held(st: State) -> None:
     st.a._deferred.append(st.allocated)
 
 
+def _expandable(st: State) -> ExpandableSegment:
+    """Give the state an allocator with expandable segments instead: on S1 one segment of
+    [allocated 20480 of 24576][allocated 9216][free 7168], and one on S2 (the checks of
+    expandable segments run only where some exist)."""
+    a = CachingAllocator(FakeDevice(), sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    a.malloc(20000, stream=S1)
+    last = a.malloc(9000, stream=S1)
+    a.malloc(30000, stream=S2)
+    check_invariants(a)
+    st.a = a
+    st.extra["last"] = a._active[last]
+    return a._exp_of[(False, S1)]
+
+
+def corrupt_exp_index(st: State) -> None:
+    seg = _expandable(st)
+    del st.a._exp_of[(seg.is_small, seg.stream)]
+
+
+def corrupt_exp_misfiled(st: State) -> None:
+    _expandable(st).stream = S3
+
+
+def corrupt_exp_no_segment(st: State) -> None:
+    _expandable(st)
+    ghost = ExpandableSegment(1 << 47, 1 << 20, 8192, S4, False)
+    st.a._exp[ghost.base] = ghost
+    st.a._exp_of[(False, S4)] = ghost
+
+
+def corrupt_exp_pool(st: State) -> None:
+    seg = _expandable(st)
+    del st.a._exp_of[(False, S1)]
+    seg.stream = S3
+    st.a._exp_of[(False, S3)] = seg
+
+
+def corrupt_exp_tiling(st: State) -> None:
+    _expandable(st).mapped += st.a._gran
+
+
+def corrupt_exp_reservation(st: State) -> None:
+    seg = _expandable(st)
+    seg.reserved = seg.mapped - st.a._gran
+
+
+def corrupt_exp_granules(st: State) -> None:
+    seg = _expandable(st)
+    last = st.extra["last"]  # make it the last block, allocated, 512 bytes longer
+    rest = last.next
+    assert rest is not None and not rest.allocated
+    rest.pool.remove(rest)
+    last.next = None
+    last.size += rest.size + 512
+    seg.mapped += 512
+    st.a.stats.kind(False).add("inactive_split", -1)
+    st.a.stats.kind(False).add("inactive_split_bytes", -rest.size)
+
+
 @dataclass(frozen=True)
 class Case:
     corrupt: Callable[[State], None]
@@ -522,6 +582,13 @@ CASES: dict[str, Case] = {
         corrupt_hold_elsewhere, "a hold on a block that is no longer in any segment", True
     ),
     "allocated and held": Case(corrupt_allocated_held, "is allocated and held", True),
+    "expandable index": Case(corrupt_exp_index, "expandable segments indexed twice or not at all"),
+    "expandable misfiled": Case(corrupt_exp_misfiled, "misfiled"),
+    "expandable no segment": Case(corrupt_exp_no_segment, "is no segment"),
+    "expandable pool": Case(corrupt_exp_pool, "in the wrong pool or stream"),
+    "expandable tiling": Case(corrupt_exp_tiling, ": blocks do not tile it"),
+    "expandable reservation": Case(corrupt_exp_reservation, ": mapped outside its reservation"),
+    "expandable granules": Case(corrupt_exp_granules, ": not whole granules"),
 }
 
 
@@ -576,6 +643,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 53  # the checks today; update with a case for each new one
+    assert len(messages) == 60  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

@@ -277,6 +277,8 @@ CONFS = st.sampled_from(
         {"max_split_size": 65536, "max_non_split_rounding": 49152, "roundup_power2_divisions": (4,) * 16},
         {"roundup_power2_divisions": (2,) * 16},
         {"garbage_collection_threshold": 0.3, "max_split_size": 49152},
+        {"expandable_segments": True},
+        {"expandable_segments": True, "roundup_power2_divisions": (2,) * 16},
     )
 )
 """The configurations a program runs under, both sides the same (the default most often)."""

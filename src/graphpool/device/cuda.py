@@ -126,6 +126,12 @@ def _load_native() -> None:
         native_missing = str(why)
 
 
+def _dcheck(call: str, err: Any) -> None:
+    """Raise ``CUDAError`` unless the driver result ``err`` is CUDA_SUCCESS."""
+    if int(err):
+        raise _cuda_error(call, int(err))
+
+
 def _check(call: str, err: Any) -> None:
     """The one checker: raise ``CUDAError`` unless ``err`` is cudaSuccess.
 
@@ -272,6 +278,8 @@ class CudaDevice:
         self.name = str(raw)
         self._attached: set[int] = set()  # release tokens of this device not yet reported
         self._primary: int | None = None  # the primary context's handle, once owns_stream asked
+        self._prop: Any = None  # virtual memory: allocation properties and access descriptor
+        self._access: Any = None
         if _native is not None:
             # the allocator binds ``capture_id`` once and calls it on every allocation: the C
             # function itself, with no Python frame in between
@@ -303,6 +311,78 @@ class CudaDevice:
         err, free, total = _rt.cudaMemGetInfo()
         _check("cudaMemGetInfo", err)
         return int(free), int(total)
+
+    # -- virtual memory (expandable segments), through the driver API
+    def _vmm(self) -> tuple[Any, Any]:
+        """The driver module and this device's allocation properties (made once)."""
+        if self._prop is None:
+            from cuda.bindings import driver
+
+            prop = driver.CUmemAllocationProp()
+            prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.id = self.index
+            desc = driver.CUmemAccessDesc()
+            desc.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            desc.location.id = self.index
+            desc.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            self._access = desc
+            self._prop = prop
+        from cuda.bindings import driver
+
+        return driver, self._prop
+
+    def vmm_granularity(self) -> int:
+        """cuMemGetAllocationGranularity (minimum) for pinned device memory."""
+        driver, prop = self._vmm()
+        flag = driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        err, gran = driver.cuMemGetAllocationGranularity(prop, flag)
+        _dcheck("cuMemGetAllocationGranularity", err)
+        return int(gran)
+
+    @_on_device
+    def vmm_reserve(self, nbytes: int) -> int:
+        """cuMemAddressReserve."""
+        driver, _ = self._vmm()
+        err, va = driver.cuMemAddressReserve(nbytes, 0, 0, 0)
+        _dcheck("cuMemAddressReserve", err)
+        return int(va)
+
+    @_on_device
+    def vmm_map(self, va: int, nbytes: int) -> bool:
+        """cuMemCreate, cuMemMap, cuMemSetAccess; the handle is released at once (the mapping
+        keeps the memory until it is unmapped). False on CUDA_ERROR_OUT_OF_MEMORY."""
+        driver, prop = self._vmm()
+        err, handle = driver.cuMemCreate(nbytes, prop, 0)
+        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            return False
+        _dcheck("cuMemCreate", err)
+        try:
+            (err,) = driver.cuMemMap(va, nbytes, 0, handle, 0)
+            _dcheck("cuMemMap", err)
+        finally:
+            driver.cuMemRelease(handle)
+        (err,) = driver.cuMemSetAccess(va, nbytes, [self._access], 1)
+        if err:
+            driver.cuMemUnmap(va, nbytes)
+            _dcheck("cuMemSetAccess", err)
+        return True
+
+    @_on_device
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """cudaDeviceSynchronize (unlike cudaFree, cuMemUnmap does not wait for queued work),
+        then cuMemUnmap."""
+        driver, _ = self._vmm()
+        _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
+        (err,) = driver.cuMemUnmap(va, nbytes)
+        _dcheck("cuMemUnmap", err)
+
+    @_on_device
+    def vmm_release(self, va: int, nbytes: int) -> None:
+        """cuMemAddressFree."""
+        driver, _ = self._vmm()
+        (err,) = driver.cuMemAddressFree(va, nbytes)
+        _dcheck("cuMemAddressFree", err)
 
     @_on_device
     def memset(self, ptr: int, value: int, nbytes: int, stream: int) -> None:

@@ -59,6 +59,30 @@ class Device(Protocol):
         """(free bytes, total bytes) of the device."""
         ...
 
+    # -- virtual memory (expandable segments) ----------------------------------
+    def vmm_granularity(self) -> int:
+        """The unit of mapped physical memory: sizes and offsets below are multiples of it."""
+        ...
+
+    def vmm_reserve(self, nbytes: int) -> int:
+        """Reserve ``nbytes`` of virtual address space, backed by nothing yet."""
+        ...
+
+    def vmm_map(self, va: int, nbytes: int) -> bool:
+        """Back ``[va, va + nbytes)`` of a reservation with new physical memory that this device
+        may read and write; False (nothing mapped) if the device is out of memory. Unsafe
+        during capture, like ``malloc``."""
+        ...
+
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """Wait for the device's queued work, then unmap ``[va, va + nbytes)`` and give its
+        physical memory back (unsafe during capture, like ``free``)."""
+        ...
+
+    def vmm_release(self, va: int, nbytes: int) -> None:
+        """Give back the reservation at ``va`` of ``nbytes``, all of it unmapped."""
+        ...
+
     def memset(self, ptr: int, value: int, nbytes: int, stream: int) -> None:
         """Queue a byte fill on ``stream`` (capturable)."""
         ...

@@ -58,7 +58,7 @@ from graphpool.errors import (
     OutOfMemoryError,
 )
 from graphpool.policy import interrupts, observers
-from graphpool.policy.block import Block, iter_segment
+from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.freelist import Bins, FreeList
 from graphpool.policy.history import History
 from graphpool.policy.limits import MemoryLimits
@@ -137,6 +137,11 @@ class CachingAllocator:
         self._spare: list[Block] = []
         self._spare1: Block | None = None
         self._segments: dict[int, Block] = {}  # base address -> first block
+        # Expandable segments (sizes.expandable_segments): base -> segment, and the segment
+        # of each (is_small, stream) of the ordinary pool; the device's mapping granularity.
+        self._exp: dict[int, ExpandableSegment] = {}
+        self._exp_of: dict[tuple[bool, int], ExpandableSegment] = {}
+        self._gran = 0
         self._seg_bases: list[int] = []  # sorted base addresses
         # finalizer work: frees (int), frees after a stream use ((ptr, stream)), releases (records)
         self._pending: deque[Any] = deque()
@@ -179,6 +184,7 @@ class CachingAllocator:
         self._non_split = sizes.non_split_rounding()
         self._divisions = bool(sizes.roundup_power2_divisions)
         self._gc_threshold = sizes.garbage_collection_threshold
+        self._expandable = sizes.expandable_segments
 
     def configure(self, sizes: SizeConfig) -> None:
         """Replace the size policy (``gp.set_allocator_config``): only before the first allocation,
@@ -447,6 +453,8 @@ class CachingAllocator:
             self._poll_released()
         if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
             self._collect(self._gc_threshold)
+        if self._expandable and fl.owner is None:
+            return self._slow_expandable(fl, size, stream, nbytes)
         seg = self.sizes.segment_size(size)
         ptr = self._device_malloc(seg)
         if ptr is None and self._max_split <= self._total and fl.owner is None and not self._world.active:
@@ -489,6 +497,144 @@ class CachingAllocator:
         if _log.isEnabledFor(logging.DEBUG):
             self._log_segment("allocated", head)
         return head
+
+    # ------------------------------------------------------- expandable segments
+    def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
+        """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
+        segment; out of memory and no capture underway, wait for pending stream uses, look
+        in the cache again, release the cache (``empty_cache``'s work) and grow again."""
+        block = self._grow(fl, size, stream)
+        if block is None and not self._world.active:
+            self._synchronize_events()
+            found = fl.best_fit(stream, size)
+            if found is not None:
+                fl.remove(found)  # a stream use that just completed freed a fitting block
+                return found
+            self._release_cached()
+            self.stats.num_alloc_retries += 1
+            block = self._grow(fl, size, stream)
+        if block is None:
+            self._raise_oom(nbytes, self._round_gran(size), fl, stream)
+        return block
+
+    def _round_gran(self, nbytes: int) -> int:
+        """``nbytes`` rounded up to the device's mapping granularity (asked once)."""
+        if not self._gran:
+            self._gran = self.device.vmm_granularity()
+        g = self._gran
+        return -(-nbytes // g) * g
+
+    def _grow(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """Map enough at the end of ``stream``'s expandable segment of ``fl`` (made on first use)
+        for a block of ``size``; return that block, in no free list, or None when the device
+        or a limit refuses. The block is the segment's free last block grown, or a new one
+        after an allocated last block; its statistics are counted as the caller expects of
+        a block taken from the cache (inactive split when it has neighbours)."""
+        seg = self._exp_of.get((fl.is_small, stream))
+        if seg is None:
+            need = self._round_gran(size)
+            reserve = self._round_gran(self._total)
+            if need > reserve or not self._map_allowed(need):
+                return None
+            prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+            try:
+                va = self.device.vmm_reserve(reserve)
+                if not self.device.vmm_map(va, need):
+                    self.device.vmm_release(va, reserve)
+                    return None
+            finally:
+                self.device.exchange_capture_mode(prev)
+            seg = ExpandableSegment(va, reserve, need, stream, fl.is_small)
+            self._exp[va] = seg
+            self._exp_of[(fl.is_small, stream)] = seg
+            head = Block(va, need, stream, fl)
+            self._segments[va] = head
+            insort(self._seg_bases, va)
+            self.stats.num_device_alloc += 1
+            k = self.stats.kind(fl.is_small)
+            k.add("segment", 1)
+            k.add("reserved_bytes", need)
+            if self._history is not None:
+                self._history.segment_alloc(va, need, stream, None)
+            if _log.isEnabledFor(logging.DEBUG):
+                self._log_segment("allocated (expandable)", head)
+            return head
+        tail = self._segments[seg.base]
+        while tail.next is not None:
+            tail = tail.next
+        free_tail = not tail.allocated and tail.holds == 0
+        need = self._round_gran(size - tail.size if free_tail else size)
+        end = seg.base + seg.mapped
+        if seg.mapped + need > seg.reserved or not self._map_allowed(need):
+            return None
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            mapped = self.device.vmm_map(end, need)
+        finally:
+            self.device.exchange_capture_mode(prev)
+        if not mapped:
+            return None
+        seg.mapped += need
+        self._limit_hit = None
+        self.stats.num_device_alloc += 1
+        k = self.stats.kind(fl.is_small)
+        k.add("reserved_bytes", need)
+        if self._history is not None:
+            self._history.record("segment_map", end, need, stream, None)
+        if free_tail:
+            fl.remove(tail)
+            tail.size += need
+            if tail.prev is not None:
+                k.add("inactive_split_bytes", need)
+            return tail
+        block = Block(end, need, stream, fl)
+        block.prev = tail
+        tail.next = block
+        k.add("inactive_split", 1)
+        k.add("inactive_split_bytes", need)
+        return block
+
+    def _map_allowed(self, nbytes: int) -> bool:
+        """Whether mapping ``nbytes`` more keeps reserved memory within the limits (a refusal
+        is noted for the out-of-memory message, as ``_device_malloc`` does)."""
+        limits = self.limits
+        if limits.cap is not None and self.stats.current("reserved_bytes") + nbytes > limits.cap:
+            self._refuse_by_limit(limits, nbytes)
+            return False
+        return True
+
+    def _shrink(self, seg: ExpandableSegment) -> None:
+        """Unmap the whole granules of the free last block of ``seg`` (``empty_cache``; the
+        caller runs under the relaxed capture mode, with no capture underway). A segment
+        left empty was already released whole by ``_release_segment``."""
+        tail = self._segments[seg.base]
+        while tail.next is not None:
+            tail = tail.next
+        if tail.allocated or tail.holds or tail.prev is None:
+            return
+        start = self._round_gran(tail.ptr)
+        end = seg.base + seg.mapped
+        if start >= end:
+            return
+        fl = tail.pool
+        fl.remove(tail)
+        self.device.vmm_unmap(start, end - start)
+        seg.mapped -= end - start
+        self.stats.num_device_free += 1
+        k = self.stats.kind(fl.is_small)
+        k.add("reserved_bytes", start - end)
+        if self._history is not None:
+            self._history.record("segment_unmap", start, end - start, seg.stream, None)
+        if start == tail.ptr:  # the whole block goes
+            before = tail.prev
+            before.next = None
+            tail.prev = None
+            k.add("inactive_split", -1)
+            k.add("inactive_split_bytes", -tail.size)
+        else:
+            k.add("inactive_split_bytes", start - end)
+            tail.size = start - tail.ptr
+            fl.insert(tail)
 
     def _collect(self, threshold: float) -> None:
         """PyTorch's ``garbage_collect_cached_blocks``: while reserved memory passes ``threshold``
@@ -1095,6 +1241,8 @@ class CachingAllocator:
         try:
             for fl in (self._small, self._large):
                 self._release_free_segments(fl)
+            for seg in list(self._exp.values()):  # partly free: unmap their free ends
+                self._shrink(seg)
             for pool in self._pools.values():  # live pools: only segments of failed captures
                 if pool.use_count and pool.fresh:
                     for head in list(pool.fresh):
@@ -1126,7 +1274,13 @@ class CachingAllocator:
         """Give a whole free segment back to the driver: the one place device memory is freed."""
         if self._world.active:
             raise CaptureError("graphpool: no device memory is freed while a capture is underway")
-        self.device.free(block.ptr)
+        seg = self._exp.pop(block.ptr, None) if self._exp else None
+        if seg is None:
+            self.device.free(block.ptr)
+        else:  # a whole free expandable segment: unmap it and give back its range
+            del self._exp_of[(seg.is_small, seg.stream)]
+            self.device.vmm_unmap(seg.base, seg.mapped)
+            self.device.vmm_release(seg.base, seg.reserved)
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
         if self._history is not None:
@@ -1484,7 +1638,11 @@ class CachingAllocator:
     def _memory_stats(self, pool: PoolId | None) -> dict[str, int]:
         self._settle()
         if pool is None:
-            return self.stats.as_dict()
+            out = self.stats.as_dict()
+            # expandable segments: bytes mapped (also in reserved_bytes), and address space held
+            out["expandable_mapped_bytes"] = sum(seg.mapped for seg in self._exp.values())
+            out["expandable_virtual_bytes"] = sum(seg.reserved for seg in self._exp.values())
+            return out
         p = self._pools.get(pool)
         if p is None:
             raise ValueError(f"no private pool {tuple(pool)} on device {self.device.index}")
@@ -1567,6 +1725,7 @@ class CachingAllocator:
                 "stream": head.stream,
                 "segment_type": "small" if head.pool.is_small else "large",
                 "segment_pool_id": tuple(owner.id) if owner is not None else None,
+                "is_expandable": base in self._exp,
                 "blocks": [
                     {
                         "address": b.ptr,

@@ -77,3 +77,24 @@ def iter_segment(head: Block) -> list[Block]:
         out.append(b)
         b = b.next
     return out
+
+
+class ExpandableSegment:
+    """An expandable segment (``expandable_segments:True``): a reserved virtual range whose
+    mapped prefix ``[base, base + mapped)`` is one segment of blocks. It grows at its end,
+    granule by granule, when no free block of its stream fits, and gives whole free granules
+    at its end back on ``empty_cache``. One per stream and kind (small or large) of the
+    ordinary pool; private pools keep ordinary segments.
+    """
+
+    __slots__ = ("base", "reserved", "mapped", "stream", "is_small")
+
+    def __init__(self, base: int, reserved: int, mapped: int, stream: int, is_small: bool) -> None:
+        self.base = base
+        self.reserved = reserved
+        self.mapped = mapped
+        self.stream = stream
+        self.is_small = is_small
+
+    def __repr__(self) -> str:
+        return f"ExpandableSegment(0x{self.base:x}, mapped={self.mapped}, reserved={self.reserved})"

@@ -91,6 +91,23 @@ def _check_freelist(fl: FreeList, blocks_in_fl: set[int]) -> None:
             blocks_in_fl.add(id(b))
 
 
+def _check_expandable(a: CachingAllocator) -> None:
+    """Each expandable segment is one segment of the ordinary pool whose blocks tile exactly
+    its mapped prefix, a whole number of granules within its reservation; one per stream
+    and kind."""
+    _expect(len(a._exp_of) == len(a._exp), "expandable segments indexed twice or not at all")
+    for base, seg in a._exp.items():
+        _expect(seg.base == base and a._exp_of.get((seg.is_small, seg.stream)) is seg, f"{seg} misfiled")
+        head = a._segments.get(base)
+        _expect(head is not None, f"{seg} is no segment")
+        assert head is not None
+        fl = a._small if seg.is_small else a._large
+        _expect(head.pool is fl and head.stream == seg.stream, f"{seg} in the wrong pool or stream")
+        _expect(sum(b.size for b in iter_segment(head)) == seg.mapped, f"{seg}: blocks do not tile it")
+        _expect(0 < seg.mapped <= seg.reserved, f"{seg}: mapped outside its reservation")
+        _expect(a._gran > 0 and seg.mapped % a._gran == 0, f"{seg}: not whole granules")
+
+
 def check_invariants(a: CachingAllocator) -> None:
     """Raise AssertionError if any invariant of ``a`` does not hold."""
     sizes = a.sizes
@@ -132,6 +149,7 @@ def check_invariants(a: CachingAllocator) -> None:
     n_allocated = sum(1 for b in all_blocks if b.allocated)
     _expect(len(a._active) == n_allocated, "tracked allocations != allocated blocks")
 
+    _check_expandable(a)
     _check_stats(a.stats, all_blocks, heads, "device")
     for pool in a._pools.values():
         mine = [b for b in all_blocks if b.pool.owner is pool]

@@ -112,6 +112,7 @@ class AllocConf(NamedTuple):
             "max_non_split_rounding",
             "roundup_power2_divisions",
             "garbage_collection_threshold",
+            "expandable_segments",
         ):
             value = getattr(self, name)
             if value is not None:
@@ -223,12 +224,7 @@ def parse_alloc_conf(text: str) -> AllocConf:
             flag = value.strip()
             if flag not in ("True", "true", "False", "false"):
                 raise ValueError(f"expandable_segments:{flag}: use True or False")
-            if flag in ("True", "true"):
-                raise ValueError(
-                    "expandable_segments:True is not implemented yet (graphpool maps no virtual "
-                    "memory); leave it out or write expandable_segments:False"
-                )
-            conf[key] = False
+            conf[key] = flag in ("True", "true")
     return AllocConf(**conf)
 
 

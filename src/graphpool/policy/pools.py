@@ -34,6 +34,9 @@ class SizeConfig:
     ``garbage_collection_threshold``: with a memory fraction set, before a new segment,
     release the least recently used free segments of the large pool while reserved memory
     passes this share of the fraction's cap (0: never, PyTorch's default).
+    ``expandable_segments``: the ordinary pool grows one virtual range per stream and kind
+    in place (CUDA virtual memory management) instead of allocating separate segments
+    (policy/allocator.py, "Expandable segments"; off by default, as in PyTorch).
     """
 
     min_block: int = 512
@@ -46,6 +49,7 @@ class SizeConfig:
     max_non_split_rounding: int | None = None
     roundup_power2_divisions: tuple[int, ...] = ()
     garbage_collection_threshold: float = 0.0
+    expandable_segments: bool = False
 
     def __post_init__(self) -> None:
         if self.min_block <= 0 or self.min_block & (self.min_block - 1):

@@ -32,7 +32,7 @@ from graphpool.device.protocol import (
 from graphpool.sim import capture
 from graphpool.sim.capture import Capture, Node
 from graphpool.sim.cudaerr import cuda_error
-from graphpool.sim.memory import SimMemory
+from graphpool.sim.memory import GRANULARITY, SimMemory
 
 GiB = 1024**3
 DEFAULT_DEVICE_COUNT = 2
@@ -143,6 +143,36 @@ class SimDevice:
     def mem_info(self) -> tuple[int, int]:
         with self._lock:
             return self.memory_bytes - self._mem.used, self.memory_bytes
+
+    # -- virtual memory: a reservation per expandable segment, mapped granule by granule
+    def vmm_granularity(self) -> int:
+        return GRANULARITY
+
+    def vmm_reserve(self, nbytes: int) -> int:
+        with self._lock:
+            return self._mem.reserve(nbytes)
+
+    def vmm_map(self, va: int, nbytes: int) -> bool:
+        """cuMemCreate + cuMemMap + cuMemSetAccess; False when the memory is used up."""
+        with self._lock:
+            capture.check_unsafe("cuMemMap")
+            return self._mem.map(va, nbytes)
+
+    def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """Waits for all queued work first (graphpool's CUDA device synchronizes, too)."""
+        with self._lock:
+            capture.check_unsafe("cuMemUnmap")
+            self._run_until(self._idle)
+            self._mem.unmap(va, nbytes)
+
+    def vmm_release(self, va: int, nbytes: int) -> None:
+        with self._lock:
+            self._mem.release_reservation(va, nbytes)
+
+    def reservations(self) -> list[tuple[int, int, int]]:
+        """(address, size, mapped bytes) of every live reservation, by address."""
+        with self._lock:
+            return self._mem.reservations()
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray:
         """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live."""

@@ -9,6 +9,8 @@ lock guards it.
 
 from __future__ import annotations
 
+import mmap
+import sys
 from bisect import bisect_right
 
 import numpy as np
@@ -17,6 +19,55 @@ from graphpool.sim.cudaerr import cuda_error
 
 SEGMENT_ALIGNMENT = 2 * 1024 * 1024
 """Every allocation starts on a 2 MiB boundary, as cudaMalloc's large allocations do."""
+
+GRANULARITY = 2 * 1024 * 1024
+"""The unit of mapped physical memory (cuMemGetAllocationGranularity on an H200)."""
+
+
+class _Reservation:
+    """A virtual address range: the granules mapped now, and the bytes behind them.
+
+    The bytes are an anonymous memory map of the whole range made without reserving swap
+    (``MAP_NORESERVE``), so only touched pages cost memory, and unmapping a granule gives
+    its pages back (``madvise(MADV_DONTNEED)``: mapped again, it reads zeros, one of the
+    values CUDA allows for new physical memory). Where the platform has neither, ``store``
+    is an array grown geometrically up to the highest byte mapped, and unmapped granules
+    keep their old bytes.
+    """
+
+    __slots__ = ("base", "size", "mapped", "store", "_mm")
+
+    def __init__(self, base: int, size: int) -> None:
+        self.base = base
+        self.size = size
+        self.mapped: set[int] = set()  # granule indices from base
+        self._mm: mmap.mmap | None = None
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        # Python 3.11's mmap lacks the name; Linux's value is 0x4000 on every architecture
+        noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+        if flags:
+            try:
+                self._mm = mmap.mmap(-1, size, flags=flags | noreserve)
+            except (OSError, ValueError):
+                self._mm = None
+        self.store = (
+            np.frombuffer(self._mm, dtype=np.uint8) if self._mm is not None else np.zeros(0, np.uint8)
+        )
+
+    def cover(self, end: int) -> None:
+        """Make ``store`` reach offset ``end`` (the fallback store only)."""
+        have = len(self.store)
+        if end > have:
+            grown = np.zeros(min(self.size, max(end, 2 * have)), dtype=np.uint8)
+            grown[:have] = self.store
+            self.store = grown
+
+    def drop(self, offset: int, nbytes: int) -> None:
+        """Give the pages of ``[offset, offset + nbytes)`` back to the host, where it can."""
+        advise = getattr(self._mm, "madvise", None)
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)
+        if advise is not None and dontneed is not None:
+            advise(dontneed, offset, nbytes)
 
 
 class SimMemory:
@@ -30,6 +81,7 @@ class SimMemory:
         self._starts: list[int] = []  # every allocation ever made, ascending (bump order)
         self._sizes: dict[int, int] = {}  # start -> size, for every allocation ever made
         self._live: dict[int, np.ndarray] = {}  # start -> backing bytes, live ones only
+        self._res: dict[int, _Reservation] = {}  # start -> reservation, live ones only
 
     def allocate(self, nbytes: int) -> int | None:
         """A fresh address for ``nbytes``; ``None`` when ``used + nbytes`` exceeds the capacity."""
@@ -49,6 +101,63 @@ class SimMemory:
             return False
         self.used -= self._sizes[ptr]
         return True
+
+    def reserve(self, nbytes: int) -> int:
+        """A fresh virtual range of ``nbytes`` (a multiple of ``GRANULARITY``), nothing mapped."""
+        if nbytes <= 0 or nbytes % GRANULARITY:
+            raise cuda_error("cuMemAddressReserve", "cudaErrorInvalidValue", f"size {nbytes}")
+        ptr = self._next
+        self._next += nbytes
+        self._starts.append(ptr)
+        self._sizes[ptr] = nbytes
+        self._res[ptr] = _Reservation(ptr, nbytes)
+        return ptr
+
+    def _granules(self, call: str, va: int, nbytes: int) -> tuple[_Reservation, range]:
+        """The reservation holding ``[va, va + nbytes)`` and the granule indices it spans."""
+        i = bisect_right(self._starts, va) - 1
+        res = self._res.get(self._starts[i]) if i >= 0 else None
+        if res is None or nbytes <= 0 or va + nbytes > res.base + res.size:
+            raise cuda_error(call, "cudaErrorInvalidValue", f"[{va:#x}, +{nbytes}) is in no reservation")
+        off = va - res.base
+        if off % GRANULARITY or nbytes % GRANULARITY:
+            raise cuda_error(call, "cudaErrorInvalidValue", f"[{va:#x}, +{nbytes}) is not granule-aligned")
+        return res, range(off // GRANULARITY, (off + nbytes) // GRANULARITY)
+
+    def map(self, va: int, nbytes: int) -> bool:
+        """Back ``[va, va + nbytes)`` with physical memory; False when the capacity is used up."""
+        res, granules = self._granules("cuMemMap", va, nbytes)
+        if any(g in res.mapped for g in granules):
+            raise cuda_error("cuMemMap", "cudaErrorInvalidValue", f"[{va:#x}, +{nbytes}) is already mapped")
+        if self.used + nbytes > self.capacity:
+            return False
+        res.mapped.update(granules)
+        res.cover(granules.stop * GRANULARITY)
+        self.used += nbytes
+        return True
+
+    def unmap(self, va: int, nbytes: int) -> None:
+        """Unmap ``[va, va + nbytes)``, all of it mapped, and free its physical memory."""
+        res, granules = self._granules("cuMemUnmap", va, nbytes)
+        if not all(g in res.mapped for g in granules):
+            raise cuda_error("cuMemUnmap", "cudaErrorInvalidValue", f"[{va:#x}, +{nbytes}) is not mapped")
+        res.mapped.difference_update(granules)
+        res.drop(va - res.base, nbytes)
+        self.used -= nbytes
+
+    def release_reservation(self, va: int, nbytes: int) -> None:
+        """Free the reservation at ``va`` (nothing may be mapped in it)."""
+        res = self._res.get(va)
+        if res is None or res.size != nbytes:
+            why = f"{va:#x} is no reservation of {nbytes}"
+            raise cuda_error("cuMemAddressFree", "cudaErrorInvalidValue", why)
+        if res.mapped:
+            raise cuda_error("cuMemAddressFree", "cudaErrorInvalidValue", f"{va:#x} still has mapped memory")
+        del self._res[va]
+
+    def reservations(self) -> list[tuple[int, int, int]]:
+        """(start, size, mapped bytes) of every live reservation, by address."""
+        return [(p, r.size, len(r.mapped) * GRANULARITY) for p, r in sorted(self._res.items())]
 
     def is_live(self, ptr: int) -> bool:
         """Whether a live allocation starts exactly at ``ptr``."""
@@ -71,6 +180,9 @@ class SimMemory:
             raise cuda_error(call, "cudaErrorIllegalAddress", f"{ptr:#x} is not device memory")
         start = self._starts[i]
         size = self._sizes[start]
+        res = self._res.get(start)
+        if res is not None:
+            return self._mapped_view(call, res, ptr, nbytes)
         if ptr + nbytes > start + size or (nbytes == 0 and ptr >= start + size):
             raise cuda_error(
                 call,
@@ -86,3 +198,14 @@ class SimMemory:
             )
         off = ptr - start
         return store[off : off + nbytes]
+
+    def _mapped_view(self, call: str, res: _Reservation, ptr: int, nbytes: int) -> np.ndarray:
+        """``view`` inside a reservation: every granule of the range must be mapped."""
+        off = ptr - res.base
+        last = off + max(nbytes, 1) - 1
+        granules = range(off // GRANULARITY, last // GRANULARITY + 1)
+        if last >= res.size or not all(g in res.mapped for g in granules):
+            where = f"the reservation [{res.base:#x}, +{res.size})"
+            why = f"[{ptr:#x}, +{nbytes}) touches unmapped memory of {where}"
+            raise cuda_error(call, "cudaErrorIllegalAddress", why)
+        return res.store[off : off + nbytes]

@@ -1,0 +1,66 @@
+"""The simulator's virtual memory: reservations, granule mapping, and kernels' view of them."""
+
+from __future__ import annotations
+
+import mmap
+
+import pytest
+
+from graphpool.errors import CUDAError
+from graphpool.sim.memory import GRANULARITY as G
+from graphpool.sim.memory import SimMemory
+
+
+@pytest.fixture(params=["mmap", "array"])
+def mem(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> SimMemory:
+    """Both stores: the anonymous memory map, and the grown array where mmap is refused."""
+    if request.param == "array":
+
+        def refuse(*args: object, **kwargs: object) -> mmap.mmap:
+            raise OSError("no anonymous maps here")
+
+        monkeypatch.setattr(mmap, "mmap", refuse)
+    return SimMemory(0x1000_0000_0000, 8 * G)
+
+
+def test_map_view_unmap_release(mem: SimMemory) -> None:
+    va = mem.reserve(16 * G)  # more than the capacity: address space costs nothing
+    assert mem.map(va, 2 * G) and mem.used == 2 * G
+    assert mem.map(va + 2 * G, G)  # contiguous with the first: one view spans both
+    v = mem.view(va + 2 * G - 4, 8)
+    v[:] = 7
+    assert bytes(mem.view(va + 2 * G - 4, 8)) == b"\x07" * 8
+    with pytest.raises(CUDAError, match="unmapped memory"):
+        mem.view(va + 3 * G - 4, 8)  # runs into the unmapped rest
+    assert not mem.map(va + 4 * G, 6 * G)  # past the capacity: refused, nothing mapped
+    assert mem.used == 3 * G
+    mem.unmap(va + G, 2 * G)
+    with pytest.raises(CUDAError, match="unmapped memory"):
+        mem.view(va + G, 1)
+    assert mem.reservations() == [(va, 16 * G, G)]
+    with pytest.raises(CUDAError, match="still has mapped memory"):
+        mem.release_reservation(va, 16 * G)
+    mem.unmap(va, G)
+    mem.release_reservation(va, 16 * G)
+    assert mem.used == 0 and mem.reservations() == []
+    with pytest.raises(CUDAError, match="freed memory"):
+        mem.view(va, 1)
+
+
+def test_misuse_is_refused(mem: SimMemory) -> None:
+    with pytest.raises(CUDAError, match="size"):
+        mem.reserve(G + 1)
+    va = mem.reserve(4 * G)
+    with pytest.raises(CUDAError, match="not granule-aligned"):
+        mem.map(va + 512, G)
+    with pytest.raises(CUDAError, match="in no reservation"):
+        mem.map(va + 4 * G, G)
+    assert mem.map(va, G)
+    with pytest.raises(CUDAError, match="already mapped"):
+        mem.map(va, G)
+    with pytest.raises(CUDAError, match="is not mapped"):
+        mem.unmap(va + G, G)
+    with pytest.raises(CUDAError, match="no reservation of"):
+        mem.release_reservation(va, 8 * G)
+    mem.unmap(va, G)
+    mem.release_reservation(va, 4 * G)

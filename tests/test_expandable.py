@@ -1,0 +1,190 @@
+"""Expandable segments (``expandable_segments:True``): one virtual range per stream and kind
+that grows in place by mapped granules and gives its free end back on ``empty_cache``.
+
+Each test drives an allocator of its own with the option on, beside the backend's (so the
+same test runs on the simulator and on a GPU), through the policy's calls and the Device
+protocol: growth, merges across granule boundaries with the bytes intact, shrink and
+release with the device's free memory back, out of memory while mapping, and captures,
+which keep ordinary segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
+from graphpool.errors import OutOfMemoryError
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.pools import DEFAULT
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def exp(backend: Any) -> Iterator[CachingAllocator]:
+    """An allocator with expandable segments on device 0, empty at the start and the end."""
+    rt = runtime.get()
+    a = CachingAllocator(
+        rt.device(0), sizes=dataclasses.replace(DEFAULT, expandable_segments=True), world=rt.world
+    )
+    try:
+        yield a
+    finally:
+        a.device.device_synchronize()
+        a.empty_cache()
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0
+        assert a._exp == {}
+
+
+def _segments(a: CachingAllocator) -> list[dict[str, Any]]:
+    return a.snapshot()
+
+
+def test_one_stream_grows_one_segment_in_place(exp: CachingAllocator) -> None:
+    a = exp
+    gran = a.device.vmm_granularity()
+    s = a.device.create_stream()
+    try:
+        ptrs = [a.malloc(n, stream=s) for n in (3 * MiB, 5 * MiB, 12 * MiB, 30 * MiB)]
+        segs = [seg for seg in _segments(a) if seg["segment_type"] == "large"]
+        assert len(segs) == 1 and segs[0]["is_expandable"]
+        base = segs[0]["address"]
+        assert ptrs[0] == base and ptrs == sorted(ptrs)  # one range, filled front to back
+        reserved = a.memory_stats()["reserved_bytes.large_pool.current"]
+        assert reserved % gran == 0
+        # the blocks tile the mapped part; each request took at most a granule more
+        assert (
+            reserved
+            == segs[0]["total_size"]
+            <= sum(-(-n // gran) * gran for n in (3, 5, 12, 30) for n in [n * MiB])
+        )
+        a.check_invariants()
+        for p in ptrs:
+            a.free(p)
+    finally:
+        a.device.destroy_stream(s)
+
+
+def test_blocks_merge_across_granules_and_keep_their_bytes(exp: CachingAllocator) -> None:
+    a = exp
+    dev = a.device
+    gran = dev.vmm_granularity()
+    x = a.malloc(gran + MiB + 512, stream=0)  # past the first granule
+    y = a.malloc(3 * MiB, stream=0)  # mapped later, right after x
+    assert y > x
+    a.free(x)
+    a.free(y)  # x, y and the free end merge into one block across granule boundaries
+    blocks = [b for seg in _segments(a) for b in seg["blocks"] if seg["segment_type"] == "large"]
+    assert len(blocks) == 1 and blocks[0]["state"] == "inactive"
+    z = a.malloc(gran + 4 * MiB, stream=0)  # spans the old boundary
+    assert z == x
+    data = bytes(range(256)) * ((gran + 4 * MiB) // 256)
+    dev.write(z, data, 0)
+    assert dev.read(z, len(data), 0) == data
+    a.free(z)
+
+
+def test_empty_cache_unmaps_the_free_end_and_releases_a_free_segment(exp: CachingAllocator) -> None:
+    a = exp
+    dev = a.device
+    gran = dev.vmm_granularity()
+    keep = a.malloc(4 * MiB, stream=0)
+    big = a.malloc(64 * MiB, stream=0)
+    reserved = a.memory_stats()["reserved_bytes.all.current"]
+    assert reserved >= 68 * MiB
+    a.free(big)
+    dev.device_synchronize()
+    free_before = dev.mem_info()[0]
+    a.empty_cache()
+    left = a.memory_stats()["reserved_bytes.all.current"]
+    assert left == -(-4 * MiB // gran) * gran  # what `keep` needs, in whole granules
+    assert dev.mem_info()[0] - free_before >= reserved - left - gran  # the driver has it back
+    a.check_invariants()
+    assert a.malloc(64 * MiB, stream=0) == big  # grows again in place, at the same address
+    a.free(big)
+    a.free(keep)
+    a.empty_cache()
+    assert a.memory_stats()["reserved_bytes.all.current"] == 0
+    assert a._exp == {} and a.snapshot() == []
+    if hasattr(dev, "reservations"):
+        assert dev.reservations() == []
+
+
+def test_out_of_memory_while_mapping_is_clean(exp: CachingAllocator) -> None:
+    a = exp
+    a.limits = a.limits.with_bytes(32 * MiB)  # the same refusal on both backends
+    p = a.malloc(20 * MiB, stream=0)
+    with pytest.raises(OutOfMemoryError, match=r"the memory limit of 32\.00 MiB"):
+        a.malloc(20 * MiB, stream=0)
+    a.check_invariants()
+    stats = a.memory_stats()
+    assert stats["reserved_bytes.all.current"] <= 32 * MiB and stats["num_ooms"] == 1
+    a.free(p)
+    q = a.malloc(30 * MiB, stream=0)  # the cache serves it after the failure
+    assert q == p
+    a.free(q)
+
+
+def test_out_of_memory_on_the_simulated_device_itself(sim: Any) -> None:
+    from graphpool.sim import SimBackend
+
+    runtime.set_backend("sim", backend=SimBackend(memory_bytes=64 * MiB))
+    try:
+        gp.set_allocator_config("expandable_segments:True")
+        x = gp.alloc(40 * MiB)
+        with pytest.raises(OutOfMemoryError, match="out of memory"):
+            gp.alloc(40 * MiB)
+        gp.check_invariants()
+        x.free()
+        y = gp.alloc(60 * MiB)  # the retry released nothing needed: the range grows in place
+        assert y.ptr == x.ptr
+        y.free()
+        gp.empty_cache()
+        assert gp.memory_reserved() == 0
+    finally:
+        gp.set_backend("sim")
+        gp.set_allocator_config("")
+
+
+def test_captures_keep_ordinary_segments(exp: CachingAllocator) -> None:
+    """A capture's private pool gets ordinary segments (no mapping during a capture); the
+    eager stream's expandable segment never serves the graph."""
+    a = exp
+    dev = a.device
+    s = dev.create_stream()
+    try:
+        eager = a.malloc(8 * MiB, stream=0)
+        dev.begin_capture(s, CAPTURE_MODE_GLOBAL)  # begun outside graphpool: found by detection
+        inside = a.malloc(8 * MiB, stream=s)
+        graph = dev.end_capture(s)
+        segs = {seg["address"]: seg for seg in _segments(a)}
+        private = [seg for seg in segs.values() if seg["segment_pool_id"] is not None]
+        assert len(private) == 1 and not private[0]["is_expandable"]
+        assert private[0]["address"] <= inside < private[0]["address"] + private[0]["total_size"]
+        assert [seg["is_expandable"] for seg in segs.values() if seg["segment_pool_id"] is None] == [True]
+        a.free(inside)
+        a.free(eager)
+        dev.destroy_graph(graph)
+    finally:
+        dev.destroy_stream(s)
+
+
+def test_configuration_turns_it_on_for_the_runtime(sim: Any) -> None:
+    gp.set_allocator_config("expandable_segments:True")
+    try:
+        with gp.alloc(3 * MiB), gp.alloc(5 * MiB):
+            segs = gp.memory_snapshot()
+            assert [s["is_expandable"] for s in segs] == [True]
+            assert gp.torch_snapshot()["allocator_settings"]["expandable_segments"] is True
+        gp.empty_cache()
+        assert gp.memory_reserved() == 0
+    finally:
+        gp.set_backend("sim")
+        gp.set_allocator_config("")
