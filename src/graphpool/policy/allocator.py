@@ -59,7 +59,7 @@ from graphpool.errors import (
 )
 from graphpool.policy import interrupts, observers
 from graphpool.policy.block import Block, iter_segment
-from graphpool.policy.freelist import Bins, FreeList
+from graphpool.policy.freelist import Bins, FreeList, bisect_sizes
 from graphpool.policy.history import History
 from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import DEFAULT, SizeConfig
@@ -277,7 +277,7 @@ class CachingAllocator:
                     i = 0
                     if bins is not None:
                         sizes = bins.sizes
-                        i = bisect_left(sizes, size)
+                        i = bisect_sizes(sizes, size)
                         if i < len(sizes):
                             block = bins.blocks[i]
                             hit = bins
