@@ -738,7 +738,10 @@ class CachingAllocator:
     def _free(self, ptr: object) -> None:
         """Free the allocation at ``ptr``: the one body of ``free`` and of a free queued by a
         finalizer (whose thread is unknown; no capture query is needed, see _free_held)."""
-        block = self._active.pop(ptr, None) if type(ptr) is int else None
+        # The lookup takes the caller's int object as it came: compiled, ``ptr`` narrowed to int
+        # is unboxed, and boxing it again allocates (addresses are large ints; entry 24).
+        key: object = ptr
+        block = cast("dict[object, Block]", self._active).pop(key, None) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
