@@ -177,7 +177,7 @@ def test_a_signal_between_free_owneds_acquire_and_its_try_keeps_no_lock() -> Non
     ptr = a.malloc(512, stream=0)
     log: list[tuple[int, FrameType | None, bool]] = []
     guarded = gp.guard_signal_handler(recording(log, a, raise_interrupt))
-    a._lock = lock = HookedLock(a._lock, lambda frame: guarded(signal.SIGINT, frame))  # type: ignore[assignment]
+    a._lock = a._held = lock = HookedLock(a._lock, lambda frame: guarded(signal.SIGINT, frame))  # type: ignore[assignment]
     lock.armed = True
     with pytest.raises(Interrupt):
         a.free_owned(ptr)

@@ -41,7 +41,7 @@ import threading
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Callable
-from typing import Any, NoReturn, SupportsIndex, TypeVar
+from typing import Any, Final, NoReturn, SupportsIndex, TypeVar, cast
 
 try:  # CuPy's lock (see CachingAllocator.__init__)
     from fastrlock.rlock import FastRLock as _Lock
@@ -59,7 +59,7 @@ from graphpool.errors import (
 )
 from graphpool.policy import interrupts, observers
 from graphpool.policy.block import Block, ExpandableSegment, iter_segment
-from graphpool.policy.freelist import Bins, FreeList
+from graphpool.policy.freelist import Bins, FreeList, bisect_sizes
 from graphpool.policy.history import History
 from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import DEFAULT, SizeConfig
@@ -95,6 +95,40 @@ def fmt_bytes(n: int) -> str:
 
 T = TypeVar("T")
 
+_COMPILED: Final = not __file__.endswith(".py")  # as graphpool.build.compiled() tells
+
+
+class _Held:
+    """The allocator lock's calls, bound once: what ``with self._held`` and ``free_owned`` use in
+    the compiled build (benchmarks/NOTES.md, entry 24).
+
+    Compiled, ``with`` on a native class calls its ``__enter__``/``__exit__`` directly, where
+    ``with`` on the lock itself looks both methods up on the lock's type at every call; these
+    call the lock's C methods, bound here once. No Python code runs between the acquire and
+    the ``try`` of the ``with``, so a signal still cannot keep the lock. The plain-Python build
+    does not use this class: there ``_held`` is the lock itself, whose enter and exit are C
+    code (a Python-level ``__enter__`` could be interrupted after acquiring; entry 15).
+    """
+
+    __slots__ = ("_enter", "_acquire", "_release")
+
+    def __init__(self, lock: Any) -> None:
+        self._enter: Callable[[], object] = lock.__enter__
+        self._acquire: Callable[[bool], object] = lock.acquire
+        self._release: Callable[[], object] = lock.release
+
+    def __enter__(self) -> None:
+        self._enter()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self._release()
+
+    def acquire(self, blocking: bool) -> bool:
+        return bool(self._acquire(blocking))
+
+    def release(self) -> None:
+        self._release()
+
 
 def _reentered(call: str) -> NoReturn:
     raise GraphpoolError(
@@ -120,6 +154,9 @@ class CachingAllocator:
         # CuPy's lock: uncontended, acquire and release make no OS call (a threading.Lock
         # makes two); 0.15 us less per cached pair (benchmarks/NOTES.md, entry 8). Reentrant.
         self._lock = _Lock()
+        # Its calls as the hot path makes them: bound once, compiled (``_Held``); plain Python,
+        # the lock itself. Tests that swap ``_lock`` for a hooked lock swap this too.
+        self._held: _Held = _Held(self._lock) if _COMPILED else cast(_Held, self._lock)
         self._busy = False  # a locked call is running (see the module docstring)
         # Signal handlers deferred until a critical section ends (policy/interrupts.py): the
         # shared list, tested after each section (a native attribute read, compiled).
@@ -217,12 +254,13 @@ class CachingAllocator:
         """``fn()`` with the lock held and the allocator marked busy: every call but malloc and
         free (which write the same steps out) goes through here.
 
-        ``with`` on the lock (its enter and exit are C code) and no call between setting
-        ``_busy`` and the ``try``: a KeyboardInterrupt can neither keep the lock nor leave
-        the allocator marked busy.
+        ``with`` on the lock (its enter and exit are C code; compiled, through ``_Held``, which
+        calls them with no Python code in between) and no call between setting ``_busy`` and
+        the ``try``: a KeyboardInterrupt can neither keep the lock nor leave the allocator
+        marked busy.
         """
         try:
-            with self._lock:
+            with self._held:
                 if self._busy:
                     _reentered(name)
                 self._busy = True
@@ -256,7 +294,7 @@ class CachingAllocator:
             size = self.sizes.round_divisions(requested)
         small = size <= self._small_limit
         try:
-            with self._lock:  # `with`: see _run_locked
+            with self._held:  # `with`: see _run_locked
                 if self._busy:
                     _reentered("malloc")
                 self._busy = True
@@ -283,7 +321,7 @@ class CachingAllocator:
                     i = 0
                     if bins is not None:
                         sizes = bins.sizes
-                        i = bisect_left(sizes, size)
+                        i = bisect_sizes(sizes, size)
                         if i < len(sizes):
                             block = bins.blocks[i]
                             hit = bins
@@ -790,7 +828,7 @@ class CachingAllocator:
         with mypyc's message before graphpool's could say what is wrong (the differential
         test, tests/property/test_differential.py, compares the two builds' errors)."""
         try:
-            with self._lock:
+            with self._held:
                 self._free_locked(ptr)
         finally:
             if self._signals:  # see _run_locked
@@ -804,13 +842,13 @@ class CachingAllocator:
         another lock the lock holder needs (a finalizer run inside a kernel of the
         simulated device, say) cannot deadlock.
         """
-        if not self._lock.acquire(False):
+        if not self._held.acquire(False):
             self._pending.append(ptr)
             return
         try:  # a signal between the acquire and here waits (policy/interrupts.py: "owned")
             self._free_locked(ptr)
         finally:
-            self._lock.release()
+            self._held.release()
             if self._signals:
                 interrupts.run_pending()
 
@@ -846,7 +884,10 @@ class CachingAllocator:
     def _free(self, ptr: object) -> None:
         """Free the allocation at ``ptr``: the one body of ``free`` and of a free queued by a
         finalizer (whose thread is unknown; no capture query is needed, see _free_held)."""
-        block = self._active.pop(ptr, None) if type(ptr) is int else None
+        # The lookup takes the caller's int object as it came: compiled, ``ptr`` narrowed to int
+        # is unboxed, and boxing it again allocates (addresses are large ints; entry 24).
+        key: object = ptr
+        block = cast("dict[object, Block]", self._active).pop(key, None) if type(ptr) is int else None
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False

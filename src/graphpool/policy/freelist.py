@@ -12,6 +12,9 @@ Why not one list of keys ``size << 64 | ptr``: those keys pass 63 bits, and comp
 with mypyc every one is a boxed big int (benchmarks/NOTES.md, entry 2). Sizes alone are
 small ints; equal sizes, rare, are ordered by address with a bisect over their run.
 
+The bisect for a size is ``bisect_sizes``: compiled by mypyc, a loop written out in native
+code; in the plain-Python build, the C ``bisect_left`` (benchmarks/NOTES.md, entry 24).
+
 The best-fit lookup itself lives in ``CachingAllocator.malloc`` (an uncompiled call would
 cost more than the bisect). A split remainder or a merged block usually sorts exactly where
 the block it came from was filed: ``place`` and ``replace`` then overwrite that entry, so
@@ -37,6 +40,25 @@ class Bins:
     def __init__(self) -> None:
         self.sizes: list[int] = []
         self.blocks: list[Block] = []
+
+
+def bisect_sizes(sizes: list[int], size: int) -> int:
+    """``bisect_left(sizes, size)``: the first entry of ``sizes`` not below ``size``.
+
+    Written out so that mypyc compiles it to native code: a direct C call with unboxed
+    comparisons, no module-global lookup of ``bisect_left`` and no generic comparison per
+    step (about 30 ns less per call, benchmarks/NOTES.md entry 24). The plain-Python build
+    rebinds the name to the C ``bisect_left`` (end of this module), faster there.
+    """
+    lo = 0
+    hi = len(sizes)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if sizes[mid] < size:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
 
 
 def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
@@ -73,7 +95,7 @@ class FreeList:
         bins = self.bins.get(stream)
         if bins is None:
             return None
-        i = bisect_left(bins.sizes, size)
+        i = bisect_sizes(bins.sizes, size)
         return bins.blocks[i] if i < len(bins.sizes) else None
 
     def insert(self, block: Block) -> None:
@@ -84,7 +106,7 @@ class FreeList:
             bins = self.bins[block.stream] = Bins()
         size = block.size
         sizes = bins.sizes
-        i = bisect_left(sizes, size)  # first entry of this size
+        i = bisect_sizes(sizes, size)  # first entry of this size
         if i < len(sizes) and sizes[i] == size:
             i = tie_index(bins.blocks, block.ptr, i, bisect_right(sizes, size, i))
         sizes.insert(i, size)
@@ -131,7 +153,11 @@ def _index_of(bins: Bins, block: Block, size: int) -> int:
     """Where ``block``, filed under ``size``, sits in ``bins``. O(log n)."""
     sizes = bins.sizes
     blocks = bins.blocks
-    i = bisect_left(sizes, size)  # first entry of this size
+    i = bisect_sizes(sizes, size)  # first entry of this size
     if blocks[i] is not block:
         i = tie_index(blocks, block.ptr, i, bisect_right(sizes, size, i))
     return i
+
+
+if __file__.endswith(".py"):  # plain Python (graphpool.build.compiled): the C bisect is faster
+    globals()["bisect_sizes"] = bisect_left  # than an interpreted loop; compiled calls are direct
