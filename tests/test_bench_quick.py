@@ -77,8 +77,8 @@ def test_table(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
     row = next(line for line in lines if line.strip().startswith("512 B: policy malloc+free"))
     assert row.endswith(" us") and len(row.split()[-2].replace(".", "")) <= 4
     ratios = [line for line in lines if line.endswith(" x")]
-    assert len(ratios) == 5
-    assert all("/" in line and (" time " in line or "peak reserved/peak live" in line) for line in ratios), (
+    assert len(ratios) == 8  # 2 capture-routing, 3 reserved/live (+1 with expandable), 2 expandable/policy
+    assert all("/" in line and (" time" in line or "peak reserved/peak live" in line) for line in ratios), (
         ratios
     )
     assert "ratio " not in table  # the legacy keys, ambiguous about direction, stay out of the table
@@ -145,7 +145,7 @@ def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> No
         "allocation traces vs cudaMallocAsync",
     ]
     assert list(r["traces"]["traces"]) == ["synthetic-0"]
-    assert set(r["traces"]["sides"]) == {"graphpool", "policy"}
+    assert set(r["traces"]["sides"]) == {"graphpool", "policy", "expandable"}
 
 
 def test_json_to_stdout() -> None:

@@ -105,10 +105,17 @@ def test_out_of_memory_and_limit_hits_are_logged_at_info(
 class CountingLogger:
     """Stands in for the allocator's logger: counts every call, level ``enabled`` or off."""
 
+    disabled = False
+
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.checks = 0
         self.records = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Stand in for the allocator's logger, with an empty level cache (so it is asked)."""
+        monkeypatch.setattr(allocator_module, "_log", self)
+        monkeypatch.setattr(allocator_module, "_LEVELS", {})
 
     def isEnabledFor(self, level: int) -> bool:
         self.checks += 1
@@ -122,7 +129,7 @@ class CountingLogger:
 
 def test_nothing_is_logged_when_the_level_is_off(small: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     log = CountingLogger(enabled=False)
-    monkeypatch.setattr(allocator_module, "_log", log)
+    log.install(monkeypatch)
     gp.set_memory_limit(30 * MiB)
     g = gp.CUDAGraph()
     with gp.stream(gp.Stream()):
@@ -145,9 +152,30 @@ def test_the_cached_malloc_and_free_never_touch_the_logger(
     s = gp.Stream()
     gp.alloc(1000, stream=s).free()  # the segment now sits in the cache
     log = CountingLogger(enabled=True)
-    monkeypatch.setattr(allocator_module, "_log", log)
+    log.install(monkeypatch)
     for _ in range(50):
         gp.alloc(1000, stream=s).free()
     assert (log.checks, log.records) == (0, 0)
     gp.alloc(4 * MiB, stream=s).free()  # a new segment: the slow path logs
     assert log.checks > 0 and log.records > 0
+
+
+def test_the_level_test_reads_the_loggers_cache() -> None:
+    """Compiled, a cached answer is read without running Python code (no signal handler can
+    run inside the test, in the middle of an update): the allocator reads the logger's own
+    cache, which logging clears in place when a level changes."""
+    log = logging.getLogger("graphpool")
+    assert allocator_module._LEVELS is log._cache  # type: ignore[attr-defined]
+    old = log.level
+    try:
+        log.setLevel(logging.DEBUG)
+        assert allocator_module._enabled(logging.DEBUG) is True
+        assert allocator_module._LEVELS[logging.DEBUG] is True
+        log.setLevel(logging.WARNING)
+        assert logging.DEBUG not in allocator_module._LEVELS  # cleared by the level change
+        assert allocator_module._enabled(logging.DEBUG) is False
+        log.disabled = True
+        assert allocator_module._enabled(logging.WARNING) is False
+    finally:
+        log.disabled = False
+        log.setLevel(old)

@@ -362,7 +362,7 @@ def test_bench_traces_quick(backend: Any) -> None:
     assert list(r["traces"]) == ["synthetic-0"]  # quick: the short synthetic trace only
     row = r["traces"]["synthetic-0"]
     ran = list(r["sides"])
-    assert ran[:2] == ["graphpool", "policy"]
+    assert ran[:3] == ["graphpool", "policy", "expandable"]
     assert row["operations"] == len(bench._trace_events(traces.synthetic(0, bench.QUICK_TRACE_OPS)))
     assert row["peak live (bytes)"] == traces.peak_live_bytes(traces.synthetic(0, bench.QUICK_TRACE_OPS))
     for side in ran:
@@ -370,6 +370,11 @@ def test_bench_traces_quick(backend: Any) -> None:
     assert "policy, peak reserved (bytes)" not in row  # the same allocator as graphpool's
     assert row["graphpool, peak reserved (bytes)"] >= row["peak live (bytes)"]
     assert row["graphpool peak reserved/peak live"] >= 1
+    # expandable segments: their own allocator, peak and time ratio to the option off
+    assert row["expandable peak reserved/peak live"] >= 1
+    assert row["expandable/policy time, warm"] == pytest.approx(
+        row["expandable, warm (us)"] / row["policy, warm (us)"]
+    )
     others = {
         "cupy": "CuPy MemoryPool",
         "torch": "PyTorch caching allocator",
@@ -385,7 +390,7 @@ def test_bench_traces_quick(backend: Any) -> None:
         else:
             assert f"allocation traces vs {what}" in reasons, (side, reasons)
     if backend.name == "sim":
-        assert ran == ["graphpool", "policy"]
+        assert ran == ["graphpool", "policy", "expandable"]
         assert len(skipped) == 3 and all("this is the simulator" in why for why in reasons.values())
     else:
         assert "cudaMallocAsync" in ran and "cupy" in ran
@@ -530,7 +535,15 @@ def test_bench_traces_compares_with_cupy_torch_and_malloc_async(
     skipped: list[dict[str, str]] = []
     r = bench.bench_traces(2, quick=True, skipped=skipped)
     assert skipped == []
-    assert list(r["sides"]) == ["graphpool", "policy", "cupy", "torch", "torch raw", "cudaMallocAsync"]
+    assert list(r["sides"]) == [
+        "graphpool",
+        "policy",
+        "expandable",
+        "cupy",
+        "torch",
+        "torch raw",
+        "cudaMallocAsync",
+    ]
     assert r["sides"]["cupy"].endswith("(cupy fake)") and r["sides"]["torch"].endswith("(torch fake)")
     row = r["traces"][trace.name]
     peak_live = traces.peak_live_bytes(trace)

@@ -614,7 +614,7 @@ def _torch_expandable_peak(
         import torch
     except ImportError:
         return None
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    setter = getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
     if setter is None or not torch.cuda.is_available():
         return None
     side = _torch_sides(events, handles, device)["torch"]

@@ -71,6 +71,7 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
         for pool in ("all", "small_pool", "large_pool")
         for counter in ("current", "peak", "allocated", "freed")
     } | {"num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"}
+    expected |= {"expandable_mapped_bytes", "expandable_virtual_bytes"}  # graphpool's own two
     assert set(st) == expected
     # the module's name lists match the keys exactly, in PyTorch's order
     assert STAT_NAMES == (
@@ -87,7 +88,11 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
     assert POOL_NAMES == ("all", "small_pool", "large_pool")
     assert SCALAR_NAMES == ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
     assert {k.split(".")[0] for k in st if "." in k} == set(STAT_NAMES)
-    assert [k for k in st if "." not in k] == list(SCALAR_NAMES)
+    assert [k for k in st if "." not in k] == [
+        *SCALAR_NAMES,
+        "expandable_mapped_bytes",
+        "expandable_virtual_bytes",
+    ]
     assert st == dict.fromkeys(expected, 0)
     ok(a)
 

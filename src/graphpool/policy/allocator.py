@@ -74,6 +74,28 @@ from graphpool.policy.private_pools import (
 from graphpool.policy.stats import PoolStats
 
 _log = logging.getLogger("graphpool")
+_cached: Any = getattr(_log, "_cache", None)
+_LEVELS: dict[int, bool] = _cached if isinstance(_cached, dict) else {}
+"""The logger's own cache of ``isEnabledFor`` answers (cleared in place on level changes)."""
+_log.isEnabledFor(logging.DEBUG)  # fill it for the levels the allocator tests
+_log.isEnabledFor(logging.INFO)
+
+
+def _enabled(level: int) -> bool:
+    """``_log.isEnabledFor(level)``, read from the logger's cache when it holds the answer.
+
+    Compiled, that read runs no Python code, so no signal handler can run inside it (Python
+    runs handlers between bytecodes, and ``isEnabledFor`` is bytecode): the allocator tests the
+    level in the middle of updates, where a KeyboardInterrupt would leave a block filed
+    nowhere (benchmarks/NOTES.md, entry 25). A miss (the first test after a level change)
+    asks the logger itself, which fills the cache.
+    """
+    if _log.disabled:
+        return False
+    hit = _LEVELS.get(level)
+    return _log.isEnabledFor(level) if hit is None else hit
+
+
 """Slow paths only (segments, captures, pools, out-of-memory, limits), each behind an
 ``isEnabledFor`` test: the cached malloc and free never touch it (docs/behaviour.rst, "Logging")."""
 
@@ -430,7 +452,7 @@ class CachingAllocator:
         fns = observers.current()
         # Logging and observers run once the lock is released (``_after_oom``): a logging
         # handler or an observer may take its own locks, call graphpool or wait for threads.
-        err._graphpool_oom = (fns, nbytes, self.stats.as_dict() if fns else None)  # type: ignore[attr-defined]
+        err._graphpool_oom = (fns, nbytes, self._device_stats() if fns else None)  # type: ignore[attr-defined]
         raise err
 
     def _after_oom(self, err: OutOfMemoryError) -> None:
@@ -441,7 +463,7 @@ class CachingAllocator:
         if note is None:  # not raised by this allocator, or already followed up
             return
         fns, nbytes, stats = note
-        if _log.isEnabledFor(logging.INFO):
+        if _enabled(logging.INFO):
             _log.info("%s", err)
         if not fns:
             return
@@ -532,7 +554,7 @@ class CachingAllocator:
                 self._set_creator(head, rec)
         if self._history is not None:
             self._history.segment_alloc(ptr, seg, stream, owner)
-        if _log.isEnabledFor(logging.DEBUG):
+        if _enabled(logging.DEBUG):
             self._log_segment("allocated", head)
         return head
 
@@ -594,7 +616,7 @@ class CachingAllocator:
             k.add("reserved_bytes", need)
             if self._history is not None:
                 self._history.segment_alloc(va, need, stream, None)
-            if _log.isEnabledFor(logging.DEBUG):
+            if _enabled(logging.DEBUG):
                 self._log_segment("allocated (expandable)", head)
             return head
         tail = self._segments[seg.base]
@@ -782,7 +804,7 @@ class CachingAllocator:
         reserved = self.stats.current("reserved_bytes")
         why = limits.refusal(reserved, nbytes, fmt_bytes) or "a memory limit"
         self._limit_hit = why
-        if _log.isEnabledFor(logging.INFO):
+        if _enabled(logging.INFO):
             _log.info(
                 "device %d: a new segment of %d bytes refused by %s (%d bytes reserved)",
                 self.device.index,
@@ -1300,7 +1322,7 @@ class CachingAllocator:
                     del self._pools[pid]
                     if self._history is not None:
                         self._history.pool("pool_release", pool)
-                    if _log.isEnabledFor(logging.DEBUG):
+                    if _enabled(logging.DEBUG):
                         self._log_pool("released", pool)
         finally:
             self.device.exchange_capture_mode(prev)
@@ -1326,7 +1348,7 @@ class CachingAllocator:
         self._seg_bases.remove(block.ptr)
         if self._history is not None:
             self._history.segment_free(block.ptr, block.size, block.stream, block.pool.owner)
-        if _log.isEnabledFor(logging.DEBUG):
+        if _enabled(logging.DEBUG):
             self._log_segment("released", block)
         fl = block.pool
         for st in self._scopes(fl):
@@ -1413,7 +1435,7 @@ class CachingAllocator:
         self._records[rec.sequence] = rec
         if self._history is not None:
             self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=False)
-        if _log.isEnabledFor(logging.DEBUG):
+        if _enabled(logging.DEBUG):
             self._log_capture("began", rec)
         return rec
 
@@ -1445,7 +1467,7 @@ class CachingAllocator:
             self._pools[pool_id] = pool
             if self._history is not None:
                 self._history.pool("pool_create", pool)
-            if _log.isEnabledFor(logging.DEBUG):
+            if _enabled(logging.DEBUG):
                 self._log_pool("created", pool)
         self._freeable.pop(pool_id, None)
         pool.use_count += 1
@@ -1533,7 +1555,7 @@ class CachingAllocator:
         self._world.active += 1
         if self._history is not None:
             self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=True)
-        if _log.isEnabledFor(logging.DEBUG):
+        if _enabled(logging.DEBUG):
             self._log_capture("begun outside graphpool adopted", rec)
         return rec
 
@@ -1605,7 +1627,7 @@ class CachingAllocator:
             self._history.capture(
                 "capture_end", rec.stream, rec.pool, rec.capture_id, rec.label, failed=rec.failed
             )
-        if _log.isEnabledFor(logging.DEBUG):
+        if _enabled(logging.DEBUG):
             self._log_capture("failed" if rec.failed else "ended", rec)
         if not self._capturing:
             self._flush_deferred()
@@ -1666,7 +1688,7 @@ class CachingAllocator:
                 del self._pools[pool.id]
                 if self._history is not None:
                     self._history.pool("pool_release", pool)
-                if _log.isEnabledFor(logging.DEBUG):
+                if _enabled(logging.DEBUG):
                     self._log_pool("released", pool)
             else:
                 self._freeable[pool.id] = pool
@@ -1679,16 +1701,20 @@ class CachingAllocator:
     def _memory_stats(self, pool: PoolId | None) -> dict[str, int]:
         self._settle()
         if pool is None:
-            out = self.stats.as_dict()
-            # expandable segments: bytes mapped (also in reserved_bytes), and address space held
-            out["expandable_mapped_bytes"] = sum(seg.mapped for seg in self._exp.values())
-            out["expandable_virtual_bytes"] = sum(seg.reserved for seg in self._exp.values())
-            return out
+            return self._device_stats()
         p = self._pools.get(pool)
         if p is None:
             raise ValueError(f"no private pool {tuple(pool)} on device {self.device.index}")
         out = p.stats.as_dict()
         out["use_count"] = p.use_count
+        return out
+
+    def _device_stats(self) -> dict[str, int]:
+        """The device's flattened statistics: PyTorch's keys, then the expandable segments'
+        mapped bytes (also counted in ``reserved_bytes``) and the address space they hold."""
+        out = self.stats.as_dict()
+        out["expandable_mapped_bytes"] = sum(seg.mapped for seg in self._exp.values())
+        out["expandable_virtual_bytes"] = sum(seg.reserved for seg in self._exp.values())
         return out
 
     def reset_peak(self) -> None:
