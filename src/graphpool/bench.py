@@ -614,7 +614,9 @@ def _torch_expandable_peak(
         import torch
     except ImportError:
         return None
-    setter = getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch 2.9+
+    if setter is None:
+        setter = getattr(getattr(torch.cuda, "memory", None), "_set_allocator_settings", None)
     if setter is None or not torch.cuda.is_available():
         return None
     side = _torch_sides(events, handles, device)["torch"]
