@@ -1,6 +1,9 @@
-"""Compare two junit XML files of CuPy's test suite: CuPy's own pool vs graphpool.
+"""Compare two junit XML files of a framework's test suite: its own allocator vs graphpool.
 
     python diff_failures.py cupy_pool.xml graphpool.xml [report.txt]
+
+(CuPy's suite, benchmarks/cupy_suite.sh; numba-cuda's, benchmarks/numba_suite.sh with
+``BASELINE_NAME="Numba's memory manager"``.)
 
 Prints (and writes to report.txt) the totals of each run and, among the tests both runs
 reached (a run stopped by its time limit reaches fewer), those that fail (failure or error)
@@ -50,16 +53,17 @@ def main(argv: list[str]) -> int:
     both = base_ran & gp_ran  # a run stopped by its time limit ran fewer: compare what both ran
     only_gp = sorted(t for t in set(gp) - set(base) if t in both)
     only_base = sorted(t for t in set(base) - set(gp) if t in both)
+    name = os.environ.get("BASELINE_NAME", "CuPy's pool")
     lines = [
-        f"CuPy's pool: {base_totals}",
+        f"{name}: {base_totals}",
         f"graphpool:   {gp_totals}",
-        f"tests run by both: {len(both)} (only with CuPy's pool: {len(base_ran - gp_ran)}, "
+        f"tests run by both: {len(both)} (only with {name}: {len(base_ran - gp_ran)}, "
         f"only with graphpool: {len(gp_ran - base_ran)})",
         f"failing in both: {len(set(gp) & set(base))}",
         f"failing, run by one side only: {len((set(gp) | set(base)) - both)}",
         f"failing only with graphpool: {len(only_gp)}",
         *(f"  {t}  [{gp[t]}]" for t in only_gp),
-        f"failing only with CuPy's pool: {len(only_base)}",
+        f"failing only with {name}: {len(only_base)}",
         *(f"  {t}  [{base[t]}]" for t in only_base),
     ]
     text = "\n".join(lines) + "\n"

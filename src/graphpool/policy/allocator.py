@@ -1563,8 +1563,14 @@ class CachingAllocator:
         """Stop routing to captures begun outside graphpool that have ended (one query each)."""
         if not self._foreign:
             return
-        for stream, rec in list(self._foreign.items()):
+        ended: list[CaptureRecord] | None = None  # no list made in the usual case: none ended
+        for stream, rec in self._foreign.items():
             if self._query(stream) != rec.capture_id:
+                if ended is None:
+                    ended = []
+                ended.append(rec)
+        if ended is not None:
+            for rec in ended:
                 self._end_capture(rec)
 
     def _poll_released(self) -> None:
