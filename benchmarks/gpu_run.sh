@@ -3,7 +3,7 @@
 # whole test suite on the GPU, the foreign-capture figures, the demo and the benchmarks.
 # Each log goes under $OUT. Run from the repo root on the GPU machine (no package registry
 # there; `.whl` carries mypy 2.4.1 and its needs for the build, and fastrlock):
-#   bash benchmarks/gpu_run.sh            # PART=all (default) | build | tests | figures | pure | cupy | traces
+#   bash benchmarks/gpu_run.sh            # PART=all (default) | build | tests | figures | pure | cupy | traces | conformance
 # PART=cupy runs CuPy's own test suite (a v14.2.0 checkout's tests carried in .cupy/) with CuPy's
 # pool and with graphpool as its allocator (benchmarks/cupy_suite.sh).
 set -u
@@ -101,6 +101,17 @@ if [ "$PART" = all ] || [ "$PART" = figures ]; then
   timeout 100 python3 -m graphpool demo --backend cuda > "$OUT/demo_gpu.txt" 2>&1; tail -3 "$OUT/demo_gpu.txt"
   timeout 200 python3 -m graphpool bench --backend cuda --json "$OUT/bench_compiled.json" --no-progress \
     > "$OUT/bench_compiled.txt" 2> "$OUT/bench_errors.txt"; tail -40 "$OUT/bench_compiled.txt"
+fi
+if [ "$PART" = conformance ]; then  # numba-cuda's driver tests and CuPy's subset, side by side
+  python3 -m pip install -q --no-index --no-deps --target "$DEP" .whl/filecheck-*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/cc/src:$DEP
+  (OUT=$OUT/numba; mkdir -p "$OUT"; NUMBA_SUITE_PARALLEL=1 NUMBA_SUITE_TIMEOUT=${NUMBA_SUITE_TIMEOUT:-420} \
+   NUMBA_PYTEST_ARGS="${NUMBA_PYTEST_ARGS:--n 4}" bash benchmarks/numba_suite.sh > "$OUT/numba_suite.txt" 2>&1) &
+  (OUT=$OUT/cupy; mkdir -p "$OUT"; CUPY_SUITE_PARALLEL=1 CUPY_SUITE_TIMEOUT=${CUPY_SUITE_TIMEOUT:-420} \
+   CUPY_PYTEST_ARGS="${CUPY_PYTEST_ARGS:--n 4 -q}" bash benchmarks/cupy_suite.sh .cupy > "$OUT/cupy_suite.txt" 2>&1) &
+  wait
+  tail -12 "$OUT/numba/numba_suite.txt"; tail -12 "$OUT/cupy/cupy_suite.txt"
+  (cd "$OUT" && tar czf conformance.tgz numba cupy && rm -rf numba cupy)
 fi
 if [ "$PART" = cupy ]; then
   export PYTHONPATH=/tmp/cc/src:$DEP
