@@ -49,7 +49,11 @@ fi
 run() {  # run NAME [VAR=value ...]: the suite in a fresh process with those variables set
     local name="$1"; shift
     # shellcheck disable=SC2086  # NUMBA_PYTEST_ARGS is split on purpose
-    timeout -s INT -k 60 "$TIMEOUT" env "$@" "$PY" -m pytest -p no:cacheprovider -q -rN \
+    # importlib mode: numba-cuda installs its tests under numba_cuda/numba (a redirected path),
+    # where pytest's default mode derives a wrong package name and collects nothing
+    # numba_suite_plugin: the fixture and option of numba-cuda's repository conftest (not installed)
+    timeout -s INT -k 60 "$TIMEOUT" env PYTHONPATH="$HERE/numba_suite${PYTHONPATH:+:$PYTHONPATH}" "$@" \
+        "$PY" -m pytest -p no:cacheprovider -p numba_suite_plugin -q -rN --import-mode=importlib \
         --junitxml "$OUT/$name.xml" ${NUMBA_PYTEST_ARGS:-} --pyargs "$SUITE" > "$OUT/$name.log" 2>&1
     echo "$name: pytest exit $? -- $(tail -n 1 "$OUT/$name.log")"
 }
