@@ -1365,7 +1365,6 @@ class CachingAllocator:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
         later: list[Any] = []  # records to retry at a later call
-        me = threading.get_ident()
         try:
             while pending:
                 item = pending.popleft()
@@ -1383,7 +1382,7 @@ class CachingAllocator:
                     elif (
                         item.active
                         and not item.foreign
-                        and item.thread != me
+                        and item.thread != threading.get_ident()  # asked for a record only
                         and self._query(item.stream) == item.capture_id
                         and _thread_alive(item.thread)
                     ):
