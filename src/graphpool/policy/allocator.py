@@ -338,7 +338,7 @@ class CachingAllocator:
                     # Best fit: the first block of this stream sorted by (size, address) with room
                     # (freelist.py). Written out here: a call would cost more than the bisect.
                     block: Block | None = None
-                    bins = fl.bins.get(stream)
+                    bins = fl.find(stream)
                     hit: Bins | None = None  # the bins still holding ``block`` at ``i``
                     i = 0
                     if bins is not None:
