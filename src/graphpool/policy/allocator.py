@@ -233,6 +233,9 @@ class CachingAllocator:
         # bound once (on CUDA a C function; benchmarks/NOTES.md).
         self._detect = bool(detect)
         self._query: Callable[[int], int] = device.capture_id
+        # The stream handle malloc queried last, and the same as an int object (see malloc).
+        self._qstream = -1
+        self._qkey: Any = -1
 
     def _apply_sizes(self, sizes: SizeConfig) -> None:
         """Take ``sizes`` and the figures malloc reads from it. With no ``max_split_size``,
@@ -326,8 +329,18 @@ class CachingAllocator:
                     rec = None
                     if self._capturing:
                         rec = self._route(stream)
-                    elif self._detect and self._query(stream):
-                        rec = self._adopt_found(stream)
+                    elif self._detect:
+                        # The query takes the handle as an int object: the last one is kept, so
+                        # a run of calls on one stream boxes none (CUDA's handles are pointers,
+                        # a new int object each; entry 27).
+                        key = self._qkey
+                        if stream != self._qstream:
+                            self._qstream = -1  # no moment where the kept pair disagrees
+                            key = stream
+                            self._qkey = key
+                            self._qstream = stream
+                        if self._query(key):
+                            rec = self._adopt_found(stream)
                     if rec is None and (self._waiting or self._orphans) and not self._world.active:
                         self._process_events()
                     if rec is None:

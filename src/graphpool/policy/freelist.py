@@ -98,8 +98,9 @@ class FreeList:
             return self._last_bins
         bins = self.bins.get(stream)
         if bins is not None:
-            self._last_stream = stream
+            self._last_stream = -1  # no moment where the kept pair disagrees (interrupts)
             self._last_bins = bins
+            self._last_stream = stream
         return bins
 
     def __iter__(self) -> Iterator[Block]:
