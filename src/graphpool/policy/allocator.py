@@ -1377,7 +1377,7 @@ class CachingAllocator:
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
-        later: list[Any] = []  # records to retry at a later call
+        later: list[Any] | None = None  # records to retry at a later call (made when needed)
         try:
             while pending:
                 item = pending.popleft()
@@ -1399,13 +1399,17 @@ class CachingAllocator:
                         and self._query(item.stream) == item.capture_id
                         and _thread_alive(item.thread)
                     ):
-                        later.append(item)  # only the capturing thread can end its capture
+                        # only the capturing thread can end its capture
+                        if later is None:
+                            later = [item]
+                        else:
+                            later.append(item)
                     else:
                         self._release(item)
                 except Exception as exc:  # a finalizer's work must not fail an unrelated call
                     _warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning)
         finally:
-            if later:
+            if later is not None:
                 pending.extend(later)
 
     # --------------------------------------------------------------- capture
