@@ -48,6 +48,9 @@ class _Home:
         self.world = world
 
 
+_Stream: Final = Stream
+"""The Stream class, bound once: compiled, the explicit-stream test reads no module global."""
+
 _tls: Final = runtime._tls
 """The runtime's thread state (one object for the process's life), bound once: compiled, the
 fast path then reads no attribute of the runtime module."""
@@ -77,7 +80,7 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         s = current_stream()
         a = runtime.allocator(s.device)
         _tls.hot = _Hot(s, s.handle, a, world)
-    elif isinstance(stream, Stream):
+    elif isinstance(stream, _Stream):
         s = stream
         home = s._home  # kept by an earlier call with this stream
         if home is not None and not home.world.replaced:  # else set_backend ran since
