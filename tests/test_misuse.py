@@ -299,6 +299,43 @@ def test_streams_of_an_older_cuda_runtime_stay_valid(sim: Any) -> None:
         s._check_backend()
 
 
+def test_alloc_caches_follow_set_backend(sim: Any) -> None:
+    """gp.alloc's caches, per thread (memory._Hot) and per Stream (memory._Home), hold an allocator
+    only until set_backend: then the default stream allocates from the new runtime and a stream
+    of the old one is refused, as with the caches cold."""
+    s = gp.Stream()
+    gp.alloc(8).free()
+    gp.alloc(8, stream=s).free()  # both caches filled
+    old = runtime.allocator()
+    gp.set_backend("sim")
+    buf = gp.alloc(8)
+    assert buf._alloc is runtime.allocator() and buf._alloc is not old
+    _replaced(lambda: gp.alloc(8, stream=s))
+    _replaced(lambda: gp.alloc(0, stream=s))
+    buf.free()
+    gp.check_invariants()
+
+
+def test_a_stream_of_an_older_cuda_runtime_allocates_from_the_new_one(sim: Any) -> None:
+    """Its cached allocator (memory._Home) is the old runtime's: the next call finds the new one."""
+
+    class FakeCuda(SimBackend):
+        name = "cuda"
+
+    backend = FakeCuda()  # one driver for both runtimes, as CUDA's is the process's
+    runtime.set_backend("cuda", backend=backend)
+    s = gp.Stream()
+    gp.alloc(8, stream=s).free()  # makes the allocator
+    gp.alloc(8, stream=s).free()  # finds it, and keeps it with the stream
+    old = runtime.allocator(s.device)
+    runtime.set_backend("cuda", backend=backend)
+    buf = gp.alloc(8, stream=s)
+    assert buf._alloc is not old
+    assert buf._alloc is runtime.allocator(s.device)
+    buf.free()
+    gp.set_backend("sim")
+
+
 # ------------------------------------------------------------------ 6. errors say why
 def test_set_backend_cuda_without_a_gpu_says_so_in_one_line(sim: Any) -> None:
     from graphpool.device.cuda import is_available

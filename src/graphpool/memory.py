@@ -5,15 +5,55 @@ from __future__ import annotations
 
 import operator
 import threading
-from typing import Any, SupportsFloat, SupportsIndex
+from typing import Any, Final, SupportsFloat, SupportsIndex
 
 from graphpool import runtime
 from graphpool.buffer import _KEY, DeviceBuffer
 from graphpool.policy import observers
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.limits import check_fraction, check_limit_bytes
-from graphpool.policy.private_pools import PoolId
+from graphpool.policy.private_pools import CaptureWorld, PoolId
 from graphpool.streams import Stream, StreamLike, _index, as_stream, current_stream
+
+
+class _Hot:
+    """gp.alloc's per-thread fast path (``runtime._tls.hot``): the thread's current stream, its
+    handle, its device's allocator, and the capture world of the runtime they belong to.
+
+    A native class when compiled, so the fast path reads typed fields and calls ``malloc``
+    directly (benchmarks/NOTES.md, entry 27). Valid while ``world.replaced`` is False:
+    ``set_backend`` sets it on the replaced runtime's world before it publishes the new one.
+    Every change of device or stream drops the thread's entry.
+    """
+
+    __slots__ = ("stream", "handle", "alloc", "world")
+
+    def __init__(self, stream: Stream, handle: int, alloc: CachingAllocator, world: CaptureWorld) -> None:
+        self.stream = stream
+        self.handle = handle
+        self.alloc = alloc
+        self.world = world
+
+
+class _Home:
+    """Where ``gp.alloc(n, s)`` allocates for a graphpool Stream ``s`` (``Stream._home``): its
+    handle, its device's allocator and the capture world of its runtime, kept by the first
+    such call. Valid, as ``_Hot``, while ``world.replaced`` is False (entry 27)."""
+
+    __slots__ = ("handle", "alloc", "world")
+
+    def __init__(self, handle: int, alloc: CachingAllocator, world: CaptureWorld) -> None:
+        self.handle = handle
+        self.alloc = alloc
+        self.world = world
+
+
+_Stream: Final = Stream
+"""The Stream class, bound once: compiled, the explicit-stream test reads no module global."""
+
+_tls: Final = runtime._tls
+"""The runtime's thread state (one object for the process's life), bound once: compiled, the
+fast path then reads no attribute of the runtime module."""
 
 
 def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuffer:
@@ -29,25 +69,34 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
     # which validates it (and needs no boxing of a fresh int when compiled).
     n = nbytes if type(nbytes) is int else _size(nbytes)
     if stream is None:
-        tls = runtime._tls
-        hot = tls.hot  # the thread's current stream, handle and allocator, if known
-        if hot is not None:
-            s, handle, a, generation = hot
-            if generation == runtime._generation:  # else set_backend ran since
-                if n == 0:
-                    return DeviceBuffer(0, 0, s, a, _KEY)
-                ptr = a.malloc(nbytes, stream=handle)  # validates nbytes
-                return DeviceBuffer(ptr, n, s, a, _KEY)
-        generation = runtime._generation  # read first: a set_backend from now on makes it stale
+        hot = _tls.hot  # the thread's current stream, handle and allocator, if known
+        if hot is not None and not hot.world.replaced:  # else set_backend ran since
+            if n == 0:
+                return DeviceBuffer(0, 0, hot.stream, hot.alloc, _KEY)
+            a = hot.alloc
+            ptr = a.malloc(nbytes, stream=hot.handle)  # validates nbytes
+            return DeviceBuffer(ptr, n, hot.stream, a, _KEY)
+        world = runtime.get().world  # read first: a set_backend from now on makes the entry stale
         s = current_stream()
         a = runtime.allocator(s.device)
-        tls.hot = (s, s.handle, a, generation)
-    elif isinstance(stream, Stream):
+        _tls.hot = _Hot(s, s.handle, a, world)
+    elif isinstance(stream, _Stream):
         s = stream
+        home = s._home  # kept by an earlier call with this stream
+        if home is not None and not home.world.replaced:  # else set_backend ran since
+            if n == 0:
+                return DeviceBuffer(0, 0, s, home.alloc, _KEY)
+            a = home.alloc
+            ptr = a.malloc(nbytes, stream=home.handle)  # validates nbytes
+            return DeviceBuffer(ptr, n, s, a, _KEY)
         rt = runtime._runtime
         index = s.device
         found = rt.allocators[index] if rt is not None and s._space is rt.space and index < rt.count else None
-        a = found if found is not None else _stream_allocator(s)
+        if found is not None and rt is not None:
+            a = found
+            s._home = _Home(s.handle, a, rt.world)  # the runtime the allocator belongs to
+        else:
+            a = _stream_allocator(s)
     else:  # another library's stream (or a wrong object: TypeError)
         s = as_stream(stream, "gp.alloc")
         a = _stream_allocator(s)

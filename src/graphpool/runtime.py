@@ -20,6 +20,7 @@ from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import CaptureWorld
 
 if TYPE_CHECKING:
+    from graphpool.memory import _Hot
     from graphpool.streams import Stream
 
 BACKENDS = ("cuda", "sim")
@@ -82,10 +83,10 @@ class _ThreadState(threading.local):
         self.device = 0
         self.streams: dict[int, Stream] = {}  # device index -> current stream
         self.generation = -1
-        # gp.alloc's fast path: the current stream, its handle, its device's allocator and
-        # the runtime generation they belong to. None when unknown; every change of device
-        # or stream resets it.
-        self.hot: tuple[Stream, int, CachingAllocator, int] | None = None
+        # gp.alloc's fast path (memory._Hot): the current stream, its handle, its device's
+        # allocator and the capture world of their runtime. None when unknown; every change
+        # of device or stream resets it.
+        self.hot: _Hot | None = None
 
 
 _tls = _ThreadState()
@@ -257,6 +258,9 @@ def get() -> Runtime:
 def _install(backend: Backend, sizes: SizeConfig = DEFAULT) -> Runtime:
     global _runtime, _generation
     rt = Runtime(backend, _generation + 1, sizes)
+    old = _runtime
+    if old is not None:  # first: from now on no thread's gp.alloc fast path (memory._Hot)
+        old.world.replaced = True  # holds on to an allocator of the old runtime
     _runtime = rt
     _generation = rt.generation  # after _runtime: whoever sees the new number sees the new runtime
     return rt

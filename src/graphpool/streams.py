@@ -14,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM, Device
 from graphpool.errors import CaptureRefusedError, CUDAError
+
+if TYPE_CHECKING:
+    from graphpool.memory import _Home
 
 record_listeners: list[Callable[[Event, Stream], None]] = []
 """Called as ``listener(event, stream)`` after ``event`` is recorded on ``stream``.
@@ -82,7 +85,7 @@ class Stream:
     ``__cuda_stream__`` hands it to cuda.core and any library of that protocol.
     """
 
-    __slots__ = ("device", "handle", "_space", "_source", "__weakref__")
+    __slots__ = ("device", "handle", "_space", "_source", "_home", "__weakref__")
 
     device: int
     handle: int
@@ -91,6 +94,8 @@ class Stream:
     _source: object
     """The other library's stream object this one wraps (``as_stream``), kept alive with it:
     a buffer allocated on it keeps its handle from being destroyed and reused. None if none."""
+    _home: _Home | None
+    """Where ``gp.alloc(n, self)`` allocates (memory._Home), kept by its first call; None until."""
 
     def __init__(self, device: int | None = None) -> None:
         index = _index(device)
@@ -99,6 +104,7 @@ class Stream:
         self.handle = rt.device(index).create_stream()
         self._space = rt.space
         self._source = None
+        self._home = None
 
     @classmethod
     def _wrap(cls, device: int, handle: int) -> Stream:
@@ -107,6 +113,7 @@ class Stream:
         s.handle = handle
         s._space = runtime.space()
         s._source = None
+        s._home = None
         return s
 
     def __cuda_stream__(self) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from graphpool.policy import check
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.check import check_invariants
-from graphpool.policy.freelist import FreeList
+from graphpool.policy.freelist import Bins, FreeList
 from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
 from graphpool.policy.stats import PoolStats
 
@@ -234,6 +234,13 @@ def corrupt_wrong_stream(st: State) -> None:
 def corrupt_size_mismatch(st: State) -> None:
     fl, i = _fl(st, st.free_tail)
     fl.bins[S1].sizes[i] += 512
+
+
+def corrupt_find_cache(st: State) -> None:
+    """FreeList.find's kept answer names bins that are not its stream's."""
+    fl = st.free_first.pool
+    fl._last_stream = S1
+    fl._last_bins = Bins()
 
 
 def corrupt_allocated_filed(st: State) -> None:
@@ -526,6 +533,7 @@ CASES: dict[str, Case] = {
     "size mismatch": Case(corrupt_size_mismatch, "free-list size does not match its block"),
     "allocated filed": Case(corrupt_allocated_filed, "allocated or held block in a free list"),
     "held filed": Case(corrupt_held_filed, "allocated or held block in a free list"),
+    "stale find cache": Case(corrupt_find_cache, "free-list lookup cache is stale"),
     "wrong free list": Case(corrupt_wrong_freelist, "block filed in a free list that is not its pool"),
     "two free lists": Case(corrupt_two_freelists, "a block filed in two free lists"),
     "free not filed": Case(corrupt_unfiled, "free but not filed, or filed but not free"),
@@ -643,6 +651,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 60  # the checks today; update with a case for each new one
+    assert len(messages) == 61  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

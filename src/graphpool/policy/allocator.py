@@ -233,6 +233,9 @@ class CachingAllocator:
         # bound once (on CUDA a C function; benchmarks/NOTES.md).
         self._detect = bool(detect)
         self._query: Callable[[int], int] = device.capture_id
+        # The stream handle malloc queried last, and the same as an int object (see malloc).
+        self._qstream = -1
+        self._qkey: Any = -1
 
     def _apply_sizes(self, sizes: SizeConfig) -> None:
         """Take ``sizes`` and the figures malloc reads from it. With no ``max_split_size``,
@@ -326,8 +329,18 @@ class CachingAllocator:
                     rec = None
                     if self._capturing:
                         rec = self._route(stream)
-                    elif self._detect and self._query(stream):
-                        rec = self._adopt_found(stream)
+                    elif self._detect:
+                        # The query takes the handle as an int object: the last one is kept, so
+                        # a run of calls on one stream boxes none (CUDA's handles are pointers,
+                        # a new int object each; entry 27).
+                        key = self._qkey
+                        if stream != self._qstream:
+                            self._qstream = -1  # no moment where the kept pair disagrees
+                            key = stream
+                            self._qkey = key
+                            self._qstream = stream
+                        if self._query(key):
+                            rec = self._adopt_found(stream)
                     if rec is None and (self._waiting or self._orphans) and not self._world.active:
                         self._process_events()
                     if rec is None:
@@ -338,7 +351,7 @@ class CachingAllocator:
                     # Best fit: the first block of this stream sorted by (size, address) with room
                     # (freelist.py). Written out here: a call would cost more than the bisect.
                     block: Block | None = None
-                    bins = fl.bins.get(stream)
+                    bins = fl.find(stream)
                     hit: Bins | None = None  # the bins still holding ``block`` at ``i``
                     i = 0
                     if bins is not None:
@@ -1364,8 +1377,7 @@ class CachingAllocator:
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
-        later: list[Any] = []  # records to retry at a later call
-        me = threading.get_ident()
+        later: list[Any] | None = None  # records to retry at a later call (made when needed)
         try:
             while pending:
                 item = pending.popleft()
@@ -1383,17 +1395,21 @@ class CachingAllocator:
                     elif (
                         item.active
                         and not item.foreign
-                        and item.thread != me
+                        and item.thread != threading.get_ident()  # asked for a record only
                         and self._query(item.stream) == item.capture_id
                         and _thread_alive(item.thread)
                     ):
-                        later.append(item)  # only the capturing thread can end its capture
+                        # only the capturing thread can end its capture
+                        if later is None:
+                            later = [item]
+                        else:
+                            later.append(item)
                     else:
                         self._release(item)
                 except Exception as exc:  # a finalizer's work must not fail an unrelated call
                     _warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning)
         finally:
-            if later:
+            if later is not None:
                 pending.extend(later)
 
     # --------------------------------------------------------------- capture

@@ -134,6 +134,9 @@ def check_invariants(a: CachingAllocator) -> None:
         fls += [pool.small, pool.large]
     for fl in fls:
         _check_freelist(fl, in_fl)
+    for fl in fls:  # FreeList.find's kept answer
+        last = fl._last_bins
+        _expect(last is None or fl.bins.get(fl._last_stream) is last, "free-list lookup cache is stale")
     for b in all_blocks:
         is_free = not b.allocated and b.holds == 0
         _expect(is_free == (id(b) in in_fl), f"{b} free but not filed, or filed but not free")

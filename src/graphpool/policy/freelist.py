@@ -75,7 +75,7 @@ def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
 class FreeList:
     """Free blocks of one pool kind, by stream. ``owner`` is the private pool or None."""
 
-    __slots__ = ("is_small", "owner", "bins", "calls")
+    __slots__ = ("is_small", "owner", "bins", "calls", "_last_stream", "_last_bins")
 
     def __init__(self, is_small: bool, owner: Any = None) -> None:
         self.is_small = is_small
@@ -84,6 +84,24 @@ class FreeList:
         # Searches so far (malloc counts them): a free block's age is ``calls - gc_base``,
         # PyTorch's ``gc_count`` (garbage_collection_threshold, CachingAllocator._collect).
         self.calls = 0
+        # The bins ``find`` found last, and their stream (-1: none; handles are never negative).
+        # A stream's bins, once made, stay in ``bins`` for the list's life, so this never goes
+        # stale.
+        self._last_stream = -1
+        self._last_bins: Bins | None = None
+
+    def find(self, stream: int) -> Bins | None:
+        """``bins.get(stream)``, with the last answer kept: compiled, a hit compares two unboxed
+        ints, where the lookup boxes the handle (a new int object: CUDA's handles are pointers)
+        and hashes it (benchmarks/NOTES.md, entry 27)."""
+        if stream == self._last_stream:
+            return self._last_bins
+        bins = self.bins.get(stream)
+        if bins is not None:
+            self._last_stream = -1  # no moment where the kept pair disagrees (interrupts)
+            self._last_bins = bins
+            self._last_stream = stream
+        return bins
 
     def __iter__(self) -> Iterator[Block]:
         """A snapshot of every free block, so the caller may remove while iterating. O(n)."""
@@ -92,7 +110,7 @@ class FreeList:
     def best_fit(self, stream: int, size: int) -> Block | None:
         """The smallest free block of ``stream`` with at least ``size`` bytes, lowest address on
         ties; None if none fits. O(log n). (``CachingAllocator.malloc`` writes this out.)"""
-        bins = self.bins.get(stream)
+        bins = self.find(stream)
         if bins is None:
             return None
         i = bisect_sizes(bins.sizes, size)
@@ -101,7 +119,7 @@ class FreeList:
     def insert(self, block: Block) -> None:
         """Add a free block. O(log n) + memmove."""
         block.gc_base = self.calls
-        bins = self.bins.get(block.stream)
+        bins = self.find(block.stream)
         if bins is None:
             bins = self.bins[block.stream] = Bins()
         size = block.size
@@ -114,14 +132,18 @@ class FreeList:
 
     def remove(self, block: Block) -> None:
         """Take a free block out of the index. O(log n) + memmove."""
-        bins = self.bins[block.stream]
+        bins = self.find(block.stream)
+        if bins is None:
+            bins = self.bins[block.stream]  # KeyError: the block's stream has no bins
         i = _index_of(bins, block, block.size)
         del bins.sizes[i]
         del bins.blocks[i]
 
     def replace(self, old: Block, old_size: int, new: Block) -> None:
         """File ``new`` in place of ``old``, filed under ``old_size``. Same stream. O(log n)."""
-        bins = self.bins[old.stream]
+        bins = self.find(old.stream)
+        if bins is None:
+            bins = self.bins[old.stream]  # KeyError: the block's stream has no bins
         self.place(bins, _index_of(bins, old, old_size), new)
 
     def place(self, bins: Bins, i: int, new: Block | None) -> None:

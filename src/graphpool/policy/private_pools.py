@@ -66,13 +66,16 @@ class CaptureWorld:
 
     CUDA's capture rules are process-wide: while any device captures, no allocator may
     free device memory, synchronize or query events. Each allocator of a runtime shares
-    one of these; ``active`` is the sum of their ``_capturing`` counts.
+    one of these; ``active`` is the sum of their ``_capturing`` counts. ``replaced``: set when
+    ``set_backend`` replaced the runtime (gp.alloc's per-thread cache, memory.py, then drops
+    the allocator it holds).
     """
 
-    __slots__ = ("active",)
+    __slots__ = ("active", "replaced")
 
     def __init__(self) -> None:
         self.active = 0
+        self.replaced = False
 
 
 class PrivatePool:
