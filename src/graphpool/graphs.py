@@ -13,6 +13,7 @@ import gc
 import itertools
 import threading
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 from graphpool import _warnings, runtime
@@ -410,7 +411,7 @@ def note_wait(s: Stream, event: Event) -> None:
                 mine[k] = v
 
 
-def _overlaps(a: list[tuple[int, int, Any, int]], b_ptr: int, b_size: int) -> tuple[int, int] | None:
+def _overlaps(a: Iterable[tuple[int, int, Any, int]], b_ptr: int, b_size: int) -> tuple[int, int] | None:
     for ptr, size, _, _ in a:
         if ptr < b_ptr + b_size and b_ptr < ptr + size:
             return ptr, size

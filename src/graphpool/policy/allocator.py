@@ -413,7 +413,7 @@ class CachingAllocator:
                             if len(owner.fresh) != rec.fresh:  # another capture's segments
                                 self._touch(block, rec)
                             block.owner = rec
-                            rec.written.append((ptr, block.size, block, serial))
+                            rec.written.add(ptr, block.size, block, serial)
                             rec.streams.add(stream)
                     if self._history is not None:
                         self._history.alloc(ptr, requested, stream, owner)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from graphpool.policy.block import Block
@@ -102,6 +103,38 @@ class PrivatePool:
         return f"PrivatePool({tuple(self.id)}, use_count={self.use_count}, segments={self.segment_count})"
 
 
+class Writes:
+    """What a capture allocated, in order: the address, size, block and serial of each.
+
+    Four flat lists, not a list of tuples: a capture adds one entry per allocation, and a
+    tuple is an object the garbage collector tracks; thousands of them kept alive made a
+    long capture pay for ever larger collections (benchmarks/NOTES.md, entry 28). Iterating
+    gives ``(ptr, size, block, serial)`` tuples, made on demand (the replay checker and the
+    end of a capture read them; the hot path only adds).
+    """
+
+    __slots__ = ("ptrs", "sizes", "blocks", "serials")
+
+    def __init__(self) -> None:
+        self.ptrs: list[int] = []
+        self.sizes: list[int] = []
+        self.blocks: list[Block] = []
+        self.serials: list[int] = []
+
+    def add(self, ptr: int, size: int, block: Block, serial: int) -> None:
+        """Record one allocation of the capture."""
+        self.ptrs.append(ptr)
+        self.sizes.append(size)
+        self.blocks.append(block)
+        self.serials.append(serial)
+
+    def __len__(self) -> int:
+        return len(self.ptrs)
+
+    def __iter__(self) -> Iterator[tuple[int, int, Block, int]]:
+        return zip(self.ptrs, self.sizes, self.blocks, self.serials, strict=True)
+
+
 class CaptureRecord:
     """What the allocator remembers of one capture, from begin until the graph is released.
 
@@ -151,7 +184,7 @@ class CaptureRecord:
         self.label = label
         self.thread = thread
         self.kept: list[Block] = []
-        self.written: list[tuple[int, int, Block, int]] = []  # ptr, size, block, serial
+        self.written = Writes()  # ptr, size, block, serial of each allocation
         self.inputs: list[tuple[int, int, CaptureRecord, Block, int]] = []
         self.outputs: list[tuple[Block, int]] = []
         self.active = True
