@@ -69,25 +69,10 @@ class OptionalBuildExt(build_ext):
     fails to build the others are removed and every module stays plain Python.
     """
 
-    def build_extension(self, ext) -> None:  # type: ignore[no-untyped-def]
-        """Build one module; a failure of the optional PyTorch shim alone only leaves it out."""
-        if ext.name != "graphpool._torch_shim":
-            super().build_extension(ext)
-            return
-        try:
-            super().build_extension(ext)
-        except Exception as e:  # no C++ compiler: graphpool.torch says so when installed
-            self._skipped = [*getattr(self, "_skipped", []), ext]  # nothing to copy for it
-            print(
-                f"graphpool: PyTorch shim not built ({e}); graphpool.torch.install() will refuse",
-                file=sys.stderr,
-            )
-
     def run(self) -> None:
         in_tree = self.inplace or self.editable_mode
         try:
             super().run()
-            self.extensions = [e for e in self.extensions if e not in getattr(self, "_skipped", [])]
             if self.editable_mode:  # `pip install -e`: the source tree is what gets imported
                 self.copy_extensions_to_source()
             if in_tree and self.extensions:
@@ -238,7 +223,8 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     return [
         *mods,
         Extension("graphpool.device._capture", [NATIVE + ".c"], libraries=libs),
-        Extension("graphpool._torch_shim", [TORCH_SHIM + ".cpp"], language="c++"),
+        # optional: a failed build only warns, and an in-place or editable build skips copying it
+        Extension("graphpool._torch_shim", [TORCH_SHIM + ".cpp"], language="c++", optional=True),
     ]
 
 

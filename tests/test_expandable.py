@@ -153,6 +153,32 @@ def test_out_of_memory_on_the_simulated_device_itself(sim: Any) -> None:
         gp.set_allocator_config("")
 
 
+def test_max_split_size_with_expandable_segments(backend: Any) -> None:
+    """An oversize free block at a segment's end that a smaller request may not take is neither
+    grown nor split: the request gets a new block mapped after it."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(DEFAULT, expandable_segments=True, max_split_size=40 * MiB)
+    a = CachingAllocator(rt.device(0), sizes=sizes, world=rt.world)
+    try:
+        first = a.malloc(10 * MiB, stream=0)
+        big = a.malloc(100 * MiB, stream=0)
+        a.free(big)  # the segment now ends in a free 100 MiB block (oversize)
+        small = a.malloc(20 * MiB, stream=0)
+        assert small >= big + 100 * MiB  # mapped after the oversize block, which stays whole
+        blocks = [b for seg in a.snapshot() for b in seg["blocks"] if b["state"] == "inactive"]
+        assert any(b["address"] == big and b["size"] == 100 * MiB for b in blocks)
+        a.check_invariants()
+        again = a.malloc(90 * MiB, stream=0)  # big enough to take it (wastes < 20 MiB)
+        assert again == big
+        for p in (first, small, again):
+            a.free(p)
+    finally:
+        a.device.device_synchronize()
+        a.empty_cache()
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
 def test_captures_keep_ordinary_segments(exp: CachingAllocator) -> None:
     """A capture's private pool gets ordinary segments (no mapping during a capture); the
     eager stream's expandable segment never serves the graph."""

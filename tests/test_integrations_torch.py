@@ -107,6 +107,35 @@ def test_a_bad_free_is_reported_never_raised(lib: Any, monkeypatch: pytest.Monke
     gp.check_invariants()
 
 
+def test_sizes_and_addresses_past_2_63_stay_unsigned(
+    shim: Any, lib: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(RuntimeError, match="OutOfMemoryError: out of memory on device 0"):
+        shim.try_malloc((1 << 64) - 4096, 0, 0)  # PyTorch's size_t: never a negative size
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    lib.graphpool_torch_free((1 << 64) - 4096, 8, 0, 0)
+    assert "0xfffffffffffff000 was not allocated" in str(seen[0].exc_value)
+    gp.check_invariants()
+
+
+def test_a_replaced_backend_keeps_its_blocks_and_refuses_new_ones(shim: Any, lib: Any) -> None:
+    """PyTorch keeps graphpool's allocator for the process: after set_backend, its frees go
+    back to the allocator that made each block, and new allocations are refused."""
+    old = runtime.get()
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    gp.set_backend("sim")  # a new runtime
+    try:
+        lib.graphpool_torch_free(p, 4096, 0, s.handle)  # back to the old allocator, no error
+        assert old.allocator(0).memory_stats()["allocated_bytes.all.current"] == 0
+        old.allocator(0).check_invariants()
+        with pytest.raises(RuntimeError, match="backend was replaced"):
+            shim.try_malloc(4096, 0, s.handle)
+    finally:
+        old.allocator(0).empty_cache()
+
+
 def test_after_close_malloc_fails_and_free_does_nothing(shim: Any, lib: Any) -> None:
     s = gp.Stream()
     p = lib.graphpool_torch_malloc(512, 0, s.handle)

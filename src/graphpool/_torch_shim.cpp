@@ -22,6 +22,7 @@
 #include <Python.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -57,8 +58,10 @@ static bool call_malloc(size_t size, int device, void *stream, void **out, std::
         *msg = "graphpool.torch: no allocator hook is set (call graphpool.torch.install())";
         return false;
     }
-    PyObject *r = PyObject_CallFunction(g_malloc, "nin", (Py_ssize_t)size, device,
-                                        (Py_ssize_t)stream);
+    /* unsigned: a size or handle past 2**63 stays positive (graphpool then refuses the size
+       as larger than the device, an out-of-memory error) */
+    PyObject *r = PyObject_CallFunction(g_malloc, "KiK", (unsigned long long)size, device,
+                                        (unsigned long long)(uintptr_t)stream);
     if (r == nullptr) {
         *msg = take_error();
         return false;
@@ -106,8 +109,9 @@ GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, v
     }
     PyGILState_STATE st = PyGILState_Ensure();
     if (g_free != nullptr) {
-        PyObject *r = PyObject_CallFunction(g_free, "nnin", (Py_ssize_t)ptr, (Py_ssize_t)size,
-                                            device, (Py_ssize_t)stream);
+        PyObject *r = PyObject_CallFunction(g_free, "KKiK", (unsigned long long)(uintptr_t)ptr,
+                                            (unsigned long long)size, device,
+                                            (unsigned long long)(uintptr_t)stream);
         if (r == nullptr) {
             PyErr_WriteUnraisable(g_free);
         }
@@ -145,18 +149,14 @@ static PyObject *close_shim(PyObject *, PyObject *) {
 }
 
 static PyObject *try_malloc(PyObject *, PyObject *args) {
-    Py_ssize_t size, stream;
+    unsigned long long size, stream;
     int device;
-    if (!PyArg_ParseTuple(args, "nin:try_malloc", &size, &device, &stream)) {
-        return nullptr;
-    }
-    if (size < 0) {
-        PyErr_SetString(PyExc_ValueError, "try_malloc: size must be >= 0");
+    if (!PyArg_ParseTuple(args, "KiK:try_malloc", &size, &device, &stream)) {
         return nullptr;
     }
     void *p = nullptr;
     std::string msg;
-    if (!call_malloc((size_t)size, device, (void *)stream, &p, &msg)) {
+    if (!call_malloc((size_t)size, device, (void *)(uintptr_t)stream, &p, &msg)) {
         PyErr_SetString(PyExc_RuntimeError, msg.c_str());
         return nullptr;
     }

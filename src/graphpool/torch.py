@@ -27,9 +27,15 @@ from __future__ import annotations
 
 import atexit
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from graphpool import runtime
+
+MallocHook = Callable[[int, int, int], int]
+"""``malloc(size, device, stream handle) -> address``, as the shim calls it."""
+FreeHook = Callable[[int, int, int, int], None]
+"""``free(address, size, device, stream handle)``, as the shim calls it."""
 
 _lock = threading.Lock()
 _installed = False
@@ -57,22 +63,35 @@ def library_path() -> str:
     return str(path)
 
 
-def _malloc(size: int, device: int, stream: int) -> int:
-    """PyTorch's allocation of ``size`` bytes on ``device`` for stream handle ``stream``."""
-    if size == 0:  # a null pointer that holds nothing, as PyTorch's own allocator gives
-        return 0
-    return runtime.allocator(device).malloc(size, stream=stream)
+def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
+    """The ``(malloc, free)`` the shim calls, bound to runtime ``rt`` (default: the current one).
 
+    ``malloc(size, device, stream)`` allocates ``size`` bytes for stream handle ``stream`` from
+    that runtime's allocator of ``device`` (0 bytes: a null pointer that holds nothing, as
+    PyTorch's own allocator gives). After ``set_backend`` replaced that runtime it refuses
+    (RuntimeError): PyTorch keeps this allocator for the process, and a replaced backend's
+    addresses are not the new one's. ``free(ptr, size, device, stream)`` gives the block back
+    to the allocator that made it, whatever runtime is current, and never waits for another
+    thread's call (``free_owned``: PyTorch frees from destructors, possibly inside a graphpool
+    call).
+    """
+    bound = rt if rt is not None else runtime.get()
 
-def _free(ptr: int, size: int, device: int, stream: int) -> None:
-    """PyTorch's free of the allocation at ``ptr``. Never waits for another thread's call
-    (``free_owned``): PyTorch frees from destructors, possibly inside a graphpool call."""
-    runtime.allocator(device).free_owned(ptr)
+    def malloc(size: int, device: int, stream: int) -> int:
+        if runtime.get() is not bound:
+            raise RuntimeError(
+                "graphpool.torch: graphpool's backend was replaced (set_backend) after "
+                "graphpool.torch.install(); PyTorch keeps graphpool's allocator for the process, "
+                "so keep the backend it was installed under"
+            )
+        if size == 0:
+            return 0
+        return bound.allocator(device).malloc(size, stream=stream)
 
+    def free(ptr: int, size: int, device: int, stream: int) -> None:
+        bound.allocator(device).free_owned(ptr)
 
-def hooks() -> tuple[Any, Any]:
-    """The two Python callables the shim calls: ``(malloc, free)`` (for tests and tools)."""
-    return _malloc, _free
+    return malloc, free
 
 
 def install() -> None:
@@ -97,15 +116,15 @@ def install() -> None:
 
         if not torch.cuda.is_available():
             raise RuntimeError("graphpool.torch.install(): PyTorch sees no CUDA device")
-        shim.set_hooks(_malloc, _free)
+        shim.set_hooks(*hooks(runtime.get()))
         try:
             plugged = torch.cuda.memory.CUDAPluggableAllocator(shim.__file__, _MALLOC, _FREE)
             torch.cuda.memory.change_current_allocator(plugged)
         except Exception as e:
             shim.close()
             raise RuntimeError(
-                "graphpool.torch.install() must run before PyTorch's first CUDA allocation "
-                f"(PyTorch said: {e})"
+                f"graphpool.torch.install(): PyTorch refused graphpool's allocator ({e}); "
+                "install() must run before PyTorch's first CUDA allocation"
             ) from e
         atexit.register(shim.close)  # tensors PyTorch drops after Python is gone are left alone
         _installed = True

@@ -279,6 +279,7 @@ CONFS = st.sampled_from(
         {"garbage_collection_threshold": 0.3, "max_split_size": 49152},
         {"expandable_segments": True},
         {"expandable_segments": True, "roundup_power2_divisions": (2,) * 16},
+        {"expandable_segments": True, "max_split_size": 40960},
     )
 )
 """The configurations a program runs under, both sides the same (the default most often)."""

@@ -580,7 +580,7 @@ class CachingAllocator:
         if block is None and not self._world.active:
             self._synchronize_events()
             found = fl.best_fit(stream, size)
-            if found is not None:
+            if found is not None and not (found.size >= self._max_split and self._refuses(found.size, size)):
                 fl.remove(found)  # a stream use that just completed freed a fitting block
                 return found
             self._release_cached()
@@ -612,7 +612,12 @@ class CachingAllocator:
             prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
             try:
                 va = self.device.vmm_reserve(reserve)
-                if not self.device.vmm_map(va, need):
+                try:
+                    mapped = self.device.vmm_map(va, need)
+                except BaseException:  # a driver error: the range goes back, the error propagates
+                    self.device.vmm_release(va, reserve)
+                    raise
+                if not mapped:
                     self.device.vmm_release(va, reserve)
                     return None
             finally:
@@ -635,7 +640,10 @@ class CachingAllocator:
         tail = self._segments[seg.base]
         while tail.next is not None:
             tail = tail.next
-        free_tail = not tail.allocated and tail.holds == 0
+        # A free last block grows into the block asked for, unless it already holds the request:
+        # then this request may not take it (an oversize block under max_split_size, which
+        # malloc refused), and a new block is mapped after it instead.
+        free_tail = not tail.allocated and tail.holds == 0 and tail.size < size
         need = self._round_gran(size - tail.size if free_tail else size)
         end = seg.base + seg.mapped
         if seg.mapped + need > seg.reserved or not self._map_allowed(need):
@@ -685,13 +693,13 @@ class CachingAllocator:
             tail = tail.next
         if tail.allocated or tail.holds or tail.prev is None:
             return
-        start = self._round_gran(tail.ptr)
+        start = seg.base + self._round_gran(tail.ptr - seg.base)
         end = seg.base + seg.mapped
         if start >= end:
             return
+        self.device.vmm_unmap(start, end - start)  # first: if it fails, nothing has changed
         fl = tail.pool
         fl.remove(tail)
-        self.device.vmm_unmap(start, end - start)
         seg.mapped -= end - start
         self.stats.num_device_free += 1
         k = self.stats.kind(fl.is_small)
@@ -1350,13 +1358,14 @@ class CachingAllocator:
         """Give a whole free segment back to the driver: the one place device memory is freed."""
         if self._world.active:
             raise CaptureError("graphpool: no device memory is freed while a capture is underway")
-        seg = self._exp.pop(block.ptr, None) if self._exp else None
+        seg = self._exp.get(block.ptr) if self._exp else None
         if seg is None:
             self.device.free(block.ptr)
-        else:  # a whole free expandable segment: unmap it and give back its range
-            del self._exp_of[(seg.is_small, seg.stream)]
+        else:  # a whole free expandable segment: unmap it and give back its range, then forget it
             self.device.vmm_unmap(seg.base, seg.mapped)
             self.device.vmm_release(seg.base, seg.reserved)
+            del self._exp[seg.base]
+            del self._exp_of[(seg.is_small, seg.stream)]
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
         if self._history is not None:
