@@ -21,6 +21,7 @@ import graphpool as gp
 # The GPU-skip guard's hook (tests/gpu_guard.py): a `gpu` test skipping on a GPU host fails.
 from gpu_guard import cuda_unusable, pytest_runtest_makereport  # noqa: F401
 from graphpool import runtime
+from simenv import settle
 
 # CI runs the property tests on fixed examples (a red CI blocks landing); elsewhere they explore.
 settings.register_profile("ci", derandomize=True, deadline=None)
@@ -59,11 +60,8 @@ def _sim_spin(stream: gp.Stream) -> None:
 
 
 def _teardown() -> None:
-    gc.collect()
     try:
-        gp.synchronize()
-        gp.empty_cache()
-        gp.check_invariants()
+        settle()
     finally:
         gp.set_replay_checks("off")
 

@@ -16,8 +16,8 @@ import pytest
 import graphpool as gp
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
-from graphpool.sim import SimBackend
 from graphpool.sim import capture as sim_capture
+from simenv import fresh_sim
 
 MiB = 1024 * 1024
 
@@ -535,17 +535,8 @@ def test_empty_capture_warns(backend: Any) -> None:
 # --------------------------------------------------------------------------- OOM during capture (sim)
 @pytest.fixture
 def small_sim() -> Any:
-    runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=64 * MiB))
-    try:
-        yield runtime.get()
-    finally:
-        gc.collect()
-        try:
-            gp.synchronize()
-            gp.empty_cache()
-            gp.check_invariants()
-        finally:
-            gp.set_backend("sim")
+    with fresh_sim(1, 64 * MiB) as rt:
+        yield rt
 
 
 def test_out_of_memory_during_capture(small_sim: Any) -> None:

@@ -19,7 +19,7 @@ import graphpool as gp
 from graphpool import build, runtime
 from graphpool.__main__ import main
 from graphpool.policy import history
-from graphpool.sim import SimBackend
+from simenv import fresh_sim
 
 MiB = 1024 * 1024
 
@@ -53,19 +53,12 @@ JS_OPCODES = {
 @pytest.fixture
 def rec() -> Iterator[Any]:
     """A simulated backend of two 64 MiB devices, recording without stacks; stops after."""
-    runtime.set_backend("sim", backend=SimBackend(device_count=2, memory_bytes=64 * MiB))
-    gp.record_memory_history(True, stacks=False)
-    try:
-        yield runtime.get()
-    finally:
-        gp.record_memory_history(False)
-        gc.collect()
+    with fresh_sim(2) as rt:
+        gp.record_memory_history(True, stacks=False)
         try:
-            gp.synchronize()
-            gp.empty_cache()
-            gp.check_invariants()
+            yield rt
         finally:
-            gp.set_backend("sim")
+            gp.record_memory_history(False)
 
 
 def events(device: int = 0) -> list[dict[str, Any]]:

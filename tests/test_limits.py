@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import gc
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -14,6 +13,7 @@ import graphpool as gp
 from graphpool import runtime
 from graphpool.policy.limits import AllocConf, MemoryLimits, parse_alloc_conf, parse_size
 from graphpool.sim import SimBackend
+from simenv import fresh_sim
 
 MiB = 1024 * 1024
 TOTAL = 64 * MiB
@@ -22,17 +22,8 @@ TOTAL = 64 * MiB
 @pytest.fixture
 def small() -> Iterator[Any]:
     """Two simulated devices of 64 MiB each; the default backend again afterwards."""
-    runtime.set_backend("sim", backend=SimBackend(device_count=2, memory_bytes=TOTAL))
-    try:
-        yield runtime.get()
-    finally:
-        gc.collect()
-        try:
-            gp.synchronize()
-            gp.empty_cache()
-            gp.check_invariants()
-        finally:
-            gp.set_backend("sim")
+    with fresh_sim(2, TOTAL) as rt:
+        yield rt
 
 
 # ------------------------------------------------------------------ arguments

@@ -3,7 +3,6 @@ the level is off, nothing at all on the cached malloc/free path."""
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -13,24 +12,15 @@ import pytest
 import graphpool as gp
 from graphpool import runtime
 from graphpool.policy import allocator as allocator_module
-from graphpool.sim import SimBackend
+from simenv import fresh_sim
 
 MiB = 1024 * 1024
 
 
 @pytest.fixture
 def small() -> Iterator[Any]:
-    runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=64 * MiB))
-    try:
-        yield runtime.get()
-    finally:
-        gc.collect()
-        try:
-            gp.synchronize()
-            gp.empty_cache()
-            gp.check_invariants()
-        finally:
-            gp.set_backend("sim")
+    with fresh_sim(1, 64 * MiB) as rt:
+        yield rt
 
 
 def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:

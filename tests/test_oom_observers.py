@@ -3,7 +3,6 @@ raised, with the allocator's lock released; a failing observer corrupts nothing.
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -11,9 +10,8 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import runtime
 from graphpool.policy import observers
-from graphpool.sim import SimBackend
+from simenv import fresh_sim
 
 MiB = 1024 * 1024
 
@@ -21,19 +19,12 @@ MiB = 1024 * 1024
 @pytest.fixture
 def small() -> Iterator[Any]:
     """Two simulated devices of 64 MiB; no observer left attached afterwards."""
-    runtime.set_backend("sim", backend=SimBackend(device_count=2, memory_bytes=64 * MiB))
-    try:
-        yield runtime.get()
-    finally:
-        for fn in observers.current():
-            gp.detach_out_of_memory_observer(fn)
-        gc.collect()
+    with fresh_sim(2, 64 * MiB) as rt:
         try:
-            gp.synchronize()
-            gp.empty_cache()
-            gp.check_invariants()
+            yield rt
         finally:
-            gp.set_backend("sim")
+            for fn in observers.current():
+                gp.detach_out_of_memory_observer(fn)
 
 
 def test_observer_sees_device_request_and_stats_before_the_error(small: Any) -> None:

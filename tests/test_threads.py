@@ -20,10 +20,11 @@ import pytest
 import graphpool as gp
 from graphpool import runtime
 from graphpool.policy.allocator import CachingAllocator
-from graphpool.sim import SimBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "policy"))
 from fakedevice import SHRUNK, FakeDevice
+
+from simenv import fresh_sim
 
 THREADS = 8
 OPS = 400
@@ -148,17 +149,8 @@ def test_threads_stats_add_up_exactly() -> None:
 # --------------------------------------------------------------------------- the public API, sim
 @pytest.fixture
 def small_sim() -> Any:
-    runtime.set_backend("sim", backend=SimBackend(device_count=1, memory_bytes=256 << 20), sizes=SHRUNK)
-    try:
-        yield runtime.get()
-    finally:
-        gc.collect()
-        try:
-            gp.synchronize()
-            gp.empty_cache()
-            gp.check_invariants()
-        finally:
-            gp.set_backend("sim")
+    with fresh_sim(1, 256 << 20, sizes=SHRUNK) as rt:
+        yield rt
 
 
 def test_threads_through_gp_alloc_with_patterns(small_sim: Any) -> None:

@@ -543,7 +543,6 @@ def _graphpool_sides(events: list[tuple[int, int, int, int]], streams: list[gp.S
     gp_events = _bind(events, streams)
     policy_events = _bind(events, [s.handle for s in streams])
     gp_alloc = gp.alloc
-    malloc, free = alloc.malloc, alloc.free
 
     def gp_replay() -> None:
         live: dict[int, Any] = {}
@@ -553,13 +552,7 @@ def _graphpool_sides(events: list[tuple[int, int, int, int]], streams: list[gp.S
             else:
                 live.pop(i).free()
 
-    def policy_replay() -> None:
-        live: dict[int, int] = {}
-        for k, i, n, s in policy_events:
-            if k:
-                live[i] = malloc(n, stream=s)
-            else:
-                free(live.pop(i))
+    policy_replay = _policy_replay(policy_events, alloc)
 
     def empty() -> None:
         gp.empty_cache(streams[0].device)
@@ -577,12 +570,9 @@ def _graphpool_sides(events: list[tuple[int, int, int, int]], streams: list[gp.S
     return sides
 
 
-def _expandable_side(events: list[ReplayEvent], like: CachingAllocator) -> _Side:
-    """The policy with expandable segments, on an allocator of its own beside ``like``'s."""
-    rt = runtime.get()
-    sizes = dataclasses.replace(like.sizes, expandable_segments=True)
-    exp = CachingAllocator(like.device, sizes=sizes, world=rt.world)
-    malloc, free = exp.malloc, exp.free
+def _policy_replay(events: list[ReplayEvent], alloc: CachingAllocator) -> Callable[[], None]:
+    """One replay of ``events`` (stream handles bound) through ``alloc``'s malloc and free."""
+    malloc, free = alloc.malloc, alloc.free
 
     def replay() -> None:
         live: dict[int, int] = {}
@@ -591,6 +581,16 @@ def _expandable_side(events: list[ReplayEvent], like: CachingAllocator) -> _Side
                 live[i] = malloc(n, stream=s)
             else:
                 free(live.pop(i))
+
+    return replay
+
+
+def _expandable_side(events: list[ReplayEvent], like: CachingAllocator) -> _Side:
+    """The policy with expandable segments, on an allocator of its own beside ``like``'s."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(like.sizes, expandable_segments=True)
+    exp = CachingAllocator(like.device, sizes=sizes, world=rt.world)
+    replay = _policy_replay(events, exp)
 
     def empty() -> None:
         exp.empty_cache()

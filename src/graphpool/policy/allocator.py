@@ -534,15 +534,9 @@ class CachingAllocator:
             if self._release_oversize(fl, size, stream):  # PyTorch's release_available_cached_blocks
                 ptr = self._device_malloc(seg)
         if ptr is None and not self._world.active:
-            self._synchronize_events()
-            block = fl.best_fit(stream, size)
-            if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
-                fl.remove(block)  # a stream use that just completed freed a fitting block
+            block = self._before_retry(fl, size, stream)
+            if block is not None:
                 return block
-            self._release_cached()
-            self.stats.num_alloc_retries += 1
-            if fl.owner is not None:
-                fl.owner.stats.num_alloc_retries += 1
             ptr = self._device_malloc(seg)
         if ptr is None:
             least = self.sizes.least_segment(size)
@@ -571,6 +565,21 @@ class CachingAllocator:
             self._log_segment("allocated", head)
         return head
 
+    def _before_retry(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """The driver refused memory, no capture underway: wait for pending stream uses and
+        return a fitting block they freed (out of ``fl``), else release the cache (PyTorch's
+        retry) and count the retry; the caller then asks the driver again."""
+        self._synchronize_events()
+        block = fl.best_fit(stream, size)
+        if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
+            fl.remove(block)  # a stream use that just completed freed a fitting block
+            return block
+        self._release_cached()
+        self.stats.num_alloc_retries += 1
+        if fl.owner is not None:
+            fl.owner.stats.num_alloc_retries += 1
+        return None
+
     # ------------------------------------------------------- expandable segments
     def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
         """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
@@ -578,14 +587,9 @@ class CachingAllocator:
         in the cache again, release the cache (``empty_cache``'s work) and grow again."""
         block = self._grow(fl, size, stream)
         if block is None and not self._world.active:
-            self._synchronize_events()
-            found = fl.best_fit(stream, size)
-            if found is not None and not (found.size >= self._max_split and self._refuses(found.size, size)):
-                fl.remove(found)  # a stream use that just completed freed a fitting block
-                return found
-            self._release_cached()
-            self.stats.num_alloc_retries += 1
-            block = self._grow(fl, size, stream)
+            block = self._before_retry(fl, size, stream)
+            if block is None:
+                block = self._grow(fl, size, stream)
         if block is None:
             self._raise_oom(nbytes, self._round_gran(size), fl, stream)
         return block
