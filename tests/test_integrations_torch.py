@@ -136,6 +136,13 @@ def test_a_replaced_backend_keeps_its_blocks_and_refuses_new_ones(shim: Any, lib
         old.allocator(0).empty_cache()
 
 
+def test_hooks_want_a_runtime() -> None:
+    import graphpool.torch as gtorch
+
+    with pytest.raises(TypeError, match="must be a graphpool runtime"):
+        gtorch.hooks(1)  # type: ignore[arg-type]
+
+
 def test_after_close_malloc_fails_and_free_does_nothing(shim: Any, lib: Any) -> None:
     s = gp.Stream()
     p = lib.graphpool_torch_malloc(512, 0, s.handle)

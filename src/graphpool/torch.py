@@ -75,6 +75,8 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
     thread's call (``free_owned``: PyTorch frees from destructors, possibly inside a graphpool
     call).
     """
+    if rt is not None and not isinstance(rt, runtime.Runtime):
+        raise TypeError(f"hooks(rt): rt must be a graphpool runtime (graphpool.runtime.get()), not {rt!r}")
     bound = rt if rt is not None else runtime.get()
 
     def malloc(size: int, device: int, stream: int) -> int:
