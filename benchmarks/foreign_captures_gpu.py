@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+import warnings
 from typing import Any
 
 N = 1 << 20  # float32 elements
@@ -226,7 +227,8 @@ def routing(rounds: int = 15, calls: int = 20000) -> dict[str, Any]:
             del m
         return (time.perf_counter() - t0) / calls * 1e6
 
-    out: dict[str, list[float]] = {k: [] for k in ("cupy", "detect_on", "detect_off", "other_stream", "capturing")}
+    names = ("cupy", "detect_on", "detect_off", "other_stream", "capturing", "capturing_gp_graph")
+    out: dict[str, list[float]] = {k: [] for k in names}
     gp_pair(s1), cupy_pair()  # warm
     for _ in range(rounds):
         out["cupy"].append(cupy_pair())
@@ -242,6 +244,15 @@ def routing(rounds: int = 15, calls: int = 20000) -> dict[str, Any]:
         del keep
         dev.destroy_graph(dev.end_capture(s2.handle))
         gp.memory_stats()
+        g = gp.CUDAGraph()  # the same pair in a capture begun by gp.graph (it keeps footprints)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "captured no work": allocations only
+            with gp.graph(g, stream=s2):
+                keep = gp.alloc(size, s2)
+                out["capturing_gp_graph"].append(gp_pair(s2))
+                del keep
+        del g
+        gp.memory_stats()
     med = {k: statistics.median(v) for k, v in out.items()}
     best = {k: min(v) for k, v in out.items()}
     return {
@@ -252,6 +263,7 @@ def routing(rounds: int = 15, calls: int = 20000) -> dict[str, Any]:
         "ratio detect on/detect off time": med["detect_on"] / med["detect_off"],
         "ratio other stream during capture/no capture time": med["other_stream"] / med["detect_on"],
         "ratio capturing stream/no capture time": med["capturing"] / med["detect_on"],
+        "ratio capturing stream (gp.graph)/no capture time": med["capturing_gp_graph"] / med["detect_on"],
         "rounds": rounds,
         "calls_per_round": calls,
         "size": size,

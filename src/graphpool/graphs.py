@@ -103,7 +103,9 @@ class CUDAGraph:
                 dev.end_capture(s.handle)
                 raise
 
-        self._rec = alloc.begin_capture(pid, begin, stream=s.handle, label=self.label)
+        # The replay checker, on now or later, reads every allocation's footprint (captures
+        # begun outside graphpool, which it never checks, record none: entry 31).
+        self._rec = alloc.begin_capture(pid, begin, stream=s.handle, label=self.label, footprint=True)
         self._alloc = alloc
         self._stream = s
         self._capturing = True
@@ -411,8 +413,9 @@ def note_wait(s: Stream, event: Event) -> None:
                 mine[k] = v
 
 
-def _overlaps(a: Iterable[tuple[int, int, Any, int]], b_ptr: int, b_size: int) -> tuple[int, int] | None:
-    for ptr, size, _, _ in a:
+def _overlaps(a: Iterable[tuple[int, int]] | None, b_ptr: int, b_size: int) -> tuple[int, int] | None:
+    """The first allocation of footprint ``a`` (None: not recorded) that meets the range."""
+    for ptr, size in a or ():
         if ptr < b_ptr + b_size and b_ptr < ptr + size:
             return ptr, size
     return None
@@ -420,7 +423,7 @@ def _overlaps(a: Iterable[tuple[int, int, Any, int]], b_ptr: int, b_size: int) -
 
 def _footprints_meet(g: CUDAGraph, h: CUDAGraph) -> tuple[int, int] | None:
     assert g._rec is not None and h._rec is not None
-    for ptr, size, _, _ in h._rec.written:
+    for ptr, size in h._rec.written or ():
         hit = _overlaps(g._rec.written, ptr, size)
         if hit is not None:
             return hit

@@ -21,7 +21,7 @@ from graphpool.device.protocol import (
 )
 from graphpool.errors import CaptureError, DoubleFreeError, OutOfMemoryError
 from graphpool.policy import private_pools
-from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.allocator import SWEEP_EVERY, CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
     CaptureRecord,
@@ -1029,7 +1029,10 @@ def test_record_streamed_free_inside_a_detected_capture_is_kept() -> None:
     assert a._capturing == 1 and x not in [b.ptr for b in a._small]
     a.free(t)
     dev.end(S1)
-    a.malloc(1000, stream=S3)  # any allocation notices the end (one query per such capture)
+    for _ in range(SWEEP_EVERY - 1):  # allocations elsewhere ask only every SWEEP_EVERY-th time
+        a.free(a.malloc(1000, stream=S3))
+    assert a._capturing == 1
+    a.free(a.malloc(1000, stream=S3))  # this one asks (one query per such capture)
     assert a._capturing == 0
     assert a.malloc(1000, stream=S1) != x  # still kept: its graph is alive
     (token,) = dev.attached
@@ -1060,4 +1063,23 @@ def test_releasing_a_graph_leaves_another_graphs_release_token(monkeypatch: pyte
     a.free(out)
     a.empty_cache()
     assert a.private_pools() == []
+    ok(a)
+
+
+def test_a_free_during_a_detected_capture_is_kept_and_statistics_notice_its_end() -> None:
+    """An eager block made before a detected capture and freed during it is kept for its
+    graph; a statistics call notices the capture's end at once (no SWEEP_EVERY wait)."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S2)
+    dev.begin(S1)
+    a.free(a.malloc(2000, stream=S1))  # detected
+    a.free(x)
+    assert a._capturing == 1 and x not in [b.ptr for b in a._small]
+    dev.end(S1)
+    a.memory_stats()  # statistics notice the end at once
+    assert a._capturing == 0 and a.malloc(1000, stream=S2) != x  # kept: its graph is alive
+    (token,) = dev.attached
+    dev.release(token)
+    a.memory_stats()
+    assert a.malloc(1000, stream=S2) == x
     ok(a)

@@ -68,6 +68,7 @@ from graphpool.policy.private_pools import (
     CaptureWorld,
     PoolId,
     PrivatePool,
+    Writes,
     new_graph_pool_id,
     new_release_token,
 )
@@ -118,6 +119,10 @@ def fmt_bytes(n: int) -> str:
 T = TypeVar("T")
 
 _COMPILED: Final = not __file__.endswith(".py")  # as graphpool.build.compiled() tells
+_NO_CAPTURES: Final[tuple[CaptureRecord, ...]] = ()
+SWEEP_EVERY: Final = 16
+"""Allocations off any capture, while captures begun outside graphpool are underway, between
+two queries of whether those captures ended (``_route``)."""
 
 
 class _Held:
@@ -211,6 +216,10 @@ class CachingAllocator:
         self._world = world if world is not None else CaptureWorld()
         self._capturing = 0
         self._captures: dict[int, CaptureRecord] = {}  # capture id -> record, while underway
+        # What an eager free asks of the underway captures (_captures_for_free), kept by
+        # _recount and _join: the newest ``first_serial`` of them, the streams they allocated on.
+        self._eager_after = 0
+        self._cap_streams: list[int] = []
         self._records: dict[int, CaptureRecord] = {}  # sequence -> record, until released
         self._foreign: dict[int, CaptureRecord] = {}  # stream -> underway capture begun outside
         self._tokens: dict[int, CaptureRecord] = {}  # release token -> record (Device.attach_release)
@@ -236,6 +245,7 @@ class CachingAllocator:
         # The stream handle malloc queried last, and the same as an int object (see malloc).
         self._qstream = -1
         self._qkey: Any = -1
+        self._sweep_due = SWEEP_EVERY  # allocations off capture until the next _sweep (_route)
 
     def _apply_sizes(self, sizes: SizeConfig) -> None:
         """Take ``sizes`` and the figures malloc reads from it. With no ``max_split_size``,
@@ -327,9 +337,7 @@ class CachingAllocator:
                     if self._pending:
                         self._drain()
                     rec = None
-                    if self._capturing:
-                        rec = self._route(stream)
-                    elif self._detect:
+                    if self._capturing or self._detect:
                         # The query takes the handle as an int object: the last one is kept, so
                         # a run of calls on one stream boxes none (CUDA's handles are pointers,
                         # a new int object each; entry 27).
@@ -339,7 +347,9 @@ class CachingAllocator:
                             key = stream
                             self._qkey = key
                             self._qstream = stream
-                        if self._query(key):
+                        if self._capturing:
+                            rec = self._route(stream, key)
+                        elif self._query(key):
                             rec = self._adopt_found(stream)
                     if rec is None and (self._waiting or self._orphans) and not self._world.active:
                         self._process_events()
@@ -413,8 +423,12 @@ class CachingAllocator:
                             if len(owner.fresh) != rec.fresh:  # another capture's segments
                                 self._touch(block, rec)
                             block.owner = rec
-                            rec.written.add(ptr, block.size, block, serial)
-                            rec.streams.add(stream)
+                            w = rec.written
+                            if w is not None:  # the replay checker's footprint (gp.graph)
+                                w.add(ptr, block.size)
+                            joined = rec.streams
+                            if not joined or joined[0] != stream:  # its first stream: no search
+                                self._join(rec, stream)
                     if self._history is not None:
                         self._history.alloc(ptr, requested, stream, owner)
                     if self._debug:
@@ -500,12 +514,20 @@ class CachingAllocator:
         except GraphpoolError:
             return 0
 
-    def _route(self, stream: int) -> CaptureRecord | None:
-        """The capture ``stream`` belongs to, if any (one driver query); adopts an unknown one."""
-        cid = self._query(stream)
+    def _route(self, stream: int, key: Any) -> CaptureRecord | None:
+        """The capture ``stream`` (``key``: the same handle as an int object) belongs to, if
+        any (one driver query); adopts an unknown one."""
+        cid: Any = self._query(key)  # kept as the query's int object: the lookup boxes none
         if not cid:
             if self._foreign:  # a capture begun outside may have ended: stop routing to it
-                self._sweep()  # (one query per such capture; none once all are swept)
+                # (one query per such capture), at every SWEEP_EVERY-th call that finds its
+                # stream not capturing: beside a capture each sweep would double the query
+                # cost of an allocation (entry 31). Statistics, snapshots and empty_cache
+                # sweep first (_settle), so what they report is never stale.
+                self._sweep_due -= 1
+                if self._sweep_due <= 0:
+                    self._sweep_due = SWEEP_EVERY
+                    self._sweep()
             return None
         rec = self._captures.get(cid)
         if rec is None and self._detect:
@@ -965,18 +987,28 @@ class CachingAllocator:
 
         Whichever thread frees, and whenever a queued free is carried out, the same rules
         decide (``_captures_for_free``); a capture begun outside graphpool that ended is
-        noticed by the next allocation (``_route``), not here."""
+        noticed by an allocation (``_route``) or a statistics call (``_settle``), not here: a
+        free queued during a capture and carried out after it ended still counts as made
+        during it (its graph may write the block)."""
         fl = block.pool
         size = block.size
         owner = fl.owner
         if self._capturing and owner is not None and not block.stream_uses:
+            # The capture that allocated it, if any (malloc); typed here, so that compiled the
+            # tests below read fields. When it is the one underway, the loop below would find it.
+            rec: CaptureRecord | None = block.owner
+            if rec is not None and rec.active and rec.pool is owner and len(self._captures) == 1:
+                if len(owner.fresh) != rec.fresh:  # segments of another capture (malloc)
+                    self._touch(block, rec)
+                self._free_block(block, True)
+                return True
             for rec in self._captures.values():
                 if rec.pool is owner:  # a capture allocates from its pool: back to that pool
-                    if owner.fresh:
+                    if len(owner.fresh) != rec.fresh:  # segments of another capture (malloc)
                         self._touch(block, rec)
                     self._free_block(block, True)
                     return True
-        recs: list[CaptureRecord] = []
+        recs = _NO_CAPTURES
         if self._capturing:
             recs = self._captures_for_free(block)
             if not recs and not block.stream_uses:
@@ -1016,7 +1048,7 @@ class CachingAllocator:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
-    def _captures_for_free(self, block: Block) -> list[CaptureRecord]:
+    def _captures_for_free(self, block: Block) -> tuple[CaptureRecord, ...]:
         """The captures a free made now belongs to. O(underway captures).
 
         A block of a pool that an underway capture allocates from goes back to that pool
@@ -1036,13 +1068,37 @@ class CachingAllocator:
             for r in caps.values():
                 if r.pool is owner:
                     found = r  # the latest begun
-            return [found] if found is not None else list(caps.values())
+            return (found,) if found is not None else tuple(caps.values())
+        if block.serial <= self._eager_after:  # made before some underway capture began
+            return tuple(caps.values())
         stream = block.stream
-        serial = block.serial
-        for r in caps.values():  # a loop, not all(<generator>): this runs at every eager free
-            if serial <= r.first_serial or stream in r.streams:  # beside a capture (issue 7)
-                return list(caps.values())
-        return []
+        for s in self._cap_streams:  # a short list: compiled, no int object made (entry 31)
+            if s == stream:  # beside a capture, on a stream it allocated on (issue 7)
+                return tuple(caps.values())
+        return _NO_CAPTURES
+
+    def _join(self, rec: CaptureRecord, stream: int) -> None:
+        """Note that capture ``rec`` allocated on ``stream`` (once per stream)."""
+        for s in rec.streams:
+            if s == stream:
+                return
+        rec.streams.append(stream)
+        for s in self._cap_streams:
+            if s == stream:
+                return
+        self._cap_streams.append(stream)
+
+    def _recount(self) -> None:
+        """Recompute ``_eager_after`` and ``_cap_streams`` after a capture came or went."""
+        newest = 0
+        streams: list[int] = []
+        for r in self._captures.values():
+            newest = max(newest, r.first_serial)
+            for s in r.streams:
+                if s not in streams:
+                    streams.append(s)
+        self._eager_after = newest
+        self._cap_streams = streams
 
     @staticmethod
     def _set_creator(head: Block, rec: CaptureRecord | None) -> None:
@@ -1052,6 +1108,7 @@ class CachingAllocator:
         if old is rec:
             return
         pool = head.pool.owner
+        assert pool is not None, "only a private pool's segments have creators"
         if old is not None:
             old.fresh -= 1
         head.creator = rec
@@ -1427,24 +1484,35 @@ class CachingAllocator:
 
     # --------------------------------------------------------------- capture
     def begin_capture(
-        self, pool_id: PoolId, begin: Callable[[], int], *, stream: int = 0, label: str = ""
+        self,
+        pool_id: PoolId,
+        begin: Callable[[], int],
+        *,
+        stream: int = 0,
+        label: str = "",
+        footprint: bool = False,
     ) -> CaptureRecord:
         """Route a new capture to ``pool_id``'s private pool (made or revived as needed).
 
         ``begin`` starts the capture on the device and returns its capture id; it runs
         after the allocator stops querying events and before anything is routed. If it
-        raises, nothing changes.
+        raises, nothing changes. ``footprint``: keep every allocation's address and size in
+        ``rec.written`` for the replay checker (graphs.py), at a cost per allocation.
         """
-        return self._run_locked("begin_capture", lambda: self._begin_capture(pool_id, begin, stream, label))
+        return self._run_locked(
+            "begin_capture", lambda: self._begin_capture(pool_id, begin, stream, label, footprint)
+        )
 
     def _begin_capture(
-        self, pool_id: PoolId, begin: Callable[[], int], stream: int, label: str
+        self, pool_id: PoolId, begin: Callable[[], int], stream: int, label: str, footprint: bool = False
     ) -> CaptureRecord:
         if self._pending:
             self._drain()
         if self._tokens:
             self._poll_released()
         rec = self._new_record(pool_id, stream, label)
+        if footprint:
+            rec.written = Writes()
         self._capturing += 1
         self._world.active += 1
         try:
@@ -1461,6 +1529,7 @@ class CachingAllocator:
             raise CaptureError(f"capture id {cid} is already registered")
         rec.capture_id = cid
         self._captures[cid] = rec
+        self._recount()
         self._records[rec.sequence] = rec
         if self._history is not None:
             self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=False)
@@ -1578,6 +1647,7 @@ class CachingAllocator:
             rec.token = token
             self._tokens[token] = rec
         self._captures[cid] = rec
+        self._recount()
         self._records[rec.sequence] = rec
         self._foreign[stream] = rec
         self._capturing += 1
@@ -1622,11 +1692,24 @@ class CachingAllocator:
         if not rec.active:
             return
         self._stop_routing(rec)
-        rec.outputs = [(b, s) for (_, _, b, s) in rec.written if b.allocated and b.serial == s]
+        rec.outputs = self._outputs(rec)
         for head in rec.created:  # the graph lives: its segments stay with the pool
             if head.creator is rec:
                 self._set_creator(head, None)
         rec.created = []
+
+    def _outputs(self, rec: CaptureRecord) -> list[tuple[Block, int]]:
+        """The blocks ``rec`` allocated that are still allocated, with their serials, in
+        allocation order (a walk of its pool's segments: malloc marks them ``owner``)."""
+        found = [
+            (b.serial, b)
+            for head in self._segments.values()
+            if head.pool.owner is rec.pool
+            for b in iter_segment(head)
+            if b.allocated and b.owner is rec
+        ]
+        found.sort(key=lambda pair: pair[0])
+        return [(b, serial) for serial, b in found]
 
     def abort_capture(self, rec: CaptureRecord) -> None:
         """A capture failed: stop routing, give back what it kept, restore the pool's use count."""
@@ -1654,6 +1737,7 @@ class CachingAllocator:
             return
         rec.active = False
         del self._captures[rec.capture_id]
+        self._recount()
         if rec.foreign and self._foreign.get(rec.stream) is rec:
             del self._foreign[rec.stream]
         self._capturing -= 1

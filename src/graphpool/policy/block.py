@@ -9,10 +9,11 @@ segments never merge.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native (entry 31)
     from graphpool.policy.freelist import FreeList
+    from graphpool.policy.private_pools import CaptureRecord
 
 
 class Block:
@@ -59,9 +60,9 @@ class Block:
         self.allocated = False
         self.stream_uses: set[int] | None = None
         self.holds = 0
-        self.owner: Any = None
+        self.owner: CaptureRecord | None = None
         self.serial = 0
-        self.creator: Any = None  # first blocks: the capture the segment may go back with
+        self.creator: CaptureRecord | None = None  # first blocks: the capture the segment may go back with
         self.gc_base = 0  # its free list's ``calls`` when it went in (garbage_collection_threshold)
 
     def __repr__(self) -> str:

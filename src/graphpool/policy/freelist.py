@@ -26,10 +26,11 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typed, so that compiled reads of ``owner`` are native (entry 31)
     from graphpool.policy.block import Block
+    from graphpool.policy.private_pools import PrivatePool
 
 
 class Bins:
@@ -77,7 +78,7 @@ class FreeList:
 
     __slots__ = ("is_small", "owner", "bins", "calls", "_last_stream", "_last_bins")
 
-    def __init__(self, is_small: bool, owner: Any = None) -> None:
+    def __init__(self, is_small: bool, owner: PrivatePool | None = None) -> None:
         self.is_small = is_small
         self.owner = owner
         self.bins: dict[int, Bins] = {}  # stream -> its free blocks

@@ -104,35 +104,35 @@ class PrivatePool:
 
 
 class Writes:
-    """What a capture allocated, in order: the address, size, block and serial of each.
+    """The footprint of a capture for the replay checker: the address and size of each
+    allocation, in order.
 
-    Four flat lists, not a list of tuples: a capture adds one entry per allocation, and a
-    tuple is an object the garbage collector tracks; thousands of them kept alive made a
-    long capture pay for ever larger collections (benchmarks/NOTES.md, entry 28). Iterating
-    gives ``(ptr, size, block, serial)`` tuples, made on demand (the replay checker and the
-    end of a capture read them; the hot path only adds).
+    Two flat lists, not a list of tuples: a capture adds one entry per allocation, and a
+    tuple is an object the garbage collector tracks (benchmarks/NOTES.md, entry 28). An
+    allocation with the address and size of the one before adds nothing: the footprint is
+    the same (a loop's temporary handed the same block again; entry 31). Iterating gives
+    ``(ptr, size)`` pairs.
     """
 
-    __slots__ = ("ptrs", "sizes", "blocks", "serials")
+    __slots__ = ("ptrs", "sizes")
 
     def __init__(self) -> None:
         self.ptrs: list[int] = []
         self.sizes: list[int] = []
-        self.blocks: list[Block] = []
-        self.serials: list[int] = []
 
-    def add(self, ptr: int, size: int, block: Block, serial: int) -> None:
+    def add(self, ptr: int, size: int) -> None:
         """Record one allocation of the capture."""
-        self.ptrs.append(ptr)
+        ptrs = self.ptrs
+        if ptrs and ptrs[-1] == ptr and self.sizes[-1] == size:
+            return
+        ptrs.append(ptr)
         self.sizes.append(size)
-        self.blocks.append(block)
-        self.serials.append(serial)
 
     def __len__(self) -> int:
         return len(self.ptrs)
 
-    def __iter__(self) -> Iterator[tuple[int, int, Block, int]]:
-        return zip(self.ptrs, self.sizes, self.blocks, self.serials, strict=True)
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return zip(self.ptrs, self.sizes, strict=True)
 
 
 class CaptureRecord:
@@ -141,8 +141,9 @@ class CaptureRecord:
     ``kept``: blocks from outside the pool freed during the capture; the graph's kernels
     may touch them on every replay, so they stay out of every pool until release.
     ``deferred``: blocks with extra stream users freed during the capture; their events
-    are recorded once no capture is underway. ``written``: (ptr, size) of every block
-    handed out during the capture (with the block and its serial). ``inputs``: (ptr, size,
+    are recorded once no capture is underway. ``written``: (ptr, size) of the blocks
+    handed out during the capture, kept for the replay checker (gp.graph's captures; None
+    for captures begun outside graphpool). ``inputs``: (ptr, size,
     producer, block, serial) of the pool's blocks made by earlier captures and alive when
     this one began: what it may read (the replay checker's view of its inputs).
     ``outputs``: blocks handed out during the capture and still allocated at its end.
@@ -184,7 +185,7 @@ class CaptureRecord:
         self.label = label
         self.thread = thread
         self.kept: list[Block] = []
-        self.written = Writes()  # ptr, size, block, serial of each allocation
+        self.written: Writes | None = None  # its footprint, when the replay checker may ask
         self.inputs: list[tuple[int, int, CaptureRecord, Block, int]] = []
         self.outputs: list[tuple[Block, int]] = []
         self.active = True
@@ -199,7 +200,7 @@ class CaptureRecord:
         self.created: list[Block] = []  # segment heads it made, until it succeeds
         self.first_serial = 0  # allocations with a higher serial were made after it began
         self.fresh = 0  # segments whose creator it is (Block.creator)
-        self.streams: set[int] = set()  # the streams it allocated on (its own and joined ones)
+        self.streams: list[int] = []  # the streams it allocated on (its own and joined ones)
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"
