@@ -233,3 +233,37 @@ def test_freeing_memory_of_a_destroyed_stream_asks_the_driver_nothing(backend: A
     finally:
         a._query = query  # type: ignore[assignment]
     gp.check_invariants()
+
+
+@pytest.mark.parametrize("mode", ["global", "relaxed"])
+def test_a_record_streamed_free_while_its_user_stream_captures_unseen(backend: Any, mode: str) -> None:
+    """A block used on stream u (record_stream) is freed while u captures, in a capture begun
+    outside graphpool that has made no allocation yet. Its event cannot go into that capture
+    (an event recorded in a capture cannot be queried after, and every later allocation would
+    fail): the free adopts the capture, keeps the block for its graph, and records the event
+    once no capture is underway. Nothing fails after, and the memory comes back."""
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    s, u = gp.Stream(), gp.Stream()
+    buf = gp.alloc(N * 4, s)
+    p = buf.ptr
+    buf.record_stream(u)
+    s.synchronize()
+    dev.begin_capture(u.handle, CAPTURE_MODES[mode])
+    buf.free()  # u is capturing: the capture is adopted here
+    a = runtime.allocator()
+    assert any(r.foreign and r.stream == u.handle for r in a._captures.values())
+    graph = dev.end_capture(u.handle)
+    other = gp.alloc(N * 4, s)  # works (no captured event is queried)
+    assert other.ptr != p  # p is kept for the graph, which may touch it on every replay
+    gp.check_invariants()
+    recs = a._records.values()
+    pool = [r for r in recs if r.foreign and r.stream == u.handle][-1].pool
+    dev.destroy_graph(graph)
+    assert wait_released(pool)
+    other.free()
+    again = gp.alloc(N * 4, s)
+    assert again.ptr == p  # back in the ordinary pool
+    again.free()
+    gp.check_invariants()
+    settle()

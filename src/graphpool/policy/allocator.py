@@ -989,7 +989,22 @@ class CachingAllocator:
         decide (``_captures_for_free``); a capture begun outside graphpool that ended is
         noticed by an allocation (``_route``) or a statistics call (``_settle``), not here: a
         free queued during a capture and carried out after it ended still counts as made
-        during it (its graph may write the block)."""
+        during it (its graph may write the block).
+
+        An extra user stream (``record_stream``) that is capturing, in a capture begun
+        outside graphpool and not yet seen, is asked about here (its events cannot be
+        queried once recorded into a capture): that capture is adopted first, so the block
+        is kept for its graph and its events wait until no capture is underway. The query
+        uses no handle the event record below would not use; a stream that is gone fails it
+        (on the simulator) and takes the event path's answer (a device synchronize)."""
+        if block.stream_uses and not self._capturing:
+            for s in sorted(block.stream_uses):
+                try:
+                    cid = self._query(s)
+                except GraphpoolError:
+                    continue
+                if cid:
+                    self._adopt_found(s)
         fl = block.pool
         size = block.size
         owner = fl.owner
