@@ -1083,3 +1083,18 @@ def test_a_free_during_a_detected_capture_is_kept_and_statistics_notice_its_end(
     a.memory_stats()
     assert a.malloc(1000, stream=S2) == x
     ok(a)
+
+
+def test_detection_never_queries_the_legacy_stream() -> None:
+    """The legacy stream cannot capture, so an allocation on it asks nothing (CuPy's default
+    stream); any other stream is asked once per allocation."""
+    from graphpool.device.protocol import LEGACY_STREAM
+    from graphpool.policy import allocator
+
+    assert allocator._LEGACY == LEGACY_STREAM  # the compiled-in copy of the constant
+    dev, a = make()
+    a.free(a.malloc(1000, stream=LEGACY_STREAM))
+    assert dev.id_calls == 0
+    a.free(a.malloc(1000, stream=S1))
+    assert dev.id_calls == 1
+    ok(a)

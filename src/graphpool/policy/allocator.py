@@ -119,6 +119,8 @@ def fmt_bytes(n: int) -> str:
 T = TypeVar("T")
 
 _COMPILED: Final = not __file__.endswith(".py")  # as graphpool.build.compiled() tells
+_LEGACY: Final = 0
+"""The legacy stream's handle (device/protocol.py's LEGACY_STREAM), a constant compiled in."""
 _NO_CAPTURES: Final[tuple[CaptureRecord, ...]] = ()
 SWEEP_EVERY: Final = 16
 """Allocations off any capture, while captures begun outside graphpool are underway, between
@@ -337,7 +339,8 @@ class CachingAllocator:
                     if self._pending:
                         self._drain()
                     rec = None
-                    if self._capturing or self._detect:
+                    # the legacy stream (0) never captures: no query for it (CuPy's default)
+                    if self._capturing or (self._detect and stream != _LEGACY):
                         # The query takes the handle as an int object: the last one is kept, so
                         # a run of calls on one stream boxes none (CUDA's handles are pointers,
                         # a new int object each; entry 27).
