@@ -50,6 +50,7 @@ class FakeDevice:
         self.mode = CAPTURE_MODE_GLOBAL
         self.mode_log: list[int] = []
         self.id_calls = 0
+        self.queried: list[int] = []  # streams the capture query was asked about, in order
         self.attached: dict[int, int] = {}  # token -> stream
         self.released: list[int] = []
         self.streams = streams
@@ -231,6 +232,9 @@ class FakeDevice:
 
     def capture_id(self, stream: int) -> int:
         self.id_calls += 1
+        self.queried.append(stream)
+        if stream in self.destroyed:  # as record_event does; CUDA may crash (NOTES, entry 17)
+            raise CUDAError("cudaStreamGetCaptureInfo", 400, "cudaErrorInvalidResourceHandle")
         return self.capturing.get(stream, 0)
 
     # user objects: the test releases tokens by hand (release()), as a destroyed graph would

@@ -1098,3 +1098,23 @@ def test_detection_never_queries_the_legacy_stream() -> None:
     a.free(a.malloc(1000, stream=S1))
     assert dev.id_calls == 1
     ok(a)
+
+
+def test_a_destroyed_graphs_capture_stops_without_a_query_of_its_stream() -> None:
+    """A library captures on a stream of its own, ends, destroys the graph, then the stream:
+    graphpool's next sweep takes the graph's release first and never asks about the stream."""
+    dev, a = make()
+    dev.begin(S1)
+    a.free(a.malloc(1000, stream=S1))  # detected and adopted
+    a.free(a.malloc(1000, stream=S2))  # S2's cache is warm: its allocations take no slow path
+    (token,) = dev.attached
+    dev.end(S1)
+    dev.release(token)  # the graph and its execs are destroyed
+    dev.destroyed.add(S1)  # then the stream (a query of it may crash CUDA)
+    dev.queried.clear()
+    for _ in range(SWEEP_EVERY + 1):
+        a.free(a.malloc(1000, stream=S2))
+    assert a._capturing == 0 and not a._foreign
+    assert S1 not in dev.queried
+    a.memory_stats()
+    ok(a)

@@ -1677,9 +1677,16 @@ class CachingAllocator:
         return rec
 
     def _sweep(self) -> None:
-        """Stop routing to captures begun outside graphpool that have ended (one query each)."""
+        """Stop routing to captures begun outside graphpool that have ended (one query each).
+
+        Graphs the device reports destroyed are taken first (``_poll_released``): their
+        captures stop without a query of their streams, which may be destroyed by then."""
         if not self._foreign:
             return
+        if self._tokens:
+            self._poll_released()
+            if not self._foreign:
+                return
         ended: list[CaptureRecord] | None = None  # no list made in the usual case: none ended
         for stream, rec in self._foreign.items():
             if self._query(stream) != rec.capture_id:
