@@ -1021,6 +1021,7 @@ def test_free_after_record_stream_on_a_dead_stream_while_another_device_captures
 
 def test_record_streamed_free_inside_a_detected_capture_is_kept() -> None:
     dev, a = make()
+    a.free(a.malloc(1000, stream=S3))  # cached: the allocations below take no slow path (it sweeps)
     x = a.malloc(1000, stream=S1)
     a.record_stream(x, S2)
     dev.begin(S1)  # a capture begun outside graphpool
@@ -1097,4 +1098,20 @@ def test_detection_never_queries_the_legacy_stream() -> None:
     assert dev.id_calls == 0
     a.free(a.malloc(1000, stream=S1))
     assert dev.id_calls == 1
+    ok(a)
+
+
+def test_out_of_memory_after_a_detected_capture_ended_releases_the_cache() -> None:
+    """A capture begun outside graphpool ended, and the allocations since have not yet swept
+    (SWEEP_EVERY): an allocation the driver refuses must notice the end before it decides
+    that a capture is underway, and release the cache and retry as with no capture."""
+    dev, a = make(total=23 * MiB)
+    a.free(a.malloc(20 * MiB, stream=S2))  # a cached segment of stream S2
+    dev.begin(S1)
+    a.free(a.malloc(1000, stream=S1))  # detected: a private pool of 2 MiB
+    dev.end(S1)
+    assert a._capturing == 1  # not noticed yet
+    p = a.malloc(20 * MiB, stream=S3)  # the driver refuses: the end is noticed, the cache released
+    assert a._capturing == 0 and a.memory_stats()["num_alloc_retries"] == 1
+    a.free(p)
     ok(a)

@@ -549,6 +549,10 @@ class CachingAllocator:
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
         if self._tokens:
             self._poll_released()
+        if rec is None and self._foreign:
+            # A capture begun outside may have ended since _route last swept (SWEEP_EVERY):
+            # notice it before a retry or collection is refused for a capture that is over.
+            self._sweep()
         if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
             self._collect(self._gc_threshold)
         if self._expandable and fl.owner is None:
