@@ -1115,3 +1115,30 @@ def test_out_of_memory_after_a_detected_capture_ended_releases_the_cache() -> No
     assert a._capturing == 0 and a.memory_stats()["num_alloc_retries"] == 1
     a.free(p)
     ok(a)
+
+
+def test_adopting_at_a_record_streamed_free_does_not_merge_the_block_being_freed() -> None:
+    """The free of a record_stream'd block whose user stream captures unseen adopts that
+    capture first; adopting polls destroyed graphs, and a released graph's kept neighbour
+    goes back to the free list. It must not merge the block being freed (not yet in any free
+    list, about to be kept for the adopted capture): that block's memory would be handed out
+    while the new graph may use it."""
+    dev, a = make()
+    k = a.malloc(1000, stream=S1)
+    x = a.malloc(1000, stream=S1)  # right after k, in k's segment
+    a.record_stream(x, S2)
+    dev.begin(S3)
+    a.free(a.malloc(1000, stream=S3))  # a capture begun outside graphpool, detected
+    a.free(k)  # kept for its graph
+    dev.end(S3)
+    a.memory_stats()  # its end noticed
+    (token,) = dev.attached
+    dev.release(token)  # its graph destroyed; not polled yet
+    dev.begin(S2)  # x's user stream captures unseen
+    a.free(x)  # adopts S2's capture (polling the release: k goes back), keeps x for it
+    ok(a)
+    assert a._capturing == 1
+    y = a.malloc(2000, stream=S1)  # k's memory, not x's
+    assert not (y <= x < y + 2048)
+    a.free(y)
+    ok(a)

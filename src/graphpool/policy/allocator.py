@@ -1005,13 +1005,14 @@ class CachingAllocator:
         uses no handle the event record below would not use; a stream that is gone fails it
         (on the simulator) and takes the event path's answer (a device synchronize)."""
         if block.stream_uses and not self._capturing:
-            for s in sorted(block.stream_uses):
-                try:
-                    cid = self._query(s)
-                except GraphpoolError:
-                    continue
-                if cid:
-                    self._adopt_found(s)
+            # Adopting may release destroyed graphs (_poll_released), whose kept blocks go
+            # back to their free lists: this block, in none yet, counts as allocated until
+            # then, so that no neighbour merges it.
+            block.allocated = True
+            try:
+                self._adopt_users(block)
+            finally:
+                block.allocated = False
         fl = block.pool
         size = block.size
         owner = fl.owner
@@ -1065,6 +1066,17 @@ class CachingAllocator:
             return False
         self._free_block(block, False)
         return True
+
+    def _adopt_users(self, block: Block) -> None:
+        """Adopt the unseen captures the extra user streams of ``block`` capture in (see
+        ``_free_held``)."""
+        for s in sorted(block.stream_uses or ()):
+            try:
+                cid = self._query(s)
+            except GraphpoolError:
+                continue
+            if cid:
+                self._adopt_found(s)
 
     def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
