@@ -1142,3 +1142,23 @@ def test_adopting_at_a_record_streamed_free_does_not_merge_the_block_being_freed
     assert not (y <= x < y + 2048)
     a.free(y)
     ok(a)
+
+
+def test_a_queued_record_streamed_free_adopting_a_capture_still_counts_as_made_during_an_ended_one() -> None:
+    """A record_stream'd block's free queued during a capture begun outside graphpool, carried
+    out after that capture ended (not yet noticed) while the user stream captures anew: the
+    new capture is adopted, and the block is kept for the ended one's graph too."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    dev.begin(S3)
+    a.free(a.malloc(1000, stream=S3))  # detected
+    (first,) = a._captures.values()
+    a.defer_free(x)  # queued during it
+    dev.end(S3)
+    dev.begin(S2)  # x's user stream captures, unseen
+    a.record_stream(a.malloc(1000, stream=S1), S4)  # carries out the queued free
+    assert x in [b.ptr for b in first.kept] and any(
+        x in [b.ptr for b in r.kept] for r in a._captures.values()
+    )
+    ok(a)
