@@ -1021,6 +1021,7 @@ def test_free_after_record_stream_on_a_dead_stream_while_another_device_captures
 
 def test_record_streamed_free_inside_a_detected_capture_is_kept() -> None:
     dev, a = make()
+    a.free(a.malloc(1000, stream=S3))  # cached: the allocations below take no slow path (it sweeps)
     x = a.malloc(1000, stream=S1)
     a.record_stream(x, S2)
     dev.begin(S1)  # a capture begun outside graphpool
@@ -1117,4 +1118,67 @@ def test_a_destroyed_graphs_capture_stops_without_a_query_of_its_stream() -> Non
     assert a._capturing == 0 and not a._foreign
     assert S1 not in dev.queried
     a.memory_stats()
+    ok(a)
+
+
+def test_out_of_memory_after_a_detected_capture_ended_releases_the_cache() -> None:
+    """A capture begun outside graphpool ended, and the allocations since have not yet swept
+    (SWEEP_EVERY): an allocation the driver refuses must notice the end before it decides
+    that a capture is underway, and release the cache and retry as with no capture."""
+    dev, a = make(total=23 * MiB)
+    a.free(a.malloc(20 * MiB, stream=S2))  # a cached segment of stream S2
+    dev.begin(S1)
+    a.free(a.malloc(1000, stream=S1))  # detected: a private pool of 2 MiB
+    dev.end(S1)
+    assert a._capturing == 1  # not noticed yet
+    p = a.malloc(20 * MiB, stream=S3)  # the driver refuses: the end is noticed, the cache released
+    assert a._capturing == 0 and a.memory_stats()["num_alloc_retries"] == 1
+    a.free(p)
+    ok(a)
+
+
+def test_adopting_at_a_record_streamed_free_does_not_merge_the_block_being_freed() -> None:
+    """The free of a record_stream'd block whose user stream captures unseen adopts that
+    capture first; adopting polls destroyed graphs, and a released graph's kept neighbour
+    goes back to the free list. It must not merge the block being freed (not yet in any free
+    list, about to be kept for the adopted capture): that block's memory would be handed out
+    while the new graph may use it."""
+    dev, a = make()
+    k = a.malloc(1000, stream=S1)
+    x = a.malloc(1000, stream=S1)  # right after k, in k's segment
+    a.record_stream(x, S2)
+    dev.begin(S3)
+    a.free(a.malloc(1000, stream=S3))  # a capture begun outside graphpool, detected
+    a.free(k)  # kept for its graph
+    dev.end(S3)
+    a.memory_stats()  # its end noticed
+    (token,) = dev.attached
+    dev.release(token)  # its graph destroyed; not polled yet
+    dev.begin(S2)  # x's user stream captures unseen
+    a.free(x)  # adopts S2's capture (polling the release: k goes back), keeps x for it
+    ok(a)
+    assert a._capturing == 1
+    y = a.malloc(2000, stream=S1)  # k's memory, not x's
+    assert not (y <= x < y + 2048)
+    a.free(y)
+    ok(a)
+
+
+def test_a_queued_record_streamed_free_adopting_a_capture_still_counts_as_made_during_an_ended_one() -> None:
+    """A record_stream'd block's free queued during a capture begun outside graphpool, carried
+    out after that capture ended (not yet noticed) while the user stream captures anew: the
+    new capture is adopted, and the block is kept for the ended one's graph too."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    dev.begin(S3)
+    a.free(a.malloc(1000, stream=S3))  # detected
+    (first,) = a._captures.values()
+    a.defer_free(x)  # queued during it
+    dev.end(S3)
+    dev.begin(S2)  # x's user stream captures, unseen
+    a.record_stream(a.malloc(1000, stream=S1), S4)  # carries out the queued free
+    assert x in [b.ptr for b in first.kept] and any(
+        x in [b.ptr for b in r.kept] for r in a._captures.values()
+    )
     ok(a)

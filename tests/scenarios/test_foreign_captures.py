@@ -267,3 +267,32 @@ def test_a_record_streamed_free_while_its_user_stream_captures_unseen(backend: A
     again.free()
     gp.check_invariants()
     settle()
+
+
+def test_a_record_streamed_free_during_a_graphpool_capture_while_its_user_stream_captures_unseen(
+    backend: Any,
+) -> None:
+    """As above, with a gp.graph capture underway at the free: the block's event must not go
+    into u's capture when that gp.graph capture ends (it would wedge every later allocation)."""
+    xp = backend.xp
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    s, u = gp.Stream(), gp.Stream()
+    buf = gp.alloc(N * 4, s)
+    p = buf.ptr
+    buf.record_stream(u)
+    s.synchronize()
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        out = xp.ones(16, dtype=xp.float32) + 1.0
+        dev.begin_capture(u.handle, CAPTURE_MODES["relaxed"])
+        buf.free()  # u captures unseen: its capture is adopted, not recorded into
+    graph = dev.end_capture(u.handle)
+    other = gp.alloc(N * 4, s)  # works (no captured event is queried)
+    assert other.ptr != p
+    gp.check_invariants()
+    dev.destroy_graph(graph)
+    other.free()
+    del out, g
+    gp.check_invariants()
+    settle()

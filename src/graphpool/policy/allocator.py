@@ -549,6 +549,10 @@ class CachingAllocator:
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
         if self._tokens:
             self._poll_released()
+        if rec is None and self._foreign:
+            # A capture begun outside may have ended since _route last swept (SWEEP_EVERY):
+            # notice it before a retry or collection is refused for a capture that is over.
+            self._sweep()
         if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
             self._collect(self._gc_threshold)
         if self._expandable and fl.owner is None:
@@ -1000,14 +1004,15 @@ class CachingAllocator:
         is kept for its graph and its events wait until no capture is underway. The query
         uses no handle the event record below would not use; a stream that is gone fails it
         (on the simulator) and takes the event path's answer (a device synchronize)."""
-        if block.stream_uses and not self._capturing:
-            for s in sorted(block.stream_uses):
-                try:
-                    cid = self._query(s)
-                except GraphpoolError:
-                    continue
-                if cid:
-                    self._adopt_found(s)
+        if block.stream_uses:
+            # Adopting may release destroyed graphs (_poll_released), whose kept blocks go
+            # back to their free lists: this block, in none yet, counts as allocated until
+            # then, so that no neighbour merges it.
+            block.allocated = True
+            try:
+                self._adopt_users(block)
+            finally:
+                block.allocated = False
         fl = block.pool
         size = block.size
         owner = fl.owner
@@ -1061,6 +1066,25 @@ class CachingAllocator:
             return False
         self._free_block(block, False)
         return True
+
+    def _adopt_users(self, block: Block) -> None:
+        """Adopt the unseen captures the extra user streams of ``block`` capture in (see
+        ``_free_held``), whether or not other captures are underway.
+
+        No sweep: a free queued during a capture begun outside and carried out after its end
+        still counts as made during it. A stream with such a capture registered is not asked
+        (it is known; if it ended and the stream captures anew, the next sweep or allocation
+        on it finds that)."""
+        foreign = self._foreign
+        for s in sorted(block.stream_uses or ()):
+            if s in foreign:
+                continue
+            try:
+                cid = self._query(s)
+            except GraphpoolError:
+                continue
+            if cid and cid not in self._captures:
+                self._adopt_found(s, sweep=False)
 
     def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
@@ -1629,7 +1653,7 @@ class CachingAllocator:
         stop routing to its pool. The pool stays until the graph is destroyed."""
         self._run_locked("end_adopted", lambda: self._end_capture(rec))
 
-    def _adopt_found(self, stream: int) -> CaptureRecord | None:
+    def _adopt_found(self, stream: int, sweep: bool = True) -> CaptureRecord | None:
         """Detection found ``stream`` capturing under an id it does not know: adopt that capture
         unless it is invalidated or dead (its work never runs, so any memory will do)."""
         status, cid = self.device.capture_info(stream)
@@ -1638,10 +1662,13 @@ class CachingAllocator:
         rec = self._captures.get(cid)
         if rec is not None:
             return rec
-        return self._register_foreign(stream, cid, None, "")
+        return self._register_foreign(stream, cid, None, "", sweep)
 
-    def _register_foreign(self, stream: int, cid: int, pool: PoolId | None, label: str) -> CaptureRecord:
-        self._sweep()
+    def _register_foreign(
+        self, stream: int, cid: int, pool: PoolId | None, label: str, sweep: bool = True
+    ) -> CaptureRecord:
+        if sweep:  # a capture begun outside that ended on ``stream`` is replaced below
+            self._sweep()
         if self._tokens:
             self._poll_released()
         rec = self._new_record(pool if pool is not None else new_graph_pool_id(), stream, "")
