@@ -108,6 +108,7 @@ RISKY = (
     "OOM retry found a block its synchronization freed",
     "pool revival",
     "foreign capture adopted",
+    "capture adopted at a record_stream free",
     "foreign pool released",
     "two devices: capture on the other device refused empty_cache",
     "destroyed-stream record_stream",
@@ -516,18 +517,25 @@ class AllocatorMachine(RuleBasedStateMachine):
         """Free ``ptr`` from the main thread, a short-lived thread, or a finalizer's queue.
         Returns False when the free was skipped (a known allocator bug, see below)."""
         v = side.live[ptr]
-        cid, cap, adopt = side.capture_of(v.stream)
-        # A free never asks the device (its stream may be destroyed): captures are found at
-        # allocations, or registered by a hook (test_hook_registered_capture_keeps_a_free).
-        adopt = False
+        # A free never asks the device about the block's own stream (it may be destroyed):
+        # captures are found at allocations, or registered by a hook
+        # (test_hook_registered_capture_keeps_a_free). It asks only about the streams named by
+        # record_stream (NOTES 33): one capturing unseen has its capture adopted first.
+        adopting = [
+            (s, side.dev.capturing[s])
+            for s in sorted(v.uses)
+            if s not in side.dev.destroyed
+            and side.dev.capturing.get(s)
+            and side.dev.capturing[s] not in side.active
+            and side.dev.capturing[s] not in side.dead
+            and not any(c.rec is None and c.stream == s for c in side.active.values())
+        ]
         if not side.active and v.uses & side.dev.destroyed and self.world_active():
             # held until a device synchronize after every capture (Allocator._orphans); the
             # model does not follow that wait (test_destroyed_stream_free_during_other_...)
             reached("skipped: destroyed-stream free while another device captures")
             return False
         del side.live[ptr]
-        attached = set(side.dev.attached)
-        pools = {p.id for p in side.a.private_pools()} if adopt else set()
         thread = self.main
         if how == "main":
             side.a.free(ptr)
@@ -539,9 +547,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert side.a.lookup(ptr) is not None  # not freed yet
             side.a.memory_stats()  # any call drains the queue
             assert side.a.lookup(ptr) is None
-        if adopt:
-            cap = self.adopted(side, v.stream, cid, attached, pools)
-            cap.thread = thread or self.main
+        for s, cid in adopting:  # registered by the free, before it decided
+            rec = side.a._foreign.get(s)
+            assert rec is not None and rec.capture_id == cid, "a user stream's capture was not adopted"
+            cap = Cap(rec.pool.id, s, cid, side.serial, thread or self.main, None, rec.token)
+            side.active[cid] = cap
+            self.capture_began(side)
+            reached("capture adopted at a record_stream free")
         keepers: list[Cap] = []
         if side.active:
             for sg in side.segs.values():
