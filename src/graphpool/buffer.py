@@ -26,18 +26,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 from graphpool.errors import DoubleFreeError
 
-
-def _no_attr(*attrs: str, **kwattrs: object) -> Any:
-    """``mypyc_attr`` where mypy_extensions is not installed: leaves the class as it is."""
-    return lambda cls: cls
-
-
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:  # no mypy here (a plain-Python install): the attribute only speaks to mypyc
-    mypyc_attr = _no_attr
-
-
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
     from graphpool.streams import Stream, StreamLike
@@ -55,10 +43,6 @@ def _refuse(what: str) -> TypeError:
     )
 
 
-# Compiled, the memory of the buffer freed last is kept for the next one (a free list of one
-# per thread): a cached alloc/free pair then makes no object allocation (benchmarks/NOTES.md,
-# entry 35).
-@mypyc_attr(free_list_len=1)
 class DeviceBuffer:
     """``nbytes`` of device memory at ``ptr`` on ``device``, allocated for ``stream``.
 
