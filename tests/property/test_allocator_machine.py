@@ -108,7 +108,6 @@ RISKY = (
     "OOM retry found a block its synchronization freed",
     "pool revival",
     "foreign capture adopted",
-    "capture adopted at a record_stream free",
     "foreign pool released",
     "two devices: capture on the other device refused empty_cache",
     "destroyed-stream record_stream",
