@@ -168,13 +168,16 @@ _detect = _detect_from_env()
 def set_capture_detection(on: bool) -> None:
     """Turn detection of captures begun outside graphpool on (the default) or off.
 
-    On, every allocation (and every free while nothing is registered as capturing) asks
-    the device whether its stream is capturing, so a capture begun with CuPy's
+    On, every allocation on a stream other than the legacy default stream (which cannot
+    capture) asks the device whether its stream is capturing, so a capture begun with CuPy's
     ``Stream.begin_capture``, cuda.core's ``GraphBuilder`` or a raw
     ``cudaStreamBeginCapture`` is served from a private pool. Off, only captures begun
     through ``gp.graph``/``CUDAGraph`` or a hooked framework API (``graphpool.cupy``) are
-    protected, and an allocation with no capture underway makes no driver call.
-    Also ``GRAPHPOOL_DETECT_CAPTURES=0`` in the environment. Applies to every device.
+    protected, and an allocation with no capture underway makes no driver call. Either way
+    the free of a buffer used on other streams (``record_stream``) asks those streams, and
+    adopts a capture it finds: its event must not go into that capture (it could not be
+    queried afterwards). Also ``GRAPHPOOL_DETECT_CAPTURES=0`` in the environment. Applies to
+    every device.
     """
     global _detect
     if not isinstance(on, bool):
