@@ -235,6 +235,18 @@ def test_freeing_memory_of_a_destroyed_stream_asks_the_driver_nothing(backend: A
     gp.check_invariants()
 
 
+def _used_on_a_second_stream() -> tuple[Any, gp.Stream, gp.Stream, gp.DeviceBuffer]:
+    """A settled device, streams s and u, and a buffer allocated on s and used on u
+    (``record_stream``), its work on s done."""
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    s, u = gp.Stream(), gp.Stream()
+    buf = gp.alloc(N * 4, s)
+    buf.record_stream(u)
+    s.synchronize()
+    return dev, s, u, buf
+
+
 @pytest.mark.parametrize("mode", ["global", "relaxed"])
 def test_a_record_streamed_free_while_its_user_stream_captures_unseen(backend: Any, mode: str) -> None:
     """A block used on stream u (record_stream) is freed while u captures, in a capture begun
@@ -242,13 +254,8 @@ def test_a_record_streamed_free_while_its_user_stream_captures_unseen(backend: A
     (an event recorded in a capture cannot be queried after, and every later allocation would
     fail): the free adopts the capture, keeps the block for its graph, and records the event
     once no capture is underway. Nothing fails after, and the memory comes back."""
-    settle()
-    dev = runtime.get().device(gp.current_device())
-    s, u = gp.Stream(), gp.Stream()
-    buf = gp.alloc(N * 4, s)
+    dev, s, u, buf = _used_on_a_second_stream()
     p = buf.ptr
-    buf.record_stream(u)
-    s.synchronize()
     dev.begin_capture(u.handle, CAPTURE_MODES[mode])
     buf.free()  # u is capturing: the capture is adopted here
     a = runtime.allocator()
@@ -275,13 +282,8 @@ def test_a_record_streamed_free_during_a_graphpool_capture_while_its_user_stream
     """As above, with a gp.graph capture underway at the free: the block's event must not go
     into u's capture when that gp.graph capture ends (it would wedge every later allocation)."""
     xp = backend.xp
-    settle()
-    dev = runtime.get().device(gp.current_device())
-    s, u = gp.Stream(), gp.Stream()
-    buf = gp.alloc(N * 4, s)
+    dev, s, u, buf = _used_on_a_second_stream()
     p = buf.ptr
-    buf.record_stream(u)
-    s.synchronize()
     g = gp.CUDAGraph()
     with gp.graph(g):
         out = xp.ones(16, dtype=xp.float32) + 1.0
