@@ -1017,20 +1017,21 @@ class CachingAllocator:
         size = block.size
         owner = fl.owner
         if self._capturing and owner is not None and not block.stream_uses:
-            # The capture that allocated it, if any (malloc); typed here, so that compiled the
-            # tests below read fields. When it is the one underway, the loop below would find it.
+            # A capture allocating from this pool takes the block back into it: with one capture
+            # underway, the one that allocated it if still active (``owner``, typed here so that
+            # compiled its fields are read natively), else the first whose pool it is.
             rec: CaptureRecord | None = block.owner
-            if rec is not None and rec.active and rec.pool is owner and len(self._captures) == 1:
+            if rec is None or not rec.active or rec.pool is not owner or len(self._captures) != 1:
+                rec = None
+                for r in self._captures.values():
+                    if r.pool is owner:
+                        rec = r
+                        break
+            if rec is not None:
                 if len(owner.fresh) != rec.fresh:  # segments of another capture (malloc)
                     self._touch(block, rec)
                 self._free_block(block, True)
                 return True
-            for rec in self._captures.values():
-                if rec.pool is owner:  # a capture allocates from its pool: back to that pool
-                    if len(owner.fresh) != rec.fresh:  # segments of another capture (malloc)
-                        self._touch(block, rec)
-                    self._free_block(block, True)
-                    return True
         recs = _NO_CAPTURES
         if self._capturing:
             recs = self._captures_for_free(block)
