@@ -34,6 +34,7 @@ COMPILED = [
 
 
 NATIVE = "src/graphpool/device/_capture"  # the C capture query and user objects (device layer)
+LOCK = "src/graphpool/policy/_lock"  # the allocator's reentrant lock, in C (compiled builds only)
 # PyTorch's allocator entry points (graphpool.torch): C++, and optional on its own, so a
 # machine without a C++ compiler still gets the compiled policy.
 TORCH_SHIM = "src/graphpool/_torch_shim"
@@ -43,7 +44,7 @@ RECORD = "src/graphpool/_compiled_sources.json"  # read by graphpool.build.stale
 
 def _clear_in_tree() -> None:
     """Remove compiled modules an earlier editable install left next to the sources."""
-    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc", NATIVE, TORCH_SHIM]
+    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc", NATIVE, LOCK, TORCH_SHIM]
     for stem in stems:
         for path in glob.glob(f"{stem}.*.so") + glob.glob(f"{stem}.*.pyd"):
             os.remove(path)
@@ -223,6 +224,7 @@ def _ext_modules() -> list:  # type: ignore[type-arg]
     return [
         *mods,
         Extension("graphpool.device._capture", [NATIVE + ".c"], libraries=libs),
+        Extension("graphpool.policy._lock", [LOCK + ".c"]),
         # optional: a failed build only warns, and an in-place or editable build skips copying it
         Extension("graphpool._torch_shim", [TORCH_SHIM + ".cpp"], language="c++", optional=True),
     ]

@@ -58,28 +58,33 @@ if [ "$PART" = final ]; then  # the suite and CuPy's tests (a subset) at once, t
 fi
 if [ "$PART" = traces ]; then  # record the traces, then pair/mixed/trace figures of this tree and .baseline/
   export PYTHONPATH=/tmp/cc/src:$DEP
-  mkdir -p "$OUT/trace_data"
-  timeout 240 python3 benchmarks/record_traces.py --out "$OUT/trace_data" > "$OUT/record_traces.txt" 2>&1
-  tail -25 "$OUT/record_traces.txt"
-  mkdir -p /tmp/cc/src/graphpool/trace_data && cp "$OUT"/trace_data/*.json.gz /tmp/cc/src/graphpool/trace_data/
+  if [ "${RECORD:-1}" = 1 ]; then  # RECORD=0: the committed traces (src/graphpool/trace_data)
+    mkdir -p "$OUT/trace_data"
+    timeout 240 python3 benchmarks/record_traces.py --out "$OUT/trace_data" > "$OUT/record_traces.txt" 2>&1
+    tail -25 "$OUT/record_traces.txt"
+    mkdir -p /tmp/cc/src/graphpool/trace_data && cp "$OUT"/trace_data/*.json.gz /tmp/cc/src/graphpool/trace_data/
+  fi
   if [ -d .baseline ]; then  # the tree before this stop's changes, with this tree's bench code
     rm -rf /tmp/cb && cp -r .baseline /tmp/cb && mkdir -p /tmp/cb/src/graphpool/trace_data
-    cp "$OUT"/trace_data/*.json.gz /tmp/cb/src/graphpool/trace_data/ 2>/dev/null
+    cp src/graphpool/bench.py src/graphpool/traces.py /tmp/cb/src/graphpool/
+    if [ "${RECORD:-1}" = 1 ]; then cp "$OUT"/trace_data/*.json.gz /tmp/cb/src/graphpool/trace_data/ 2>/dev/null; fi
     sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/; /^license-files/d' /tmp/cb/pyproject.toml
     (cd /tmp/cb && PYTHONPATH=/tmp/site timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build_baseline.txt" 2>&1)
   fi
   for round in ${ROUNDS:-1}; do
     PYTHONPATH=/tmp/cc/src:$DEP timeout 200 python3 benchmarks/bench_sections.py --backend cuda \
-      --repeat ${REPEAT:-9} --json "$OUT/sections_new_$round.json" > "$OUT/sections_new_$round.txt" 2>&1
+      --sections ${SECTIONS:-pair,mixed,traces} --repeat ${REPEAT:-9} --json "$OUT/sections_new_$round.json" \
+      > "$OUT/sections_new_$round.txt" 2>&1
     tail -4 "$OUT/sections_new_$round.txt"
     if [ -d /tmp/cb ]; then
       PYTHONPATH=/tmp/cb/src:$DEP timeout 200 python3 benchmarks/bench_sections.py --backend cuda \
-        --repeat ${REPEAT:-9} --json "$OUT/sections_old_$round.json" > "$OUT/sections_old_$round.txt" 2>&1
+        --sections ${SECTIONS:-pair,mixed,traces} --repeat ${REPEAT:-9} --json "$OUT/sections_old_$round.json" \
+        > "$OUT/sections_old_$round.txt" 2>&1
       tail -4 "$OUT/sections_old_$round.txt"
     fi
   done
-  (cd "$OUT" && tar czf sections.tgz sections_*.txt sections_*.json build*.txt record_traces.txt \
-   && rm -f sections_*.txt sections_*.json build*.txt record_traces.txt)
+  (cd "$OUT" && F=$(ls sections_*.txt sections_*.json build*.txt record_traces.txt 2>/dev/null || true) \
+   && tar czf sections.tgz $F && rm -f $F)
 fi
 if [ "$PART" = all ] || [ "$PART" = tests ]; then run_tests compiled; fi
 if [ "$PART" = pure ]; then run_tests pure; fi

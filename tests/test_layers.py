@@ -71,6 +71,8 @@ def module_name(path: Path) -> str:
 
 
 MODULES = {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+# A C module with a type stub (policy/_lock.c) is a module of the graph too, through its stub.
+MODULES.update({module_name(p): p for p in sorted(SRC.rglob("*.pyi")) if module_name(p) not in MODULES})
 
 
 def _is_type_checking(test: ast.expr) -> bool:

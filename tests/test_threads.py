@@ -330,11 +330,13 @@ def test_set_backend_racing_an_alloc_never_leaves_a_thread_on_the_old_allocator(
 
 
 def test_without_fastrlock_the_allocator_uses_the_stdlib_lock() -> None:
-    """fastrlock has no PyPy wheel; the allocator then takes threading.RLock, same behaviour."""
+    """fastrlock has no PyPy wheel, and a plain-Python install has no C lock; the allocator then
+    takes threading.RLock, same behaviour."""
     import subprocess
 
     code = (
         "import sys; sys.modules['fastrlock'] = None; sys.modules['fastrlock.rlock'] = None\n"
+        "sys.modules['graphpool.policy._lock'] = None\n"
         "import threading, graphpool as gp\n"
         "from graphpool import runtime\n"
         "gp.set_backend('sim')\n"

@@ -22,7 +22,7 @@ deletable, which makes every read of it checked, and it is set last.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from graphpool.errors import DoubleFreeError
 
@@ -49,7 +49,7 @@ class DeviceBuffer:
     Made by ``gp.alloc`` only; calling the class raises TypeError.
     """
 
-    __slots__ = ("ptr", "nbytes", "stream", "_alloc", "_live")
+    __slots__ = ("ptr", "nbytes", "stream", "_key", "_alloc", "_live")
     __deletable__ = ("_live",)  # compiled: reads of _live check that it is set (module docstring)
 
     ptr: int
@@ -57,14 +57,17 @@ class DeviceBuffer:
     stream: Stream
 
     def __init__(
-        self, ptr: int, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
+        self, ptr: object, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
     ) -> None:
+        """``ptr``: the int object ``malloc_key`` returned (0 for a null buffer), kept to free
+        the block with (no boxing, found by identity)."""
         if key is not _KEY:
             raise TypeError(
                 "graphpool.DeviceBuffer cannot be made directly; allocate one with "
                 "gp.alloc(nbytes, stream=None)"
             )
-        self.ptr = ptr
+        self.ptr = cast(int, ptr)
+        self._key = ptr
         self.nbytes = nbytes
         self.stream = stream
         self._alloc = alloc
@@ -89,7 +92,7 @@ class DeviceBuffer:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
         self._live = False
         if self.ptr:  # a null buffer (gp.alloc(0)) holds nothing
-            self._alloc.free_owned(self.ptr)
+            self._alloc.free_owned(self._key)
 
     def _check_backend(self) -> None:
         """Raise BackendReplacedError if the backend this buffer was made under was replaced."""
@@ -131,7 +134,7 @@ class DeviceBuffer:
         if live:
             self._live = False
             if self.ptr:
-                self._alloc.defer_free(self.ptr)
+                self._alloc.defer_free(self._key)
 
     def _free_after(self, stream: int) -> None:
         """Queue the free of a buffer that stream handle ``stream`` used too: the block is reused
@@ -140,7 +143,7 @@ class DeviceBuffer:
         if self._live:
             self._live = False
             if self.ptr:
-                self._alloc.defer_free(self.ptr, stream)
+                self._alloc.defer_free(self._key, stream)
 
     # -------------------------------------------------------- copy and pickle
     def __copy__(self) -> DeviceBuffer:
@@ -151,7 +154,7 @@ class DeviceBuffer:
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was freed; there is nothing to copy")
         self._check_backend()
-        ptr = self._alloc.malloc(self.nbytes, stream=self.stream.handle) if self.nbytes else 0
+        ptr = self._alloc.malloc_key(self.nbytes, stream=self.stream.handle) if self.nbytes else 0
         out = DeviceBuffer(ptr, self.nbytes, self.stream, self._alloc, _KEY)
         if self.nbytes:
             self._alloc.device.memcpy(out.ptr, self.ptr, self.nbytes, self.stream.handle)

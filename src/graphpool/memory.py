@@ -48,6 +48,34 @@ class _Home:
         self.world = world
 
 
+class _Seen:
+    """A stream ``gp.alloc`` was given and its ``_Home``, as one object: ``_last.seen`` is
+    replaced by a single write, so no reader sees one stream with another's home.
+
+    Compiled, testing it reads native fields, where ``Stream._home`` is an attribute lookup
+    on a Python class (benchmarks/NOTES.md, entry 36). The Stream does not point back at it:
+    no reference cycle keeps a stream alive (graphpool.cupy drops its streams by refcount).
+    """
+
+    __slots__ = ("stream", "home")
+
+    def __init__(self, stream: Stream, home: _Home) -> None:
+        self.stream = stream
+        self.home = home
+
+
+class _Last:
+    """The holder of the ``_Seen`` entry of the stream ``gp.alloc`` was last given (any thread's)."""
+
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: _Seen | None = None
+
+
+_last: Final = _Last()
+
+
 _Stream: Final = Stream
 """The Stream class, bound once: compiled, the explicit-stream test reads no module global."""
 
@@ -74,7 +102,7 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
             if n == 0:
                 return DeviceBuffer(0, 0, hot.stream, hot.alloc, _KEY)
             a = hot.alloc
-            ptr = a.malloc(nbytes, stream=hot.handle)  # validates nbytes
+            ptr = a.malloc_key(nbytes, stream=hot.handle)  # validates nbytes
             return DeviceBuffer(ptr, n, hot.stream, a, _KEY)
         world = runtime.get().world  # read first: a set_backend from now on makes the entry stale
         s = current_stream()
@@ -82,12 +110,18 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         _tls.hot = _Hot(s, s.handle, a, world)
     elif isinstance(stream, _Stream):
         s = stream
-        home = s._home  # kept by an earlier call with this stream
+        seen = _last.seen
+        if seen is not None and seen.stream is s:
+            home: _Home | None = seen.home
+        else:
+            home = s._home  # kept by an earlier call with this stream
+            if home is not None:
+                _last.seen = _Seen(s, home)
         if home is not None and not home.world.replaced:  # else set_backend ran since
             if n == 0:
                 return DeviceBuffer(0, 0, s, home.alloc, _KEY)
             a = home.alloc
-            ptr = a.malloc(nbytes, stream=home.handle)  # validates nbytes
+            ptr = a.malloc_key(nbytes, stream=home.handle)  # validates nbytes
             return DeviceBuffer(ptr, n, s, a, _KEY)
         rt = runtime._runtime
         index = s.device
@@ -102,7 +136,7 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         a = _stream_allocator(s)
     if n == 0:
         return DeviceBuffer(0, 0, s, a, _KEY)
-    ptr = a.malloc(nbytes, stream=s.handle)  # validates nbytes
+    ptr = a.malloc_key(nbytes, stream=s.handle)  # validates nbytes
     return DeviceBuffer(ptr, n, s, a, _KEY)
 
 

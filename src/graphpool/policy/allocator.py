@@ -43,11 +43,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Final, NoReturn, SupportsIndex, TypeVar, cast
 
-try:  # CuPy's lock (see CachingAllocator.__init__)
-    from fastrlock.rlock import FastRLock as _Lock
-except ImportError:  # no fastrlock wheel (PyPy): the stdlib's reentrant lock, slower
-    from threading import RLock as _Lock
-
 from graphpool import _warnings
 from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_ACTIVE, Device
 from graphpool.errors import (
@@ -73,6 +68,19 @@ from graphpool.policy.private_pools import (
     new_release_token,
 )
 from graphpool.policy.stats import PoolStats
+
+_Lock: Callable[[], Any]
+try:  # the C lock, built with the compiled modules (graphpool/policy/_lock.c; NOTES entry 36)
+    from graphpool.policy._lock import RLock as _CLock
+
+    _Lock = _CLock
+except ImportError:
+    try:  # CuPy's lock (see CachingAllocator.__init__)
+        from fastrlock.rlock import FastRLock
+
+        _Lock = FastRLock
+    except ImportError:  # no fastrlock wheel (PyPy): the stdlib's reentrant lock, slower
+        _Lock = threading.RLock
 
 _log = logging.getLogger("graphpool")
 _cached: Any = getattr(_log, "_cache", None)
@@ -139,11 +147,14 @@ class _Held:
     code (a Python-level ``__enter__`` could be interrupted after acquiring; entry 15).
     """
 
-    __slots__ = ("_enter", "_acquire", "_release")
+    __slots__ = ("_enter", "_acquire", "_try", "_release")
 
     def __init__(self, lock: Any) -> None:
         self._enter: Callable[[], object] = lock.__enter__
         self._acquire: Callable[[bool], object] = lock.acquire
+        # graphpool.policy._lock's try_acquire takes no arguments (cheaper to call); other locks'
+        # acquire(False) does the same
+        self._try: Callable[[], object] | None = getattr(lock, "try_acquire", None)
         self._release: Callable[[], object] = lock.release
 
     def __enter__(self) -> None:
@@ -153,6 +164,9 @@ class _Held:
         self._release()
 
     def acquire(self, blocking: bool) -> bool:
+        try_ = self._try
+        if try_ is not None and not blocking:
+            return try_() is True
         return bool(self._acquire(blocking))
 
     def release(self) -> None:
@@ -180,8 +194,9 @@ class CachingAllocator:
     ) -> None:
         self.device = device
         self.sizes = sizes
-        # CuPy's lock: uncontended, acquire and release make no OS call (a threading.Lock
-        # makes two); 0.15 us less per cached pair (benchmarks/NOTES.md, entry 8). Reentrant.
+        # Reentrant, and uncontended its acquire and release make no OS call (a threading.Lock
+        # makes two; entry 8): graphpool's C lock compiled (argument-free C methods, entry 36),
+        # else CuPy's fastrlock, else threading.RLock.
         self._lock = _Lock()
         # Its calls as the hot path makes them: bound once, compiled (``_Held``); plain Python,
         # the lock itself. Tests that swap ``_lock`` for a hooked lock swap this too.
@@ -320,6 +335,12 @@ class CachingAllocator:
         (when detection is on). Raises ValueError or TypeError for a bad size and
         OutOfMemoryError when the device is full.
         """
+        return cast(int, self.malloc_key(nbytes, stream=stream))
+
+    def malloc_key(self, nbytes: SupportsIndex, *, stream: int) -> object:
+        """``malloc``, returning the address as the int object the allocator files the block
+        under: a free given that same object finds the block by identity, without boxing
+        the address again or comparing two ints (DeviceBuffer keeps it; NOTES entry 36)."""
         # ``nbytes`` is typed SupportsIndex, not int: compiled by mypyc, an ``int`` parameter
         # would admit a bool and refuse numpy integers before the check below could run.
         requested = nbytes if type(nbytes) is int else self._check_size_type(nbytes)
@@ -414,7 +435,8 @@ class CachingAllocator:
                     block.allocated = True
                     block.requested = requested
                     ptr = block.ptr
-                    self._active[ptr] = block
+                    out: object = ptr  # boxed once: the dict's key and the return value
+                    cast("dict[object, Block]", self._active)[out] = block
                     serial = self._serial + 1  # allocation order: tells allocations apart (captures)
                     self._serial = serial
                     block.serial = serial
@@ -436,7 +458,7 @@ class CachingAllocator:
                         self._history.alloc(ptr, requested, stream, owner)
                     if self._debug:
                         self._check()
-                    return ptr
+                    return out
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
@@ -2051,6 +2073,7 @@ class CachingAllocator:
 interrupts.register(
     owned=(
         CachingAllocator.malloc,
+        CachingAllocator.malloc_key,
         CachingAllocator.free,
         CachingAllocator.free_owned,
         CachingAllocator._free_locked,

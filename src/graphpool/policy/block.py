@@ -12,6 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native (entry 31)
+    from mypy_extensions import i64
+
     from graphpool.policy.freelist import FreeList
     from graphpool.policy.private_pools import CaptureRecord
 
@@ -50,9 +52,9 @@ class Block:
     )
 
     def __init__(self, ptr: int, size: int, stream: int, pool: FreeList) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.requested = 0
+        self.ptr: i64 = ptr
+        self.size: i64 = size
+        self.requested: i64 = 0
         self.stream = stream
         self.pool = pool
         self.prev: Block | None = None

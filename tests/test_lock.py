@@ -1,0 +1,211 @@
+"""The allocator's C lock (graphpool.policy._lock.RLock) behaves as threading.RLock.
+
+Each test runs on every reentrant lock the allocator may use: the C lock (compiled
+builds), fastrlock and threading.RLock (the plain-Python build's choices), so the three
+are held to one behaviour. The C lock takes no OS lock while nobody waits; the tests with
+a second thread cover the hand-over to a waiter.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+
+LOCKS: dict[str, Callable[[], Any]] = {"threading": threading.RLock}
+try:
+    from graphpool.policy._lock import RLock as CLock
+
+    LOCKS["graphpool.policy._lock"] = CLock
+except ImportError:  # the plain-Python build has no C modules
+    pass
+try:
+    from fastrlock.rlock import FastRLock
+
+    LOCKS["fastrlock"] = FastRLock
+except ImportError:
+    pass
+
+
+@pytest.fixture(params=sorted(LOCKS))
+def make(request: pytest.FixtureRequest) -> Callable[[], Any]:
+    return LOCKS[request.param]
+
+
+def try_acquire(lock: Any) -> bool:
+    """The non-blocking acquire the allocator uses (``_Held.acquire(False)``)."""
+    fn = getattr(lock, "try_acquire", None)
+    return bool(fn() if fn is not None else lock.acquire(False))
+
+
+def in_thread(fn: Callable[[], Any]) -> Any:
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join(10)
+    assert not t.is_alive()
+    return out[0]
+
+
+def test_the_compiled_allocator_uses_the_c_lock() -> None:
+    lock = runtime.allocator()._lock
+    if gp.compiled():
+        assert type(lock).__module__ == "graphpool.policy._lock"
+    else:
+        assert type(lock).__module__ != "graphpool.policy._lock"
+
+
+def test_reentrant_and_counted(make: Callable[[], Any]) -> None:
+    lock = make()
+    assert lock.acquire()
+    assert try_acquire(lock)
+    with lock:
+        assert lock._is_owned()
+    lock.release()
+    assert lock._is_owned()
+    lock.release()
+    assert not lock._is_owned()
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
+def test_another_thread_cannot_take_or_release_it(make: Callable[[], Any]) -> None:
+    lock = make()
+    with lock:
+        assert in_thread(lambda: try_acquire(lock)) is False
+        if make is not LOCKS.get("fastrlock"):  # fastrlock takes no timeout in seconds
+            assert in_thread(lambda: lock.acquire(True, 0.05)) is False
+
+        def release() -> str:
+            try:
+                lock.release()
+            except RuntimeError:
+                return "refused"
+            return "released"
+
+        if make is not LOCKS.get("fastrlock"):  # fastrlock lets any thread release it
+            assert in_thread(release) == "refused"
+        assert not in_thread(lock._is_owned)
+    assert in_thread(lambda: try_acquire(lock)) is True  # that thread ended holding it
+    assert not try_acquire(lock)
+
+
+def test_a_waiter_gets_it_at_the_last_release(make: Callable[[], Any]) -> None:
+    lock = make()
+    got = threading.Event()
+    order: list[str] = []
+
+    def waiter() -> None:
+        with lock:
+            order.append("waiter")
+            got.set()
+
+    lock.acquire()
+    lock.acquire()
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    lock.release()  # still held once: the waiter keeps waiting
+    time.sleep(0.05)
+    assert not got.is_set()
+    order.append("holder")
+    lock.release()
+    assert got.wait(10)
+    t.join(10)
+    assert order == ["holder", "waiter"]
+    assert try_acquire(lock)  # free again, and taken without an OS wait
+    lock.release()
+
+
+def test_many_threads_count_exactly(make: Callable[[], Any]) -> None:
+    lock = make()
+    counter = [0]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+
+    def work() -> None:
+        for i in range(2000):
+            if i % 3 == 0:
+                if not try_acquire(lock):
+                    lock.acquire()
+            else:
+                lock.acquire()
+            try:
+                v = counter[0]
+                if i % 50 == 0:
+                    time.sleep(0)  # give the lock up mid-section: others must wait
+                counter[0] = v + 1
+            finally:
+                lock.release()
+
+    try:
+        threads = [threading.Thread(target=work) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    assert counter[0] == 6 * 2000
+    assert try_acquire(lock)
+    lock.release()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_a_signal_handler_that_raises_interrupts_the_wait(make: Callable[[], Any]) -> None:
+    if make is LOCKS.get("fastrlock"):
+        pytest.skip("fastrlock's wait cannot be interrupted (it waits until the lock is free)")
+    lock = make()
+    holding = threading.Event()
+    done = threading.Event()
+
+    def holder() -> None:
+        with lock:
+            holding.set()
+            done.wait(10)
+
+    class Stop(Exception):
+        pass
+
+    def handler(signum: int, frame: object) -> None:
+        raise Stop
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert holding.wait(10)
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Stop):
+            lock.acquire()
+        assert not lock._is_owned()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        done.set()
+        t.join(10)
+    assert try_acquire(lock)  # nothing was left held
+    lock.release()
+
+
+def test_c_lock_arguments() -> None:
+    if "graphpool.policy._lock" not in LOCKS:
+        pytest.skip("the plain-Python build has no C lock")
+    lock = LOCKS["graphpool.policy._lock"]()
+    with pytest.raises(ValueError):
+        lock.acquire(False, 1.0)
+    with pytest.raises(ValueError):
+        lock.acquire(True, -2.0)
+    with pytest.raises(TypeError):
+        LOCKS["graphpool.policy._lock"](1)
+    assert "unlocked" in repr(lock)
+    with lock:
+        assert "locked" in repr(lock)
