@@ -196,6 +196,86 @@ def test_a_signal_handler_that_raises_interrupts_the_wait(make: Callable[[], Any
     lock.release()
 
 
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_a_wait_resumed_after_a_signal_handler_still_excludes(make: Callable[[], Any]) -> None:
+    """A signal handler that returns runs Python code mid-wait: meanwhile the holder releases
+    and a third thread takes the lock. The waiter must then wait for that thread too (a C lock
+    that went back to its OS wait without looking let both in)."""
+    if make is LOCKS.get("fastrlock"):
+        pytest.skip("fastrlock's wait cannot be interrupted (it waits until the lock is free)")
+    lock = make()
+    holding, release, go, third_has = (threading.Event() for _ in range(4))
+    inside = [0]
+
+    def holder() -> None:
+        with lock:
+            holding.set()
+            release.wait(10)
+
+    def third() -> None:
+        go.wait(10)
+        with lock:
+            inside[0] += 1
+            third_has.set()
+            time.sleep(0.3)
+            inside[0] -= 1
+
+    def handler(signum: int, frame: object) -> None:
+        release.set()  # the holder lets go while this thread runs the handler, not waiting
+        time.sleep(0.1)
+        go.set()
+        third_has.wait(5)  # the third thread takes it meanwhile
+
+    threads = [threading.Thread(target=holder), threading.Thread(target=third)]
+    threads[0].start()
+    threads[1].start()
+    assert holding.wait(10)
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.1)
+        with lock:
+            assert third_has.is_set()
+            assert inside[0] == 0  # the third thread had left
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        release.set()
+        go.set()
+        for t in threads:
+            t.join(10)
+    assert try_acquire(lock)
+    lock.release()
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_a_timed_wait_keeps_its_deadline_across_signals(make: Callable[[], Any]) -> None:
+    if make is LOCKS.get("fastrlock"):
+        pytest.skip("fastrlock takes no timeout in seconds")
+    lock = make()
+    holding, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            holding.set()
+            done.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert holding.wait(10)
+    old = signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)  # a handler that returns, every 50 ms
+        t0 = time.monotonic()
+        assert lock.acquire(True, 0.3) is False
+        took = time.monotonic() - t0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        done.set()
+        t.join(10)
+    assert 0.25 < took < 2.0, took  # not restarted at each signal
+
+
 def test_c_lock_arguments() -> None:
     if "graphpool.policy._lock" not in LOCKS:
         pytest.skip("the plain-Python build has no C lock")
@@ -204,6 +284,8 @@ def test_c_lock_arguments() -> None:
         lock.acquire(False, 1.0)
     with pytest.raises(ValueError):
         lock.acquire(True, -2.0)
+    with pytest.raises(ValueError):
+        lock.acquire(True, float("nan"))
     with pytest.raises(TypeError):
         LOCKS["graphpool.policy._lock"](1)
     assert "unlocked" in repr(lock)

@@ -246,6 +246,8 @@ def test_cupy_stream_wrappers_are_forgotten_with_their_buffers(
         arr = cp.ones(16, dtype=np.float32)
     assert len(gcupy._gp_streams) == 1
     del arr
+    # gp.alloc keeps the stream it was last given (memory._last.seen): another one frees it
+    gp.alloc(16, gp.Stream()).free()
     gc.collect()
     gp.memory_stats()
     assert len(gcupy._gp_streams) == 0

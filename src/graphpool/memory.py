@@ -4,6 +4,7 @@ and out-of-memory observers."""
 from __future__ import annotations
 
 import operator
+import os
 import threading
 from typing import Any, Final, SupportsFloat, SupportsIndex
 
@@ -53,8 +54,10 @@ class _Seen:
     replaced by a single write, so no reader sees one stream with another's home.
 
     Compiled, testing it reads native fields, where ``Stream._home`` is an attribute lookup
-    on a Python class (benchmarks/NOTES.md, entry 36). The Stream does not point back at it:
-    no reference cycle keeps a stream alive (graphpool.cupy drops its streams by refcount).
+    on a Python class (benchmarks/NOTES.md, entry 36). The Stream does not point back at it,
+    so no reference cycle keeps streams alive (graphpool.cupy drops its streams by refcount);
+    only the one stream in ``_last.seen`` is kept, until another stream takes its place or
+    ``set_backend`` runs.
     """
 
     __slots__ = ("stream", "home")
@@ -64,16 +67,71 @@ class _Seen:
         self.home = home
 
 
-class _Last:
-    """The holder of the ``_Seen`` entry of the stream ``gp.alloc`` was last given (any thread's)."""
+class _Cur:
+    """A thread (its ident) and its ``_Hot`` entry, as one object (``_last.cur``)."""
 
-    __slots__ = ("seen",)
+    __slots__ = ("ident", "hot")
+
+    def __init__(self, ident: int, hot: _Hot) -> None:
+        self.ident = ident
+        self.hot = hot
+
+
+class _Last:
+    """What ``gp.alloc`` used last, any thread's: ``seen``, the stream it was given and its
+    home; ``cur``, the thread that asked for its current stream and that thread's ``_Hot``.
+
+    ``cur`` saves reading the thread's ``threading.local`` state (about 300 instructions per
+    call, benchmarks/NOTES.md entry 37): a thread ident costs a C call. It always equals the
+    thread's own entry: set with it, and dropped whenever any thread's entry is dropped
+    (``runtime.drop_hot``), when its thread ends (``_Reaper``), and in a forked child (whose
+    new threads may get a dead thread's ident).
+    """
+
+    __slots__ = ("seen", "cur")
 
     def __init__(self) -> None:
         self.seen: _Seen | None = None
+        self.cur: _Cur | None = None
 
 
 _last: Final = _Last()
+
+
+def _drop_cur() -> None:
+    _last.cur = None
+
+
+class _Reaper:
+    """Kept in a thread's state (``runtime._ThreadState.reaper``): collected when the thread
+    ends, before its ident can be reused, it drops ``_last.cur`` if that names the thread."""
+
+    __slots__ = ("ident",)
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+
+    def __del__(self) -> None:
+        try:
+            cur = _last.cur
+            if cur is not None and cur.ident == self.ident:
+                _last.cur = None
+        except Exception:  # at interpreter exit the module may be gone: nothing to drop
+            pass
+
+
+def _forget() -> None:
+    """Drop both entries (``set_backend`` ran: they may name the old runtime's allocators)."""
+    _last.seen = None
+    _last.cur = None
+
+
+runtime.hot_listeners.append(_drop_cur)
+runtime.replaced_listeners.append(_forget)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_cur)
+
+_get_ident: Final = threading.get_ident
 
 
 _Stream: Final = Stream
@@ -97,7 +155,14 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
     # which validates it (and needs no boxing of a fresh int when compiled).
     n = nbytes if type(nbytes) is int else _size(nbytes)
     if stream is None:
-        hot = _tls.hot  # the thread's current stream, handle and allocator, if known
+        ident = _get_ident()
+        cur = _last.cur
+        if cur is not None and cur.ident == ident:
+            hot: _Hot | None = cur.hot
+        else:
+            hot = _tls.hot  # the thread's current stream, handle and allocator, if known
+            if hot is not None:
+                _last.cur = _Cur(ident, hot)
         if hot is not None and not hot.world.replaced:  # else set_backend ran since
             if n == 0:
                 return DeviceBuffer(0, 0, hot.stream, hot.alloc, _KEY)
@@ -107,7 +172,11 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         world = runtime.get().world  # read first: a set_backend from now on makes the entry stale
         s = current_stream()
         a = runtime.allocator(s.device)
-        _tls.hot = _Hot(s, s.handle, a, world)
+        tls = _tls
+        if tls.reaper is None:
+            tls.reaper = _Reaper(ident)
+        hot = tls.hot = _Hot(s, s.handle, a, world)
+        _last.cur = _Cur(ident, hot)
     elif isinstance(stream, _Stream):
         s = stream
         seen = _last.seen
@@ -128,7 +197,8 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         found = rt.allocators[index] if rt is not None and s._space is rt.space and index < rt.count else None
         if found is not None and rt is not None:
             a = found
-            s._home = _Home(s.handle, a, rt.world)  # the runtime the allocator belongs to
+            home = s._home = _Home(s.handle, a, rt.world)  # the runtime the allocator belongs to
+            _last.seen = _Seen(s, home)  # else a stale entry of s would keep winning
         else:
             a = _stream_allocator(s)
     else:  # another library's stream (or a wrong object: TypeError)

@@ -85,8 +85,11 @@ class _ThreadState(threading.local):
         self.generation = -1
         # gp.alloc's fast path (memory._Hot): the current stream, its handle, its device's
         # allocator and the capture world of their runtime. None when unknown; every change
-        # of device or stream resets it.
+        # of device or stream resets it (drop_hot).
         self.hot: _Hot | None = None
+        # memory._Reaper, made with the thread's first ``hot``: collected with this state when
+        # the thread ends, it drops gp.alloc's copy of the thread's entry (memory._last.cur).
+        self.reaper: object = None
 
 
 _tls = _ThreadState()
@@ -95,6 +98,22 @@ _generation = 0
 _lock = threading.RLock()
 stream_listeners: list[Callable[[object], None]] = []
 """Called with the new current Stream whenever ``gp.stream`` or ``gp.graph`` switches it."""
+
+hot_listeners: list[Callable[[], None]] = []
+"""Called after a thread's ``hot`` entry was dropped (``drop_hot``): graphpool.memory keeps a
+copy of the last one, keyed by thread, and drops it too."""
+
+
+replaced_listeners: list[Callable[[], None]] = []
+"""Called after ``set_backend`` replaced a runtime: graphpool.memory drops its process-wide
+entries, which may name the old runtime's allocators (keeping their cached memory)."""
+
+
+def drop_hot(tls: _ThreadState) -> None:
+    """Forget ``tls.hot`` (the thread's current device or stream changed), and tell listeners."""
+    tls.hot = None
+    for listener in hot_listeners:
+        listener()
 
 
 _config_text = ""
@@ -266,6 +285,9 @@ def _install(backend: Backend, sizes: SizeConfig = DEFAULT) -> Runtime:
         old.world.replaced = True  # holds on to an allocator of the old runtime
     _runtime = rt
     _generation = rt.generation  # after _runtime: whoever sees the new number sees the new runtime
+    if old is not None:
+        for listener in replaced_listeners:  # caches that may hold the old runtime's allocators
+            listener()
     return rt
 
 
@@ -329,7 +351,7 @@ def thread_state() -> _ThreadState:
     if tls.generation != _generation:
         tls.generation = _generation
         tls.streams = {}
-        tls.hot = None
+        drop_hot(tls)
         if _runtime is None or tls.device >= _runtime.count:
             tls.device = 0
     return tls

@@ -271,7 +271,7 @@ def set_device(index: int) -> None:
     rt.check_index(index)
     tls = runtime.thread_state()
     tls.device = index
-    tls.hot = None
+    runtime.drop_hot(tls)
     rt.backend.set_current_device(index)
 
 
@@ -308,7 +308,7 @@ def set_stream(s: Stream) -> None:
     s._check_backend()
     tls = runtime.thread_state()
     tls.streams[s.device] = s
-    tls.hot = None
+    runtime.drop_hot(tls)
     for listener in runtime.stream_listeners:
         listener(s)
 

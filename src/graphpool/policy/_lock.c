@@ -19,6 +19,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <pythread.h>
+#ifdef _WIN32
+#include <windows.h>
+#else
+#include <time.h>
+#endif
 
 typedef struct {
     PyObject_HEAD
@@ -33,38 +38,55 @@ typedef struct {
  * touch the OS lock at all; owner and count, read and written with the GIL held, are the
  * lock. A thread that must wait first takes the OS lock on the holder's behalf (it is
  * free: nobody waits), then waits on it a second time; the holder's last release gives it
- * back, and the waiter leaves holding it. Without a GIL (free-threaded builds) the owner
- * and count would race, so there every acquire takes the OS lock. */
+ * back, and the waiter leaves holding it. A wait interrupted by a signal handler that
+ * returns starts over from the state as it then is (Python code ran meanwhile). The module
+ * declares no free-threading support, so a free-threaded CPython turns the GIL back on when
+ * it is imported; were it ever declared, LOGICAL 0 makes every acquire take the OS lock. */
 #ifdef Py_GIL_DISABLED
 #define LOGICAL 0
 #else
 #define LOGICAL 1
 #endif
 
-/* Wait for the OS lock, up to timeout_us (-1: forever). 1 got it, 0 timed out, -1 an
-   exception (a signal handler raised while waiting). A signal handled during a timed wait
-   starts the wait again (the allocator never waits with a timeout). */
+/* Monotonic time in microseconds (no private CPython API: it moved between 3.12 and 3.13). */
+static long long now_us(void) {
+#ifdef _WIN32
+    return (long long)GetTickCount64() * 1000;
+#else
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000 + t.tv_nsec / 1000;
+#endif
+}
+
+enum { GOT = 1, TIMED_OUT = 0, RAISED = -1, AGAIN = 2 };
+
+/* Wait for the OS lock, up to timeout_us (-1: forever). GOT, TIMED_OUT, RAISED (a signal
+   handler raised while waiting), or AGAIN: a signal handler ran and returned. Python code ran
+   meanwhile (other threads may have taken or released the lock, and this thread counted as
+   not waiting), so the caller must look at the state afresh. */
 static int wait_lock(RLockObject *self, PY_TIMEOUT_T timeout_us) {
-    for (;;) {
-        PyLockStatus r;
-        self->waiting++;
-        Py_BEGIN_ALLOW_THREADS
-        r = PyThread_acquire_lock_timed(self->lock, timeout_us, 1);
-        Py_END_ALLOW_THREADS
-        self->waiting--;
-        if (r == PY_LOCK_ACQUIRED)
-            return 1;
-        if (r == PY_LOCK_FAILURE)
-            return 0;
-        /* PY_LOCK_INTR: run the signal handlers, as threading's locks do */
-        if (Py_MakePendingCalls() < 0)
-            return -1;
-    }
+    PyLockStatus r;
+    self->waiting++;
+    Py_BEGIN_ALLOW_THREADS
+    r = PyThread_acquire_lock_timed(self->lock, timeout_us, 1);
+    Py_END_ALLOW_THREADS
+    self->waiting--;
+    if (r == PY_LOCK_ACQUIRED)
+        return GOT;
+    if (r == PY_LOCK_FAILURE)
+        return TIMED_OUT;
+    /* PY_LOCK_INTR: run the signal handlers, as threading's locks do */
+    if (Py_MakePendingCalls() < 0)
+        return RAISED;
+    return AGAIN;
 }
 
 /* 1 acquired, 0 not (non-blocking or timed out), -1 exception. */
 static int do_acquire(RLockObject *self, int blocking, PY_TIMEOUT_T timeout_us) {
     unsigned long me = PyThread_get_thread_ident();
+    long long deadline = timeout_us > 0 ? now_us() + (long long)timeout_us : 0;
+again:
     if (self->count > 0 && self->owner == me) {
         if (self->count == ULONG_MAX) {
             PyErr_SetString(PyExc_OverflowError, "internal lock count overflowed");
@@ -99,7 +121,16 @@ static int do_acquire(RLockObject *self, int blocking, PY_TIMEOUT_T timeout_us) 
     if (!blocking || timeout_us == 0)
         return 0;
     int r = wait_lock(self, timeout_us);
-    if (r <= 0)
+    if (r == AGAIN) {
+        if (timeout_us > 0) {
+            long long left = deadline - now_us();
+            if (left <= 0)
+                return 0;
+            timeout_us = (PY_TIMEOUT_T)left;
+        }
+        goto again;
+    }
+    if (r != GOT)
         return r;
     self->os_locked = 1;
     self->owner = me;
@@ -159,6 +190,10 @@ static PyObject *rlock_acquire(RLockObject *self, PyObject *args, PyObject *kwds
         return NULL;
     if (!blocking && timeout != -1) {
         PyErr_SetString(PyExc_ValueError, "can't specify a timeout for a non-blocking call");
+        return NULL;
+    }
+    if (timeout != timeout) {
+        PyErr_SetString(PyExc_ValueError, "Invalid value NaN (not a number)");
         return NULL;
     }
     if (timeout < 0 && timeout != -1) {

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # compiled, the counters are native 64-bit ints (no tag checks; entry 36)
+if TYPE_CHECKING:  # compiled, levels and peaks are native 64-bit ints (no tag checks; entry 36)
     from mypy_extensions import i64
 
 STAT_NAMES = (
@@ -62,48 +62,48 @@ class KindCounters:
     __slots__ = _FIELDS
 
     allocation_cur: i64
-    allocation_alloc: i64
-    allocation_free: i64
+    allocation_alloc: int
+    allocation_free: int
     allocation_run: i64
     allocation_peak: i64
     allocated_bytes_cur: i64
-    allocated_bytes_alloc: i64
-    allocated_bytes_free: i64
+    allocated_bytes_alloc: int
+    allocated_bytes_free: int
     allocated_bytes_run: i64
     allocated_bytes_peak: i64
     requested_bytes_cur: i64
-    requested_bytes_alloc: i64
-    requested_bytes_free: i64
+    requested_bytes_alloc: int
+    requested_bytes_free: int
     requested_bytes_run: i64
     requested_bytes_peak: i64
     segment_cur: i64
-    segment_alloc: i64
-    segment_free: i64
+    segment_alloc: int
+    segment_free: int
     segment_run: i64
     segment_peak: i64
     reserved_bytes_cur: i64
-    reserved_bytes_alloc: i64
-    reserved_bytes_free: i64
+    reserved_bytes_alloc: int
+    reserved_bytes_free: int
     reserved_bytes_run: i64
     reserved_bytes_peak: i64
     inactive_split_cur: i64
-    inactive_split_alloc: i64
-    inactive_split_free: i64
+    inactive_split_alloc: int
+    inactive_split_free: int
     inactive_split_run: i64
     inactive_split_peak: i64
     inactive_split_bytes_cur: i64
-    inactive_split_bytes_alloc: i64
-    inactive_split_bytes_free: i64
+    inactive_split_bytes_alloc: int
+    inactive_split_bytes_free: int
     inactive_split_bytes_run: i64
     inactive_split_bytes_peak: i64
     held_cur: i64
-    held_alloc: i64
-    held_free: i64
+    held_alloc: int
+    held_free: int
     held_run: i64
     held_peak: i64
     held_bytes_cur: i64
-    held_bytes_alloc: i64
-    held_bytes_free: i64
+    held_bytes_alloc: int
+    held_bytes_free: int
     held_bytes_run: i64
     held_bytes_peak: i64
     active_peak: i64
@@ -127,7 +127,7 @@ class KindCounters:
             setattr(self, level + "_free", getattr(self, level + "_free") - amount)
 
 
-def _move_split(k: KindCounters, d_split: i64, d_bytes: i64) -> None:
+def _move_split(k: KindCounters, d_split: int, d_bytes: int) -> None:
     """Move the inactive-split count and bytes of ``k`` (either sign)."""
     c = k.inactive_split_cur + d_split
     if c < 0:
@@ -268,7 +268,7 @@ class PoolStats:
             kc.held_bytes_run = kc.held_bytes_cur
 
     # -- the two hot-path events, one call each -------------------------------
-    def on_malloc(self, is_small: bool, size: i64, requested: i64, d_split: i64, d_bytes: i64) -> None:
+    def on_malloc(self, is_small: bool, size: int, requested: int, d_split: int, d_bytes: int) -> None:
         """A block of ``size`` bytes was handed out; split bookkeeping moved by the deltas."""
         k = self.small if is_small else self.large
         if self.epoch is not k:
@@ -293,7 +293,7 @@ class PoolStats:
             _move_split(k, d_split, d_bytes)
 
     def on_release(
-        self, is_small: bool, size: i64, requested: i64, d_split: i64, d_bytes: i64, freed: bool
+        self, is_small: bool, size: int, requested: int, d_split: int, d_bytes: int, freed: bool
     ) -> None:
         """A block stopped being active; split bookkeeping moved by the deltas.
 
@@ -320,7 +320,7 @@ class PoolStats:
         if d_split or d_bytes:
             _move_split(k, d_split, d_bytes)
 
-    def on_free(self, is_small: bool, size: i64) -> None:
+    def on_free(self, is_small: bool, size: int) -> None:
         """A block of ``size`` bytes was given back by its user (it may still be held)."""
         k = self.small if is_small else self.large
         if self.epoch is not k:
