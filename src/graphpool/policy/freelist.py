@@ -76,7 +76,7 @@ def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
 class FreeList:
     """Free blocks of one pool kind, by stream. ``owner`` is the private pool or None."""
 
-    __slots__ = ("is_small", "owner", "bins", "calls", "_last_stream", "_last_bins")
+    __slots__ = ("is_small", "owner", "bins", "calls", "_last_stream", "_last_bins", "_placed", "_placed_at")
 
     def __init__(self, is_small: bool, owner: PrivatePool | None = None) -> None:
         self.is_small = is_small
@@ -90,6 +90,11 @@ class FreeList:
         # stale.
         self._last_stream = -1
         self._last_bins: Bins | None = None
+        # The block ``place`` filed last and its index: a cached pair's free merges that very
+        # block (the split remainder) and finds it here without a bisect (entry 38). Only a
+        # hint: ``replace`` checks that the entry still holds that block.
+        self._placed: Block | None = None
+        self._placed_at = 0
 
     def find(self, stream: int) -> Bins | None:
         """``bins.get(stream)``, with the last answer kept: compiled, a hit compares two unboxed
@@ -145,7 +150,11 @@ class FreeList:
         bins = self.find(old.stream)
         if bins is None:
             bins = self.bins[old.stream]  # KeyError: the block's stream has no bins
-        self.place(bins, _index_of(bins, old, old_size), new)
+        i = self._placed_at
+        blocks = bins.blocks
+        if old is not self._placed or i >= len(blocks) or blocks[i] is not old:
+            i = _index_of(bins, old, old_size)
+        self.place(bins, i, new)
 
     def place(self, bins: Bins, i: int, new: Block | None) -> None:
         """Drop entry ``i`` of ``bins`` and file ``new`` (if any, of the same stream).
@@ -165,6 +174,8 @@ class FreeList:
                 sizes[i] = size
                 blocks[i] = new
                 new.gc_base = self.calls
+                self._placed = new
+                self._placed_at = i
                 return
         del sizes[i]
         del blocks[i]
