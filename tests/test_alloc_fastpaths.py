@@ -10,7 +10,6 @@ went.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from typing import Any
 
@@ -20,13 +19,12 @@ import graphpool as gp
 from graphpool import memory, runtime
 from graphpool.policy.stats import PoolStats
 from graphpool.sim.device import SimBackend
+from threadkit import run_threads
 
 
 def test_each_thread_allocates_on_its_own_current_stream(sim: Any) -> None:
     streams = [gp.Stream() for _ in range(3)]
     wrong: list[tuple[int, int]] = []
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
 
     def work(k: int) -> None:
         s = streams[k]
@@ -43,14 +41,7 @@ def test_each_thread_allocates_on_its_own_current_stream(sim: Any) -> None:
                     wrong.append((k, b.stream.handle))
                 b.free()
 
-    try:
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(work, 3)
     assert wrong == []
     gp.check_invariants()
 

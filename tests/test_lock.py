@@ -8,17 +8,18 @@ a second thread cover the hand-over to a waiter.
 
 from __future__ import annotations
 
+import contextlib
 import signal
-import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 import graphpool as gp
 from graphpool import runtime
+from threadkit import run_threads
 
 LOCKS: dict[str, Callable[[], Any]] = {"threading": threading.RLock}
 try:
@@ -53,6 +54,38 @@ def in_thread(fn: Callable[[], Any]) -> Any:
     t.join(10)
     assert not t.is_alive()
     return out[0]
+
+
+@contextlib.contextmanager
+def held_by_another_thread(lock: Any) -> Iterator[threading.Event]:
+    """A thread holds ``lock`` until the block ends or the yielded event is set."""
+    holding, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            holding.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert holding.wait(10)
+        yield release
+    finally:
+        release.set()
+        t.join(10)
+
+
+@contextlib.contextmanager
+def alarms(handler: Callable[[int, Any], None], delay: float, interval: float = 0.0) -> Iterator[None]:
+    """``handler`` for SIGALRM, which comes after ``delay`` s (then every ``interval`` s)."""
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, delay, interval)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_the_compiled_allocator_uses_the_c_lock() -> None:
@@ -128,10 +161,8 @@ def test_a_waiter_gets_it_at_the_last_release(make: Callable[[], Any]) -> None:
 def test_many_threads_count_exactly(make: Callable[[], Any]) -> None:
     lock = make()
     counter = [0]
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
 
-    def work() -> None:
+    def work(_: int) -> None:
         for i in range(2000):
             if i % 3 == 0:
                 if not try_acquire(lock):
@@ -146,14 +177,7 @@ def test_many_threads_count_exactly(make: Callable[[], Any]) -> None:
             finally:
                 lock.release()
 
-    try:
-        threads = [threading.Thread(target=work) for _ in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        sys.setswitchinterval(old)
+    run_threads(work, 6)
     assert counter[0] == 6 * 2000
     assert try_acquire(lock)
     lock.release()
@@ -164,13 +188,6 @@ def test_a_signal_handler_that_raises_interrupts_the_wait(make: Callable[[], Any
     if make is LOCKS.get("fastrlock"):
         pytest.skip("fastrlock's wait cannot be interrupted (it waits until the lock is free)")
     lock = make()
-    holding = threading.Event()
-    done = threading.Event()
-
-    def holder() -> None:
-        with lock:
-            holding.set()
-            done.wait(10)
 
     class Stop(Exception):
         pass
@@ -178,20 +195,10 @@ def test_a_signal_handler_that_raises_interrupts_the_wait(make: Callable[[], Any
     def handler(signum: int, frame: object) -> None:
         raise Stop
 
-    t = threading.Thread(target=holder)
-    t.start()
-    assert holding.wait(10)
-    old = signal.signal(signal.SIGALRM, handler)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05)
+    with held_by_another_thread(lock), alarms(handler, 0.05):
         with pytest.raises(Stop):
             lock.acquire()
         assert not lock._is_owned()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        done.set()
-        t.join(10)
     assert try_acquire(lock)  # nothing was left held
     lock.release()
 
@@ -204,13 +211,8 @@ def test_a_wait_resumed_after_a_signal_handler_still_excludes(make: Callable[[],
     if make is LOCKS.get("fastrlock"):
         pytest.skip("fastrlock's wait cannot be interrupted (it waits until the lock is free)")
     lock = make()
-    holding, release, go, third_has = (threading.Event() for _ in range(4))
+    go, third_has = threading.Event(), threading.Event()
     inside = [0]
-
-    def holder() -> None:
-        with lock:
-            holding.set()
-            release.wait(10)
 
     def third() -> None:
         go.wait(10)
@@ -220,29 +222,23 @@ def test_a_wait_resumed_after_a_signal_handler_still_excludes(make: Callable[[],
             time.sleep(0.3)
             inside[0] -= 1
 
-    def handler(signum: int, frame: object) -> None:
-        release.set()  # the holder lets go while this thread runs the handler, not waiting
-        time.sleep(0.1)
-        go.set()
-        third_has.wait(5)  # the third thread takes it meanwhile
-
-    threads = [threading.Thread(target=holder), threading.Thread(target=third)]
-    threads[0].start()
-    threads[1].start()
-    assert holding.wait(10)
-    old = signal.signal(signal.SIGALRM, handler)
+    t = threading.Thread(target=third)
+    t.start()
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.1)
-        with lock:
-            assert third_has.is_set()
-            assert inside[0] == 0  # the third thread had left
+        with held_by_another_thread(lock) as release:
+
+            def handler(signum: int, frame: object) -> None:
+                release.set()  # the holder lets go while this thread runs the handler, not waiting
+                time.sleep(0.1)
+                go.set()
+                third_has.wait(5)  # the third thread takes it meanwhile
+
+            with alarms(handler, 0.1), lock:
+                assert third_has.is_set()
+                assert inside[0] == 0  # the third thread had left
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        release.set()
         go.set()
-        for t in threads:
-            t.join(10)
+        t.join(10)
     assert try_acquire(lock)
     lock.release()
 
@@ -252,27 +248,10 @@ def test_a_timed_wait_keeps_its_deadline_across_signals(make: Callable[[], Any])
     if make is LOCKS.get("fastrlock"):
         pytest.skip("fastrlock takes no timeout in seconds")
     lock = make()
-    holding, done = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with lock:
-            holding.set()
-            done.wait(10)
-
-    t = threading.Thread(target=holder)
-    t.start()
-    assert holding.wait(10)
-    old = signal.signal(signal.SIGALRM, lambda signum, frame: None)
-    try:
-        signal.setitimer(signal.ITIMER_REAL, 0.05, 0.05)  # a handler that returns, every 50 ms
-        t0 = time.monotonic()
+    with held_by_another_thread(lock), alarms(lambda signum, frame: None, 0.05, 0.05):
+        t0 = time.monotonic()  # a handler that returns comes every 50 ms
         assert lock.acquire(True, 0.3) is False
         took = time.monotonic() - t0
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-        done.set()
-        t.join(10)
     assert 0.25 < took < 2.0, took  # not restarted at each signal
 
 

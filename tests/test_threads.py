@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "policy"))
 from fakedevice import SHRUNK, FakeDevice
 
 from simenv import fresh_sim
+from threadkit import run_threads
 
 THREADS = 8
 OPS = 400
@@ -50,32 +51,6 @@ class Registry:
     def remove(self, ptr: int) -> None:
         with self.lock:
             del self.live[ptr]
-
-
-def run_threads(target: Any, n: int = THREADS) -> None:
-    errors: list[BaseException] = []
-    barrier = threading.Barrier(n)
-
-    def wrapped(i: int) -> None:
-        try:
-            barrier.wait()
-            target(i)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=wrapped, args=(i,)) for i in range(n)]
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-    finally:
-        sys.setswitchinterval(old)
-    assert not any(t.is_alive() for t in threads), "a thread hung (deadlock?)"
-    if errors:
-        raise errors[0]
 
 
 # --------------------------------------------------------------------------- the policy directly
@@ -116,7 +91,7 @@ def test_threads_on_the_allocator_directly() -> None:
             reg.remove(ptr)
             a.free(ptr)
 
-    run_threads(work)
+    run_threads(work, THREADS)
     assert reg.errors == []
     a.check_invariants()
     st = a.memory_stats()
@@ -136,7 +111,7 @@ def test_threads_stats_add_up_exactly() -> None:
         for p in ptrs:
             a.free(p)
 
-    run_threads(work)
+    run_threads(work, THREADS)
     st = a.memory_stats()
     total = THREADS * per_thread
     assert st["allocation.all.allocated"] == total and st["allocation.all.freed"] == total
@@ -190,7 +165,7 @@ def test_threads_through_gp_alloc_with_patterns(small_sim: Any) -> None:
                 reg.remove(buf.ptr)
                 buf.free()
 
-    run_threads(work)
+    run_threads(work, THREADS)
     assert reg.errors == []
     assert corrupt == []
     gc.collect()
