@@ -101,7 +101,7 @@ def raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 # ------------------------------------------------------------------------ deferral
 @plain
-@pytest.mark.parametrize("call", ["malloc", "malloc_key"])  # malloc_key: gp.alloc's entry
+@pytest.mark.parametrize("call", ["malloc", "malloc_owned"])  # malloc_owned: gp.alloc's entry
 def test_a_signal_inside_malloc_runs_its_handler_after_the_call(call: str) -> None:
     a = new_allocator()
     a.free(a.malloc(512, stream=0))  # cached: the next malloc updates the bins in place
@@ -124,10 +124,12 @@ def test_a_signal_inside_malloc_runs_its_handler_after_the_call(call: str) -> No
 
 
 @plain
-@pytest.mark.parametrize("call", ["free", "free_owned"])
+@pytest.mark.parametrize("call", ["free", "free_owned", "free_owned block"])
 def test_a_signal_inside_free_runs_its_handler_after_the_call(call: str) -> None:
     a = new_allocator()
-    ptr = a.malloc(512, stream=0)
+    # "free_owned block": a DeviceBuffer's free, by the Block malloc_owned gave it
+    ptr = a.malloc_owned(512, stream=0) if call.endswith("block") else a.malloc(512, stream=0)
+    call = call.removesuffix(" block")
     log: list[tuple[int, FrameType | None, bool]] = []
     guarded = gp.guard_signal_handler(recording(log, a, raise_interrupt))
     inside: list[int] = []
@@ -247,7 +249,7 @@ def test_a_handler_after_the_section_or_outside_runs_at_once() -> None:
     with interrupted(("place",), lambda frame: frames.append(frame.f_back)):  # type: ignore[arg-type]
         ptr = a.malloc(512, stream=0)
     # the malloc frame of a finished call (as between `_busy = False` and the check): not waiting
-    assert frames[0].f_code is CachingAllocator.malloc_key.__code__  # malloc's body
+    assert frames[0].f_code is CachingAllocator._malloc.__code__  # malloc's body
     guarded(signal.SIGINT, frames[0])
     assert len(log) == 1
     guarded(signal.SIGINT, sys._getframe())  # no allocator frame at all

@@ -91,6 +91,22 @@ def test_a_forged_buffer_cannot_free_another_owners_block(sim: Any) -> None:
     gp.check_invariants()
 
 
+def test_a_buffers_address_cannot_be_freed_behind_its_back(sim: Any) -> None:
+    """The allocator frees a buffer's block only through the buffer: a raw ``free`` of its
+    address is refused (it would free the block twice later) and changes nothing."""
+    a = runtime.allocator()
+    buf = gp.alloc(4096)
+    before = gp.memory_stats()
+    with pytest.raises(gp.ForeignPointerError, match="DeviceBuffer"):
+        a.free(buf.ptr)
+    assert gp.memory_stats() == before and not buf.freed
+    buf.free()
+    with pytest.raises(gp.DoubleFreeError):
+        buf.free()
+    assert gp.memory_allocated() == 0
+    gp.check_invariants()
+
+
 def test_copy_of_a_buffer_is_refused_and_deepcopy_is_a_real_copy(sim: Any) -> None:
     from graphpool.sim import xp
 

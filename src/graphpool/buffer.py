@@ -28,6 +28,7 @@ from graphpool.errors import DoubleFreeError
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
+    from graphpool.policy.block import Block
     from graphpool.streams import Stream, StreamLike
 
 
@@ -49,7 +50,7 @@ class DeviceBuffer:
     Made by ``gp.alloc`` only; calling the class raises TypeError.
     """
 
-    __slots__ = ("ptr", "nbytes", "stream", "_key", "_alloc", "_live")
+    __slots__ = ("ptr", "nbytes", "stream", "_block", "_alloc", "_live")
     __deletable__ = ("_live",)  # compiled: reads of _live check that it is set (module docstring)
 
     ptr: int
@@ -57,17 +58,22 @@ class DeviceBuffer:
     stream: Stream
 
     def __init__(
-        self, ptr: object, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
+        self, block: object, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
     ) -> None:
-        """``ptr``: the int object ``malloc_key`` returned (0 for a null buffer), kept to free
-        the block with (no boxing, found by identity)."""
+        """``block``: what ``alloc.malloc_owned`` returned (None for a null buffer), kept to
+        free the allocation by (no lookup by address). Typed ``object`` so that, compiled, a
+        caller without the key gets the TypeError below, not mypyc's."""
         if key is not _KEY:
             raise TypeError(
                 "graphpool.DeviceBuffer cannot be made directly; allocate one with "
                 "gp.alloc(nbytes, stream=None)"
             )
-        self.ptr = cast(int, ptr)
-        self._key = ptr
+        b = cast("Block | None", block)
+        if b is None:  # a statement, not a conditional expression: compiled, that boxes
+            self.ptr = 0
+        else:
+            self.ptr = b.ptr
+        self._block = b
         self.nbytes = nbytes
         self.stream = stream
         self._alloc = alloc
@@ -91,8 +97,9 @@ class DeviceBuffer:
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
         self._live = False
-        if self.ptr:  # a null buffer (gp.alloc(0)) holds nothing
-            self._alloc.free_owned(self._key)
+        block = self._block
+        if block is not None:  # a null buffer (gp.alloc(0)) holds nothing
+            self._alloc.free_owned(block)
 
     def _check_backend(self) -> None:
         """Raise BackendReplacedError if the backend this buffer was made under was replaced."""
@@ -116,8 +123,8 @@ class DeviceBuffer:
             raise ValueError(f"buffer of device {self.device} used by a stream of device {s.device}")
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
-        if self.ptr:
-            self._alloc.record_stream(self.ptr, s.handle)
+        if self._block is not None:
+            self._alloc.record_stream(self._block, s.handle)
 
     def __enter__(self) -> DeviceBuffer:
         return self
@@ -133,8 +140,8 @@ class DeviceBuffer:
             return
         if live:
             self._live = False
-            if self.ptr:
-                self._alloc.defer_free(self._key)
+            if self._block is not None:
+                self._alloc.defer_free(self._block)
 
     def _free_after(self, stream: int) -> None:
         """Queue the free of a buffer that stream handle ``stream`` used too: the block is reused
@@ -142,8 +149,8 @@ class DeviceBuffer:
         and no device call, so it is safe from finalizers and while ``stream`` captures."""
         if self._live:
             self._live = False
-            if self.ptr:
-                self._alloc.defer_free(self._key, stream)
+            if self._block is not None:
+                self._alloc.defer_free(self._block, stream)
 
     # -------------------------------------------------------- copy and pickle
     def __copy__(self) -> DeviceBuffer:
@@ -154,8 +161,8 @@ class DeviceBuffer:
         if not self._live:
             raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was freed; there is nothing to copy")
         self._check_backend()
-        ptr = self._alloc.malloc_key(self.nbytes, stream=self.stream.handle) if self.nbytes else 0
-        out = DeviceBuffer(ptr, self.nbytes, self.stream, self._alloc, _KEY)
+        block = self._alloc.malloc_owned(self.nbytes, stream=self.stream.handle) if self.nbytes else None
+        out = DeviceBuffer(block, self.nbytes, self.stream, self._alloc, _KEY)
         if self.nbytes:
             self._alloc.device.memcpy(out.ptr, self.ptr, self.nbytes, self.stream.handle)
         memo[id(self)] = out

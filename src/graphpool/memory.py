@@ -165,10 +165,10 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
                 _last.cur = _Cur(ident, hot)
         if hot is not None and not hot.world.replaced:  # else set_backend ran since
             if n == 0:
-                return DeviceBuffer(0, 0, hot.stream, hot.alloc, _KEY)
+                return DeviceBuffer(None, 0, hot.stream, hot.alloc, _KEY)
             a = hot.alloc
-            ptr = a.malloc_key(nbytes, stream=hot.handle)  # validates nbytes
-            return DeviceBuffer(ptr, n, hot.stream, a, _KEY)
+            block = a.malloc_owned(nbytes, stream=hot.handle)  # validates nbytes
+            return DeviceBuffer(block, n, hot.stream, a, _KEY)
         world = runtime.get().world  # read first: a set_backend from now on makes the entry stale
         s = current_stream()
         a = runtime.allocator(s.device)
@@ -188,10 +188,10 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
                 _last.seen = _Seen(s, home)
         if home is not None and not home.world.replaced:  # else set_backend ran since
             if n == 0:
-                return DeviceBuffer(0, 0, s, home.alloc, _KEY)
+                return DeviceBuffer(None, 0, s, home.alloc, _KEY)
             a = home.alloc
-            ptr = a.malloc_key(nbytes, stream=home.handle)  # validates nbytes
-            return DeviceBuffer(ptr, n, s, a, _KEY)
+            block = a.malloc_owned(nbytes, stream=home.handle)  # validates nbytes
+            return DeviceBuffer(block, n, s, a, _KEY)
         rt = runtime._runtime
         index = s.device
         found = rt.allocators[index] if rt is not None and s._space is rt.space and index < rt.count else None
@@ -205,9 +205,9 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         s = as_stream(stream, "gp.alloc")
         a = _stream_allocator(s)
     if n == 0:
-        return DeviceBuffer(0, 0, s, a, _KEY)
-    ptr = a.malloc_key(nbytes, stream=s.handle)  # validates nbytes
-    return DeviceBuffer(ptr, n, s, a, _KEY)
+        return DeviceBuffer(None, 0, s, a, _KEY)
+    block = a.malloc_owned(nbytes, stream=s.handle)  # validates nbytes
+    return DeviceBuffer(block, n, s, a, _KEY)
 
 
 def _size(nbytes: Any) -> int:

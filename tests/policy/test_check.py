@@ -272,6 +272,11 @@ def corrupt_untracked(st: State) -> None:
     del st.a._active[st.allocated.ptr]
 
 
+def corrupt_owned_free(st: State) -> None:
+    """A free block still marked as a DeviceBuffer's: its stale owner could free it again."""
+    st.free_tail.owned = True
+
+
 def corrupt_negative_holds(st: State) -> None:
     st.allocated.holds = -1
 
@@ -546,6 +551,7 @@ CASES: dict[str, Case] = {
     "two free lists": Case(corrupt_two_freelists, "a block filed in two free lists"),
     "free not filed": Case(corrupt_unfiled, "free but not filed, or filed but not free"),
     "untracked allocation": Case(corrupt_untracked, "allocated but not tracked"),
+    "owned but free": Case(corrupt_owned_free, "free but still marked owned"),
     "negative holds": Case(corrupt_negative_holds, "negative hold count"),
     "spare in use": Case(corrupt_spare_in_use, "still in use"),
     "spare whole segment in use": Case(corrupt_spare_whole_segment_in_use, "still in use"),
@@ -663,6 +669,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 63  # the checks today; update with a case for each new one
+    assert len(messages) == 64  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

@@ -1159,3 +1159,75 @@ def test_check_invariants_notices_each_kind_of_corruption(corrupt: object) -> No
     corrupt(a, p)  # type: ignore[operator]
     with pytest.raises(AssertionError):
         a.check_invariants()
+
+
+# --------------------------------------------------------------------------- owned allocations
+def test_an_owned_allocation_is_freed_by_its_block_not_by_its_address() -> None:
+    """``malloc_owned`` (gp.alloc's call): the owner keeps the Block and frees by it. Its
+    address is no raw allocation: ``free(address)`` is refused and changes nothing."""
+    _, a = make()
+    b = a.malloc_owned(4096, stream=S1)
+    p = a.malloc(4096, stream=S1)  # a raw neighbour, filed by address
+    assert b.owned and b.allocated and b.ptr not in a._active and p in a._active
+    assert a.lookup(b.ptr) is b and a.lookup(p) is not None
+    before = a.memory_stats()
+    with pytest.raises(ForeignPointerError, match="owned by a graphpool DeviceBuffer"):
+        a.free(b.ptr)
+    with pytest.raises(ForeignPointerError, match="owned by a graphpool DeviceBuffer"):
+        a.record_stream(b.ptr, S2)
+    with pytest.raises(ForeignPointerError, match="raw allocation"):
+        a.free_owned(a.lookup(p))  # a raw allocation's block is not the owner's to give
+    assert a.memory_stats() == before and b.owned
+    ok(a)
+    a.free_owned(b)
+    assert not b.owned and not b.allocated and a.lookup(b.ptr) is None
+    assert cur(a, "allocated_bytes") == 4096  # p only
+    with pytest.raises(DoubleFreeError, match="already freed"):
+        a.free_owned(b)
+    with pytest.raises(DoubleFreeError, match="already freed"):
+        a.free(b)
+    a.free(p)
+    assert cur(a, "allocated_bytes") == 0
+    ok(a)
+
+
+def test_owned_blocks_take_the_same_addresses_as_raw_ones() -> None:
+    """The owned and the raw call share one policy: the same requests, the same blocks."""
+    _, a1 = make()
+    _, a2 = make()
+    sizes = [4096, 700, 1 << 20, 3 * MiB, 512, 40 * MiB, 4096]
+    raw = [a1.malloc(n, stream=S1) for n in sizes]
+    owned = [a2.malloc_owned(n, stream=S1) for n in sizes]
+    assert [b.ptr for b in owned] == raw
+    for i in (1, 3, 5):
+        a1.free(raw[i])
+        a2.free_owned(owned[i])
+    assert a1.memory_stats() == a2.memory_stats() and a1.snapshot() == a2.snapshot()
+    assert [a1.malloc(n, stream=S1) for n in sizes] == [a2.malloc_owned(n, stream=S1).ptr for n in sizes]
+    ok(a1)
+    ok(a2)
+
+
+def test_an_owned_block_is_queued_recorded_and_refused_twice_as_an_address_is() -> None:
+    dev, a = make()
+    b = a.malloc_owned(4096, stream=S1)
+    keep = a.malloc_owned(4096, stream=S1)  # keeps b from merging with the tail
+    a.record_stream(b, S2)
+    a.defer_free(b)  # a finalizer's free: carried out by the next call
+    assert b.owned
+    a.free_owned(keep)  # carries out b's free first: b waits on an event of S2
+    assert not b.owned and [s for _, s in dev.recorded] == [S2]
+    dev.complete_all()
+    assert a.malloc_owned(4096, stream=S1).ptr == b.ptr
+    # A free queued twice is refused when a re-entered free asks (the check of _check_pointer)
+    c = a.malloc_owned(4096, stream=S3)
+    a.defer_free(c)
+    a._busy = True
+    try:
+        with pytest.raises(DoubleFreeError, match="already queued"):
+            a._check_pointer(c, "free")
+    finally:
+        a._busy = False
+    a.free_owned(a.malloc_owned(512, stream=S3))  # drains c's free
+    assert not c.owned
+    ok(a)

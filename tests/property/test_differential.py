@@ -4,7 +4,8 @@ The install compiles the policy (``graphpool.compiled()``); the same ``.py`` fil
 uncompiled are the executable reference. This test loads a second, uncompiled copy of
 the package beside the compiled one (``_reference``), drives one random program of
 allocator calls through both (malloc with odd sizes and types, free of live, freed and
-foreign pointers, record_stream, stream completion, captures begun through graphpool and
+foreign pointers, the owned calls a DeviceBuffer makes (``malloc_owned``, its Block freed,
+queued or freed twice), record_stream, stream completion, captures begun through graphpool and
 adopted by detection, ended, aborted and released, empty_cache, out-of-memory, peak and
 counter resets), and after every step demands the same outcome: the same addresses, the
 same error (class name and message), the same ``memory_stats`` and the same snapshot of
@@ -138,6 +139,8 @@ class Run:
             self.a.limits = self.a.limits.with_fraction(0.8)
         self.ptrs: list[int] = []  # every address handed out, live or not
         self.live: list[int] = []  # those not freed by the program yet
+        self.owned: list[Any] = []  # live Blocks of malloc_owned (a DeviceBuffer's kind)
+        self.owned_all: list[Any] = []  # every Block malloc_owned returned, live or freed
         self.recs: list[Any] = []  # capture records, in the order begun
 
     def step(self, op: tuple[Any, ...]) -> Any:
@@ -154,6 +157,12 @@ class Run:
     def _take_live(self, i: int) -> int:
         return self.live.pop(i % len(self.live)) if self.live else self._ptr(i)
 
+    def _take_owned(self, i: int) -> Any:
+        """A live owned Block (removed from the live ones), else any address (a wrong call)."""
+        if self.owned:
+            return self.owned.pop(i % len(self.owned))
+        return self.owned_all[i % len(self.owned_all)] if self.owned_all else self._ptr(i)
+
     def _do(self, op: tuple[Any, ...]) -> Any:
         kind = op[0]
         a, dev = self.a, self.dev
@@ -162,6 +171,18 @@ class Run:
             self.ptrs.append(ptr)
             self.live.append(ptr)
             return ptr
+        if kind == "malloc_owned":  # gp.alloc's call: the Block, not filed by address
+            block = a.malloc_owned(op[1], stream=op[2])
+            self.ptrs.append(block.ptr)
+            self.owned.append(block)
+            self.owned_all.append(block)
+            return block.ptr
+        if kind == "free_owned":  # DeviceBuffer.free, or a Block freed already
+            return a.free_owned(self._take_owned(op[1]))
+        if kind == "defer_owned":  # DeviceBuffer's finalizer (and _free_after)
+            return a.defer_free(self._take_owned(op[1]), op[2])
+        if kind == "record_owned":
+            return a.record_stream(self.owned[op[1] % len(self.owned)] if self.owned else 7, op[2])
         if kind == "free":
             return a.free(self._take_live(op[1]))
         if kind == "free_any":  # live, freed or queued already
@@ -243,15 +264,24 @@ SIZES = st.one_of(
 ODD_SIZES = st.sampled_from((-1, True, 2.0, "8", None, np.int64(1024), np.uint16(700), 1 << 70))
 MALLOC = st.tuples(st.just("malloc"), SIZES, STREAMS)
 FREE = st.tuples(st.just("free"), st.integers(0, 50))
+MALLOC_OWNED = st.tuples(st.just("malloc_owned"), SIZES, STREAMS)
+FREE_OWNED = st.tuples(st.just("free_owned"), st.integers(0, 50))
 OPS = st.one_of(
     MALLOC,
     MALLOC,
     MALLOC,
     MALLOC,
     st.tuples(st.just("malloc"), ODD_SIZES, STREAMS),
+    MALLOC_OWNED,
+    MALLOC_OWNED,
+    st.tuples(st.just("malloc_owned"), ODD_SIZES, STREAMS),
     FREE,
     FREE,
     FREE,
+    FREE_OWNED,
+    FREE_OWNED,
+    st.tuples(st.just("defer_owned"), st.integers(0, 50), st.sampled_from((None, 4))),
+    st.tuples(st.just("record_owned"), st.integers(0, 50), st.sampled_from((1, 4, 5))),
     st.tuples(st.just("free_any"), st.integers(0, 50)),
     st.tuples(st.just("free_foreign"), st.sampled_from((0, -8, 7, 1 << 40, "x", None, 2.5))),
     st.tuples(st.just("defer_free"), st.integers(0, 50), st.sampled_from((None, 4))),

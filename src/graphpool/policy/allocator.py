@@ -335,12 +335,22 @@ class CachingAllocator:
         (when detection is on). Raises ValueError or TypeError for a bad size and
         OutOfMemoryError when the device is full.
         """
-        return cast(int, self.malloc_key(nbytes, stream=stream))
+        return cast(int, self._malloc(nbytes, stream, False))
 
-    def malloc_key(self, nbytes: SupportsIndex, *, stream: int) -> object:
-        """``malloc``, returning the address as the int object the allocator files the block
-        under: a free given that same object finds the block by identity, without boxing
-        the address again or comparing two ints (DeviceBuffer keeps it; NOTES entry 36)."""
+    def malloc_owned(self, nbytes: SupportsIndex, *, stream: int) -> Block:
+        """``malloc`` for an owner that keeps the allocation's Block (``DeviceBuffer``) and
+        gives that same Block to ``free_owned`` or ``defer_free``.
+
+        The block is not filed by address: no dictionary insert here and no lookup at its
+        free (together about a fifth of a cached pair; benchmarks/NOTES.md, entry 39). Its
+        address is still known to ``lookup`` and to the errors for a wrong ``free``.
+        """
+        return cast(Block, self._malloc(nbytes, stream, True))
+
+    def _malloc(self, nbytes: SupportsIndex, stream: int, owned: bool) -> object:
+        """The one body of ``malloc`` and ``malloc_owned``: the address as the int object
+        filed in ``_active`` (a raw allocation; a free given that same object finds the
+        block by identity, NOTES entry 36), or the Block itself (``owned``)."""
         # ``nbytes`` is typed SupportsIndex, not int: compiled by mypyc, an ``int`` parameter
         # would admit a bool and refuse numpy integers before the check below could run.
         requested = nbytes if type(nbytes) is int else self._check_size_type(nbytes)
@@ -435,8 +445,15 @@ class CachingAllocator:
                     block.allocated = True
                     block.requested = requested
                     ptr = block.ptr
-                    out: object = ptr  # boxed once: the dict's key and the return value
-                    cast("dict[object, Block]", self._active)[out] = block
+                    if owned:
+                        block.owned = True
+                        out: object = block
+                    else:
+                        # boxed once, declared object here: the dict's key and the return value
+                        # (assigned to a wider variable, mypyc would unbox and box it again)
+                        boxed: object = ptr
+                        cast("dict[object, Block]", self._active)[boxed] = block
+                        out = boxed
                     serial = self._serial + 1  # allocation order: tells allocations apart (captures)
                     self._serial = serial
                     block.serial = serial
@@ -933,7 +950,8 @@ class CachingAllocator:
                 interrupts.run_pending()
 
     def free_owned(self, ptr: object) -> None:
-        """``free`` for the owner of a live allocation (``DeviceBuffer.free``): never waits.
+        """``free`` for the owner of a live allocation (``DeviceBuffer.free``: the Block
+        ``malloc_owned`` returned; PyTorch's allocator hook: an address): never waits.
 
         If another thread holds the lock, the free is queued for the next call instead
         (as CuPy's pool does), so a free from code that runs while this thread holds
@@ -968,7 +986,7 @@ class CachingAllocator:
 
     def defer_free(self, ptr: object, stream: int | None = None) -> None:
         """Queue a free for the next allocator call. Lock-free and no device call: for
-        finalizers.
+        finalizers. ``ptr``: an address ``malloc`` returned, or a Block of ``malloc_owned``.
 
         ``stream``: another stream that used the block (as ``record_stream`` would say); its
         work queued so far completes before the block is reused.
@@ -985,7 +1003,13 @@ class CachingAllocator:
         # The lookup takes the caller's int object as it came: compiled, ``ptr`` narrowed to int
         # is unboxed, and boxing it again allocates (addresses are large ints; entry 24).
         key: object = ptr
-        block = cast("dict[object, Block]", self._active).pop(key, None) if type(ptr) is int else None
+        block: Block | None = None
+        if type(ptr) is Block:  # malloc_owned's allocation, given by its owner: no lookup
+            if ptr.owned:  # else freed already, or a raw allocation's block (``lookup``)
+                ptr.owned = False
+                block = ptr
+        elif type(ptr) is int:
+            block = cast("dict[object, Block]", self._active).pop(key, None)
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
@@ -1284,14 +1308,24 @@ class CachingAllocator:
 
         Changes nothing. O(queued frees): only a re-entered ``free`` asks.
         """
-        if type(ptr) is not int or ptr not in self._active:
+        if type(ptr) is Block:
+            if not ptr.owned:
+                self._bad_pointer(ptr, what)
+        elif type(ptr) is not int or ptr not in self._active:
             self._bad_pointer(ptr, what)
         for item in self._pending:
-            if item == ptr or (type(item) is tuple and item[0] == ptr):
-                raise DoubleFreeError(f"{what}: 0x{ptr:x} is already queued to be freed")
+            if item is ptr or (type(item) is int and item == ptr) or (type(item) is tuple and item[0] == ptr):
+                addr = ptr.ptr if type(ptr) is Block else ptr
+                raise DoubleFreeError(f"{what}: 0x{addr:x} is already queued to be freed")
 
     def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
+        if type(ptr) is Block:
+            if ptr.allocated:  # a raw allocation's block (``lookup``): not one malloc_owned gave
+                raise ForeignPointerError(
+                    f"{what}: the block at 0x{ptr.ptr:x} is a raw allocation (malloc): free it by its address"
+                )
+            raise DoubleFreeError(f"{what}: this allocation (a block of 0x{ptr.ptr:x}) was already freed")
         if type(ptr) is not int:
             raise TypeError(f"{what}: expected an int device address, got {type(ptr).__name__}")
         i = bisect_right(self._seg_bases, ptr) - 1
@@ -1300,6 +1334,11 @@ class CachingAllocator:
             while b is not None and b.ptr + b.size <= ptr:
                 b = b.next
             if b is not None and b.ptr <= ptr:
+                if b.owned and b.ptr == ptr:
+                    raise ForeignPointerError(
+                        f"{what}: 0x{ptr:x} is owned by a graphpool DeviceBuffer: free it with the "
+                        "buffer's free() (or drop the buffer), not by its address"
+                    )
                 if b.allocated:
                     raise ForeignPointerError(
                         f"{what}: 0x{ptr:x} points inside the allocation at 0x{b.ptr:x}, not to its start"
@@ -1320,7 +1359,7 @@ class CachingAllocator:
     def _record_stream(self, ptr: object, stream: int) -> None:
         if self._pending:
             self._drain()
-        block = self._active.get(ptr) if type(ptr) is int else None
+        block = self._live_block(ptr)
         if block is None:
             self._bad_pointer(ptr, "record_stream")
         if stream == block.stream:
@@ -1517,10 +1556,10 @@ class CachingAllocator:
             while pending:
                 item = pending.popleft()
                 try:
-                    if type(item) is int:
+                    if type(item) is int or type(item) is Block:
                         self._free(item)
                     elif type(item) is tuple:  # a free after a use on another stream
-                        block = self._active.get(item[0])
+                        block = self._live_block(item[0])
                         if block is not None and item[1] != block.stream:
                             if block.stream_uses is None:
                                 block.stream_uses = {item[1]}
@@ -1928,8 +1967,27 @@ class CachingAllocator:
             st.reset_accumulated()
 
     def lookup(self, ptr: int) -> Block | None:
-        """The live allocation that starts at ``ptr``, if any."""
-        return self._active.get(ptr)
+        """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too)."""
+        block = self._active.get(ptr)
+        return block if block is not None else self._owned_at(ptr)
+
+    def _live_block(self, ptr: object) -> Block | None:
+        """The live allocation ``ptr`` names: a Block of ``malloc_owned`` still owned, or the
+        raw allocation filed at address ``ptr``."""
+        if type(ptr) is Block:
+            return ptr if ptr.owned else None
+        return self._active.get(ptr) if type(ptr) is int else None
+
+    def _owned_at(self, ptr: int) -> Block | None:
+        """The allocation of ``malloc_owned`` that starts at ``ptr``, if any: a walk of the
+        segment holding ``ptr`` (such blocks are not filed by address)."""
+        i = bisect_right(self._seg_bases, ptr) - 1
+        if i < 0:
+            return None
+        b: Block | None = self._segments[self._seg_bases[i]]
+        while b is not None and b.ptr < ptr:
+            b = b.next
+        return b if b is not None and b.ptr == ptr and b.owned else None
 
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
@@ -2073,7 +2131,7 @@ class CachingAllocator:
 interrupts.register(
     owned=(
         CachingAllocator.malloc,
-        CachingAllocator.malloc_key,
+        CachingAllocator._malloc,
         CachingAllocator.free,
         CachingAllocator.free_owned,
         CachingAllocator._free_locked,

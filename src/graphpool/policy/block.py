@@ -21,6 +21,9 @@ if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native (e
 class Block:
     """One range of device memory: allocated, free (in a free list), or waiting.
 
+    An allocation is filed by address in the allocator's ``_active`` when ``malloc`` made it
+    (a raw address); ``owned`` when ``malloc_owned`` made it: its DeviceBuffer holds the
+    block itself and frees it by it, with no lookup (benchmarks/NOTES.md, entry 39).
     ``pool`` is the free list the block returns to (it fixes small/large and which
     private pool owns the memory); ``stream`` is the stream it was allocated on and
     the only stream whose requests may reuse it. ``holds`` counts what keeps a freed
@@ -43,6 +46,7 @@ class Block:
         "prev",
         "next",
         "allocated",
+        "owned",
         "stream_uses",
         "holds",
         "owner",
@@ -60,6 +64,7 @@ class Block:
         self.prev: Block | None = None
         self.next: Block | None = None
         self.allocated = False
+        self.owned = False  # allocated for a DeviceBuffer (malloc_owned): not in ``_active``
         self.stream_uses: set[int] | None = None
         self.holds = 0
         self.owner: CaptureRecord | None = None

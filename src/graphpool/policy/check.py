@@ -140,8 +140,10 @@ def check_invariants(a: CachingAllocator) -> None:
     for b in all_blocks:
         is_free = not b.allocated and b.holds == 0
         _expect(is_free == (id(b) in in_fl), f"{b} free but not filed, or filed but not free")
-        if b.allocated:
-            _expect(a._active.get(b.ptr) is b, f"{b} allocated but not tracked")
+        if b.allocated:  # filed by address, or owned (a DeviceBuffer's): one or the other
+            _expect((a._active.get(b.ptr) is b) != b.owned, f"{b} allocated but not tracked")
+        else:
+            _expect(not b.owned, f"{b} free but still marked owned")
         _expect(b.holds >= 0, "negative hold count")
     live = {id(b) for b in all_blocks}
     spares = a._spare + ([a._spare1] if a._spare1 is not None else [])
@@ -149,7 +151,7 @@ def check_invariants(a: CachingAllocator) -> None:
         _expect(b.prev is None and b.next is None and id(b) not in live, f"spare {b} still in use")
         _expect(id(b) not in in_fl, f"spare {b} still filed as free")
     _expect(len({id(b) for b in spares}) == len(spares), "a spare block listed twice")
-    n_allocated = sum(1 for b in all_blocks if b.allocated)
+    n_allocated = sum(1 for b in all_blocks if b.allocated and not b.owned)
     _expect(len(a._active) == n_allocated, "tracked allocations != allocated blocks")
 
     _check_expandable(a)
