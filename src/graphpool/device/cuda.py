@@ -545,8 +545,11 @@ class CudaDevice:
         """This device's tokens whose graphs were destroyed since the last call."""
         if _native is None or not self._attached:
             return []
+        fresh = _native.take_released()  # C, [] when no graph was destroyed since the last call
+        if not fresh and not _released:  # the usual case: no lock, no set made (the allocator
+            return []  # asks at every sweep while a capture begun outside is underway)
         with _released_lock:
-            _released.update(_native.take_released())
+            _released.update(fresh)
             mine = self._attached & _released
             _released.difference_update(mine)
             self._attached -= mine
