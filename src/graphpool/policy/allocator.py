@@ -130,9 +130,11 @@ _COMPILED: Final = not __file__.endswith(".py")  # as graphpool.build.compiled()
 _LEGACY: Final = 0
 """The legacy stream's handle (device/protocol.py's LEGACY_STREAM), a constant compiled in."""
 _NO_CAPTURES: Final[tuple[CaptureRecord, ...]] = ()
-SWEEP_EVERY: Final = 16
+SWEEP_EVERY: Final = 64
 """Allocations off any capture, while captures begun outside graphpool are underway, between
-two queries of whether those captures ended (``_route``)."""
+two queries of whether those captures ended (``_route``). A sweep also asks the device which
+graphs were destroyed (a Python call on CUDA); at 16 it cost about as much per allocation as
+the rest of an allocation beside a capture (benchmarks/NOTES.md, entry 40)."""
 
 
 class _Held:
