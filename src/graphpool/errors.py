@@ -24,7 +24,8 @@ class DoubleFreeError(GraphpoolError, ValueError):
 
 
 class ForeignPointerError(GraphpoolError, ValueError):
-    """A pointer graphpool never handed out was given back to it."""
+    """A pointer graphpool never handed out was given back to it, or one it handed out in a
+    DeviceBuffer was freed by its address instead of through the buffer."""
 
 
 class ReplayHazardError(GraphpoolError, RuntimeError):
