@@ -246,13 +246,33 @@ def test_cupy_stream_wrappers_are_forgotten_with_their_buffers(
         arr = cp.ones(16, dtype=np.float32)
     assert len(gcupy._gp_streams) == 1
     del arr
-    # gp.alloc keeps the stream it was last given (memory._last.seen): another one frees it
+    # graphpool.cupy keeps the CuPy stream it served last (gcupy._last), gp.alloc the stream it
+    # was given last (memory._last.seen): an allocation on another stream frees each of them
+    other = cp.ones(16, dtype=np.float32)  # on CuPy's null stream
     gp.alloc(16, gp.Stream()).free()
     gc.collect()
     gp.memory_stats()
-    assert len(gcupy._gp_streams) == 0
+    assert [key[1] for key in gcupy._gp_streams] == [0]  # the null stream's wrapper alone
+    del other
 
 
 def test_zero_bytes_are_a_null_pointer(cp: Any) -> None:
     mem = gcupy.malloc(0)
     assert mem.ptr == 0
+
+
+def test_a_replaced_backend_is_checked_again_and_its_wrappers_remade(cp: Any) -> None:
+    """malloc keeps the CuPy stream it served last; set_backend drops it, so the next
+    allocation checks the backend again and wraps the stream in the new runtime."""
+    a = cp.ones(4, dtype=np.float32)  # served: the null stream is kept (gcupy._last)
+    assert gcupy._last is not None
+    del a
+    gp.set_backend("sim")
+    assert gcupy._last is None and not gcupy._gp_streams
+    with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
+        gcupy.malloc(16)
+    twins.use_sim_as_cuda()  # a new "cuda" runtime: CuPy allocates from it at once
+    b = cp.ones(4, dtype=np.float32)
+    assert gcupy._last is not None and gcupy._last[2]._space is runtime.space()
+    assert gp.memory_allocated() > 0
+    del b

@@ -56,6 +56,23 @@ def _require_cuda() -> None:
         )
 
 
+_last: tuple[int, int, Stream] | None = None
+"""The CuPy stream ``malloc`` served last: (device, handle, graphpool's wrapper). A run of
+allocations on one stream then makes no key, no weak-dictionary lookup and no backend check
+(about half of this module's cost per allocation; benchmarks/NOTES.md, entry 41). It keeps
+that one wrapper alive, as ``gp.alloc`` keeps the last stream it was given."""
+
+
+def _forget() -> None:
+    """``set_backend`` ran: the wrappers belong to the old runtime; the next call checks anew."""
+    global _last
+    _last = None
+    _gp_streams.clear()
+
+
+runtime.replaced_listeners.append(_forget)
+
+
 def malloc(nbytes: int) -> Any:
     """The allocator handed to ``cupy.cuda.set_allocator``: ``nbytes`` on CuPy's current stream.
 
@@ -63,19 +80,31 @@ def malloc(nbytes: int) -> Any:
     graphpool DeviceBuffer, so the block goes back to graphpool when CuPy drops it.
     """
     cp = _cp
-    _require_cuda()
+    device = cp.cuda.runtime.getDevice()
+    handle = cp.cuda.get_current_stream(device).ptr
+    last = _last
+    if last is not None and last[1] == handle and last[0] == device:
+        s = last[2]  # the backend was "cuda" when it was made, and set_backend drops it
+    else:
+        s = _wrapper(device, int(handle))
     if nbytes == 0:  # as CuPy's own pools: a null pointer that holds nothing
         return cp.cuda.MemoryPointer(cp.cuda.Memory(0), 0)
-    device = cp.cuda.runtime.getDevice()
-    handle = int(cp.cuda.get_current_stream(device).ptr)
+    buf = alloc(nbytes, stream=s)
+    mem = cp.cuda.UnownedMemory(buf.ptr, nbytes, buf, device)
+    return cp.cuda.MemoryPointer(mem, 0)
+
+
+def _wrapper(device: int, handle: int) -> Stream:
+    """graphpool's Stream for CuPy's stream ``handle`` of ``device``, kept as ``_last``."""
+    global _last
+    _require_cuda()
     key = (device, handle)
     s = _gp_streams.get(key)
     if s is None:
         s = Stream._wrap(device, handle)
         _gp_streams[key] = s
-    buf = alloc(nbytes, stream=s)
-    mem = cp.cuda.UnownedMemory(buf.ptr, nbytes, buf, device)
-    return cp.cuda.MemoryPointer(mem, 0)
+    _last = (device, handle, s)
+    return s
 
 
 def cupy_stream(s: Stream) -> Any:
