@@ -484,6 +484,8 @@ class _FakeCupy:
             get_current_stream=lambda device_id=None: fake.current,
             get_allocator=lambda: fake.allocator,
             set_allocator=lambda fn: setattr(fake, "allocator", fn),
+            UnownedMemory=None,  # install() binds them; this test allocates nothing through CuPy
+            MemoryPointer=None,
         )
 
 

@@ -32,6 +32,10 @@ from graphpool.streams import Stream, current_stream
 
 _cp: Any = None
 """The cupy module, once ``install()`` imported it."""
+_calls: Any = None
+"""CuPy's calls ``malloc`` makes, bound by ``install()``: (``runtime.getDevice``,
+``get_current_stream``, ``UnownedMemory``, ``MemoryPointer``); one global read instead of a
+chain of attribute lookups for each."""
 _lock = threading.Lock()
 _installed = False
 _previous: Any = None
@@ -79,19 +83,18 @@ def malloc(nbytes: int) -> Any:
     Returns a ``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is the
     graphpool DeviceBuffer, so the block goes back to graphpool when CuPy drops it.
     """
-    cp = _cp
-    device = cp.cuda.runtime.getDevice()
-    handle = cp.cuda.get_current_stream(device).ptr
+    get_device, current, unowned, pointer = _calls
+    device = get_device()
+    handle = current(device).ptr
     last = _last
     if last is not None and last[1] == handle and last[0] == device:
         s = last[2]  # the backend was "cuda" when it was made, and set_backend drops it
     else:
         s = _wrapper(device, int(handle))
     if nbytes == 0:  # as CuPy's own pools: a null pointer that holds nothing
-        return cp.cuda.MemoryPointer(cp.cuda.Memory(0), 0)
+        return pointer(_cp.cuda.Memory(0), 0)
     buf = alloc(nbytes, stream=s)
-    mem = cp.cuda.UnownedMemory(buf.ptr, nbytes, buf, device)
-    return cp.cuda.MemoryPointer(mem, 0)
+    return pointer(unowned(buf.ptr, nbytes, buf, device), 0)
 
 
 def _wrapper(device: int, handle: int) -> Stream:
@@ -207,7 +210,7 @@ def install() -> None:
 
     Idempotent. Raises ImportError without CuPy, RuntimeError unless the backend is "cuda".
     """
-    global _cp, _installed, _previous
+    global _cp, _calls, _installed, _previous
     import cupy
 
     _require_cuda()
@@ -215,6 +218,8 @@ def install() -> None:
         if _installed:
             return
         _cp = cupy
+        cuda = cupy.cuda
+        _calls = (cuda.runtime.getDevice, cuda.get_current_stream, cuda.UnownedMemory, cuda.MemoryPointer)
         _previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(malloc)
         _hook(cupy)
