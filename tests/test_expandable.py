@@ -179,6 +179,30 @@ def test_max_split_size_with_expandable_segments(backend: Any) -> None:
         assert a.memory_stats()["reserved_bytes.all.current"] == 0
 
 
+def test_an_oversize_free_segment_gaining_a_neighbour_counts_as_split(backend: Any) -> None:
+    """The oversize free block is the segment's only block: the block mapped after it makes it
+    an inactive split block, which the statistics count (the differential test found this)."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(DEFAULT, expandable_segments=True, max_split_size=40 * MiB)
+    a = CachingAllocator(rt.device(0), sizes=sizes, world=rt.world)
+    try:
+        big = a.malloc(100 * MiB, stream=0)
+        a.free(big)  # the segment is one free, oversize block: no split block yet
+        assert a.memory_stats()["inactive_split.large_pool.current"] == 0
+        small = a.malloc(20 * MiB, stream=0)  # may not take it: mapped after it
+        st = a.memory_stats()
+        assert st["inactive_split.large_pool.current"] == 1
+        assert st["inactive_split_bytes.large_pool.current"] == 100 * MiB
+        a.check_invariants()
+        a.free(small)
+        a.check_invariants()
+    finally:
+        a.device.device_synchronize()
+        a.empty_cache()
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0
+
+
 def test_captures_keep_ordinary_segments(exp: CachingAllocator) -> None:
     """A capture's private pool gets ordinary segments (no mapping during a capture); the
     eager stream's expandable segment never serves the graph."""

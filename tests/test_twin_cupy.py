@@ -276,3 +276,26 @@ def test_a_replaced_backend_is_checked_again_and_its_wrappers_remade(cp: Any) ->
     assert gcupy._last is not None and gcupy._last[2]._space is runtime.space()
     assert gp.memory_allocated() > 0
     del b
+
+
+def test_a_set_backend_during_the_first_call_on_a_stream_is_not_cached_over(
+    cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A set_backend that lands between malloc's backend check and its caching of the stream:
+    the stream kept then must not let later calls skip the check."""
+    checked = gcupy._require_cuda
+
+    def check_then_replace() -> None:
+        checked()
+        gp.set_backend("sim")  # another thread, just after this thread's check
+
+    monkeypatch.setattr(gcupy, "_forget", lambda: None)  # as if _forget ran before the caching
+    monkeypatch.setattr(gcupy, "_last", None)
+    monkeypatch.setattr(gcupy, "_require_cuda", check_then_replace)
+    raced = gcupy.malloc(16)  # on CuPy's null stream: served (by the new runtime), stream kept
+    assert gcupy._last is not None
+    monkeypatch.setattr(gcupy, "_require_cuda", checked)
+    with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
+        gcupy.malloc(16)  # the kept stream belongs to a replaced world: checked again
+    del raced
+    gc.collect()

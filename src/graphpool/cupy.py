@@ -60,8 +60,11 @@ def _require_cuda() -> None:
         )
 
 
-_last: tuple[int, int, Stream] | None = None
-"""The CuPy stream ``malloc`` served last: (device, handle, graphpool's wrapper). A run of
+_last: tuple[int, int, Stream, Any] | None = None
+"""The CuPy stream ``malloc`` served last: (device, handle, graphpool's wrapper, the capture
+world of the runtime that was checked to be "cuda" before the wrapper was made; set_backend
+marks that world replaced before it publishes another runtime, so a wrapper cached across a
+concurrent set_backend is never used). A run of
 allocations on one stream then makes no key, no weak-dictionary lookup and no backend check
 (about half of this module's cost per allocation; benchmarks/NOTES.md, entry 41). It keeps
 that one wrapper alive, as ``gp.alloc`` keeps the last stream it was given."""
@@ -87,8 +90,8 @@ def malloc(nbytes: int) -> Any:
     device = get_device()
     handle = current(device).ptr
     last = _last
-    if last is not None and last[1] == handle and last[0] == device:
-        s = last[2]  # the backend was "cuda" when it was made, and set_backend drops it
+    if last is not None and last[1] == handle and last[0] == device and not last[3].replaced:
+        s = last[2]  # the backend was "cuda" when it was made, and no set_backend ran since
     else:
         s = _wrapper(device, int(handle))
     if nbytes == 0:  # as CuPy's own pools: a null pointer that holds nothing
@@ -100,13 +103,14 @@ def malloc(nbytes: int) -> Any:
 def _wrapper(device: int, handle: int) -> Stream:
     """graphpool's Stream for CuPy's stream ``handle`` of ``device``, kept as ``_last``."""
     global _last
+    world = runtime.get().world  # read first: a set_backend from now on marks it replaced
     _require_cuda()
     key = (device, handle)
     s = _gp_streams.get(key)
-    if s is None:
+    if s is None or s._space is not runtime.space():  # (one made before a set_backend)
         s = Stream._wrap(device, handle)
         _gp_streams[key] = s
-    _last = (device, handle, s)
+    _last = (device, handle, s, world)
     return s
 
 

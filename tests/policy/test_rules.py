@@ -1175,16 +1175,18 @@ def test_an_owned_allocation_is_freed_by_its_block_not_by_its_address() -> None:
         a.free(b.ptr)
     with pytest.raises(ForeignPointerError, match="owned by a graphpool DeviceBuffer"):
         a.record_stream(b.ptr, S2)
-    with pytest.raises(ForeignPointerError, match="raw allocation"):
+    with pytest.raises(DoubleFreeError, match="raw allocation's block"):
         a.free_owned(a.lookup(p))  # a raw allocation's block is not the owner's to give
+    with pytest.raises(TypeError, match="got Block"):
+        a.free(a.lookup(b.ptr))  # the raw free takes addresses only: no way around the owner
     assert a.memory_stats() == before and b.owned
     ok(a)
     a.free_owned(b)
     assert not b.owned and not b.allocated and a.lookup(b.ptr) is None
     assert cur(a, "allocated_bytes") == 4096  # p only
-    with pytest.raises(DoubleFreeError, match="already freed"):
+    with pytest.raises(DoubleFreeError, match="freed already"):
         a.free_owned(b)
-    with pytest.raises(DoubleFreeError, match="already freed"):
+    with pytest.raises(TypeError, match="got Block"):
         a.free(b)
     a.free(p)
     assert cur(a, "allocated_bytes") == 0
@@ -1230,4 +1232,44 @@ def test_an_owned_block_is_queued_recorded_and_refused_twice_as_an_address_is() 
         a._busy = False
     a.free_owned(a.malloc_owned(512, stream=S3))  # drains c's free
     assert not c.owned
+    ok(a)
+
+
+def test_an_owned_block_is_refused_by_another_allocator() -> None:
+    """A Block goes back only to the allocator that made it: another one's free lists and
+    statistics are not its own (and are guarded by another lock)."""
+    _, a1 = make()
+    _, a2 = make()
+    keep = a2.malloc_owned(4096, stream=S1)
+    b = a1.malloc_owned(4096, stream=S1)
+    before1, before2 = a1.memory_stats(), a2.memory_stats()
+    with pytest.raises(ForeignPointerError, match="another allocator"):
+        a2.free_owned(b)
+    with pytest.raises(ForeignPointerError, match="another allocator"):
+        a2.record_stream(b, S2)
+    a2.defer_free(b)  # queued: refused when carried out, with a warning, and nothing changes
+    with pytest.warns(RuntimeWarning, match="another allocator"):
+        a2.free_owned(a2.malloc_owned(512, stream=S1))
+    assert a1.memory_stats() == before1 and b.owned
+    assert a2.memory_stats()["allocated_bytes.all.current"] == before2["allocated_bytes.all.current"]
+    a1.free_owned(b)
+    a2.free_owned(keep)
+    ok(a1)
+    ok(a2)
+
+
+def test_a_second_free_of_a_reused_block_is_a_double_free() -> None:
+    """An owner that frees twice, after its Block object went to a raw allocation: the error
+    names a double free, and the raw allocation stays allocated."""
+    _, a = make()
+    b = a.malloc_owned(4096, stream=S1)
+    keep = a.malloc(4096, stream=S1)  # b's neighbour stays allocated: b's block is reused as is
+    a.free_owned(b)
+    p = a.malloc(4096, stream=S1)
+    assert a.lookup(p) is b  # the same Block object, now a raw allocation
+    with pytest.raises(DoubleFreeError, match="freed already"):
+        a.free_owned(b)
+    assert a.lookup(p) is b and b.allocated
+    a.free(p)
+    a.free(keep)
     ok(a)

@@ -542,7 +542,11 @@ class CudaDevice:
             self._attached.add(token)
 
     def take_released(self) -> list[int]:
-        """This device's tokens whose graphs were destroyed since the last call."""
+        """This device's tokens whose graphs were destroyed since the last call.
+
+        With two devices' allocators asking at once, one may drain the other's token from the C
+        queue just as the other finds both queues empty: the other gets it at its next call.
+        """
         if _native is None or not self._attached:
             return []
         fresh = _native.take_released()  # C, [] when no graph was destroyed since the last call

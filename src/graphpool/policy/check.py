@@ -148,7 +148,9 @@ def check_invariants(a: CachingAllocator) -> None:
     live = {id(b) for b in all_blocks}
     spares = a._spare + ([a._spare1] if a._spare1 is not None else [])
     for b in spares:
-        _expect(b.prev is None and b.next is None and id(b) not in live, f"spare {b} still in use")
+        _expect(
+            b.prev is None and b.next is None and id(b) not in live and not b.owned, f"spare {b} still in use"
+        )
         _expect(id(b) not in in_fl, f"spare {b} still filed as free")
     _expect(len({id(b) for b in spares}) == len(spares), "a spare block listed twice")
     n_allocated = sum(1 for b in all_blocks if b.allocated and not b.owned)
