@@ -1014,8 +1014,7 @@ class CachingAllocator:
         key: object = ptr
         block: Block | None = None
         if type(ptr) is Block:  # malloc_owned's allocation, given by its owner: no lookup
-            fl = ptr.pool  # and one of this allocator's (else its lists are another lock's)
-            if ptr.owned and (fl is self._small or fl is self._large or self._has_pool(fl)):
+            if ptr.owned and self._mine(ptr.pool):  # (another's lists are another lock's)
                 ptr.owned = False
                 block = ptr
         elif type(ptr) is int:
@@ -1318,21 +1317,17 @@ class CachingAllocator:
 
         Changes nothing. O(queued frees): only a re-entered ``free`` asks.
         """
-        if type(ptr) is Block:
-            if self._live_block(ptr) is None:
-                self._bad_pointer(ptr, what)
-        elif type(ptr) is not int or ptr not in self._active:
+        if self._live_block(ptr) is None:
             self._bad_pointer(ptr, what)
-        for item in self._pending:
-            if item is ptr or (type(item) is int and item == ptr) or (type(item) is tuple and item[0] == ptr):
+        for item in self._pending:  # (a Block compares by identity)
+            if item == ptr or (type(item) is tuple and item[0] == ptr):
                 name = "this allocation" if type(ptr) is Block else f"0x{ptr:x}"
                 raise DoubleFreeError(f"{what}: {name} is already queued to be freed")
 
     def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
         if type(ptr) is Block:  # (its address may have changed since: a freed Block is reused)
-            fl = ptr.pool
-            if not (fl is self._small or fl is self._large or self._has_pool(fl)):
+            if not self._mine(ptr.pool):
                 raise ForeignPointerError(
                     f"{what}: this Block belongs to another allocator than device {self.device.index}'s"
                 )
@@ -1342,25 +1337,20 @@ class CachingAllocator:
             )
         if type(ptr) is not int:
             raise TypeError(f"{what}: expected an int device address, got {type(ptr).__name__}")
-        i = bisect_right(self._seg_bases, ptr) - 1
-        if i >= 0:
-            b: Block | None = self._segments[self._seg_bases[i]]
-            while b is not None and b.ptr + b.size <= ptr:
-                b = b.next
-            if b is not None and b.ptr <= ptr:
-                if b.owned and b.ptr == ptr:
-                    raise ForeignPointerError(
-                        f"{what}: 0x{ptr:x} is owned by a graphpool DeviceBuffer: free it with the "
-                        "buffer's free() (or drop the buffer), not by its address"
-                    )
-                if b.allocated:
-                    raise ForeignPointerError(
-                        f"{what}: 0x{ptr:x} points inside the allocation at 0x{b.ptr:x}, not to its start"
-                    )
-                raise DoubleFreeError(
-                    f"{what}: 0x{ptr:x} is not allocated on device {self.device.index} "
-                    "(was it freed already?)"
+        b = self._containing(ptr)
+        if b is not None:
+            if b.owned and b.ptr == ptr:
+                raise ForeignPointerError(
+                    f"{what}: 0x{ptr:x} is owned by a graphpool DeviceBuffer: free it with the "
+                    "buffer's free() (or drop the buffer), not by its address"
                 )
+            if b.allocated:
+                raise ForeignPointerError(
+                    f"{what}: 0x{ptr:x} points inside the allocation at 0x{b.ptr:x}, not to its start"
+                )
+            raise DoubleFreeError(
+                f"{what}: 0x{ptr:x} is not allocated on device {self.device.index} (was it freed already?)"
+            )
         raise ForeignPointerError(
             f"{what}: 0x{ptr:x} was not allocated by graphpool on device {self.device.index}"
         )
@@ -1989,25 +1979,30 @@ class CachingAllocator:
         """The live allocation ``ptr`` names: a Block of ``malloc_owned`` still owned, or the
         raw allocation filed at address ``ptr``."""
         if type(ptr) is Block:
-            fl = ptr.pool
-            mine = fl is self._small or fl is self._large or self._has_pool(fl)
-            return ptr if ptr.owned and mine else None
+            return ptr if ptr.owned and self._mine(ptr.pool) else None
         return self._active.get(ptr) if type(ptr) is int else None
 
-    def _has_pool(self, fl: FreeList) -> bool:
-        """Whether ``fl`` is a free list of one of this allocator's private pools."""
+    def _mine(self, fl: FreeList) -> bool:
+        """Whether ``fl`` is one of this allocator's free lists (ordinary or a private pool's)."""
+        if fl is self._small or fl is self._large:
+            return True
         owner = fl.owner
         return owner is not None and self._pools.get(owner.id) is owner
 
-    def _owned_at(self, ptr: int) -> Block | None:
-        """The allocation of ``malloc_owned`` that starts at ``ptr``, if any: a walk of the
-        segment holding ``ptr`` (such blocks are not filed by address)."""
+    def _containing(self, ptr: int) -> Block | None:
+        """The block of a segment that holds address ``ptr``, if any. O(log segments + blocks)."""
         i = bisect_right(self._seg_bases, ptr) - 1
         if i < 0:
             return None
         b: Block | None = self._segments[self._seg_bases[i]]
-        while b is not None and b.ptr < ptr:
+        while b is not None and b.ptr + b.size <= ptr:
             b = b.next
+        return b if b is not None and b.ptr <= ptr else None
+
+    def _owned_at(self, ptr: int) -> Block | None:
+        """The allocation of ``malloc_owned`` that starts at ``ptr``, if any (such blocks are
+        not filed by address)."""
+        b = self._containing(ptr)
         return b if b is not None and b.ptr == ptr and b.owned else None
 
     def private_pools(self) -> list[PrivatePool]:
