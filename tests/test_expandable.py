@@ -226,6 +226,55 @@ def test_captures_keep_ordinary_segments(exp: CachingAllocator) -> None:
         dev.destroy_stream(s)
 
 
+def test_a_stream_takes_over_memory_only_from_an_idle_stream_the_device_made(
+    backend: Any, exp: CachingAllocator
+) -> None:
+    """Before mapping more, a stream takes another stream's free block when that stream has
+    finished all its work (cudaMallocAsync's opportunistic reuse; NOTES entry 44); a busy
+    stream, the legacy stream and streams made outside graphpool keep theirs."""
+    a = exp
+    dev = a.device
+    s1, s2 = dev.create_stream(), dev.create_stream()
+    try:
+        w = a.malloc(32 * MiB, stream=0)
+        a.free(w)
+        dev.device_synchronize()
+        x = a.malloc(32 * MiB, stream=s1)
+        assert x != w  # the legacy stream's block is never taken over
+        dev.memset(x, 1, 32 * MiB, s1)
+        a.free(x)
+        dev.stream_synchronize(s1)  # s1 idle: its last use of x is done
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        y = a.malloc(32 * MiB, stream=s2)
+        assert y == x and a.memory_stats()["reserved_bytes.all.current"] == reserved
+        dev.memset(y, 2, 32 * MiB, s2)
+        a.free(y)  # s2's free block now
+        backend.spin(gp.Stream._wrap(0, s2))  # s2 busy: its use of y may still run
+        z = a.malloc(32 * MiB, stream=s1)
+        assert z not in (x, w)  # mapped anew
+        assert a.memory_stats()["reserved_bytes.all.current"] == reserved + 32 * MiB
+        a.free(z)
+        dev.device_synchronize()
+        if backend.name == "cuda":  # a stream made outside graphpool is never queried
+            import cupy
+
+            other = cupy.cuda.Stream(non_blocking=True)
+            o = a.malloc(64 * MiB, stream=other.ptr)
+            a.free(o)
+            other.synchronize()
+            p = a.malloc(64 * MiB, stream=s2)
+            assert p != o
+            a.free(p)
+            dev.device_synchronize()
+        a.empty_cache()  # taken blocks go back to their segments' streams; all goes back
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0
+    finally:
+        dev.device_synchronize()
+        dev.destroy_stream(s1)
+        dev.destroy_stream(s2)
+
+
 def test_configuration_turns_it_on_for_the_runtime(sim: Any) -> None:
     gp.set_allocator_config("expandable_segments:True")
     try:

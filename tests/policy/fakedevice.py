@@ -65,6 +65,8 @@ class FakeDevice:
         self.graphs: set[int] = set()  # graph handles made by end_capture, not destroyed
         self.reserved: dict[int, tuple[int, set[int]]] = {}  # va -> (size, mapped granules)
         self._next_va = 1 << 46
+        self.made: set[int] = set()  # streams stream_idle may report idle (the device made them)
+        self.idle_asked: list[int] = []
 
     # memory
     def malloc(self, nbytes: int) -> int | None:
@@ -187,6 +189,14 @@ class FakeDevice:
 
     def busy(self, stream: int) -> bool:
         return self.done.get(stream, 0) < self.queued.get(stream, 0)
+
+    def stream_idle(self, stream: int) -> bool:
+        """A stream the test declared made by the device (``made``), not destroyed, not
+        capturing and with no slow work left; the allocator asks it before mapping more."""
+        self.idle_asked.append(stream)
+        if stream not in self.made or stream in self.destroyed or self.capturing.get(stream):
+            return False
+        return not self.busy(stream)
 
     def complete_all(self) -> None:
         for stream, queued in self.queued.items():

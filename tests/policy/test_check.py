@@ -493,10 +493,17 @@ def corrupt_exp_no_segment(st: State) -> None:
 
 
 def corrupt_exp_pool(st: State) -> None:
+    """The large segment filed as the small kind's: its blocks are in the other free list."""
     seg = _expandable(st)
     del st.a._exp_of[(False, S1)]
-    seg.stream = S3
-    st.a._exp_of[(False, S3)] = seg
+    seg.is_small = True
+    st.a._exp_of[(True, S1)] = seg
+
+
+def corrupt_ordinary_stream(st: State) -> None:
+    """An allocated block of an ordinary segment moved to another stream (only expandable
+    segments lend blocks across streams)."""
+    st.allocated.stream = S4
 
 
 def corrupt_exp_tiling(st: State) -> None:
@@ -611,7 +618,10 @@ CASES: dict[str, Case] = {
     "expandable index": Case(corrupt_exp_index, "expandable segments indexed twice or not at all"),
     "expandable misfiled": Case(corrupt_exp_misfiled, "misfiled"),
     "expandable no segment": Case(corrupt_exp_no_segment, "is no segment"),
-    "expandable pool": Case(corrupt_exp_pool, "in the wrong pool or stream"),
+    "expandable pool": Case(corrupt_exp_pool, "in the wrong pool"),
+    "ordinary segment stream": Case(
+        corrupt_ordinary_stream, "a block of an ordinary segment on another stream"
+    ),
     "expandable tiling": Case(corrupt_exp_tiling, ": blocks do not tile it"),
     "expandable reservation": Case(corrupt_exp_reservation, ": mapped outside its reservation"),
     "expandable granules": Case(corrupt_exp_granules, ": not whole granules"),
@@ -669,6 +679,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 64  # the checks today; update with a case for each new one
+    assert len(messages) == 65  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

@@ -10,6 +10,9 @@
  *                                `stream`; its destructor, which runs when that graph and
  *                                every exec made from it are destroyed, queues `tok`
  *   take_released()              the queued tokens, drained
+ *   stream_idle(stream)          whether `stream` is not capturing and has finished all its
+ *                                work (cuStreamGetCaptureInfo, then cuStreamQuery under the
+ *                                relaxed capture mode); the caller passes only live streams
  *
  * The destructor may run on a driver thread, or at process exit after the interpreter is
  * gone: it touches no Python object, only a mutex-protected array of integers.
@@ -46,6 +49,8 @@ typedef CUresult (*get_capture_info_t)(CUstream, int *, unsigned long long *, CU
 typedef CUresult (*user_object_create_t)(CUuserObject *, void *, CUhostFn, unsigned int, unsigned int);
 typedef CUresult (*user_object_release_t)(CUuserObject, unsigned int);
 typedef CUresult (*graph_retain_user_object_t)(CUgraph, CUuserObject, unsigned int, unsigned int);
+typedef CUresult (*stream_query_t)(CUstream);
+typedef CUresult (*exchange_mode_t)(int *);
 typedef CUresult (*init_t)(unsigned int);
 typedef CUresult (*get_proc_address_v2_t)(const char *, void **, int, unsigned long long, int *);
 typedef CUresult (*get_proc_address_t)(const char *, void **, int, unsigned long long);
@@ -54,6 +59,8 @@ static get_capture_info_t p_get_capture_info = NULL;
 static user_object_create_t p_user_object_create = NULL;
 static user_object_release_t p_user_object_release = NULL;
 static graph_retain_user_object_t p_graph_retain_user_object = NULL;
+static stream_query_t p_stream_query = NULL;
+static exchange_mode_t p_exchange_mode = NULL;
 static PyObject *error_factory = NULL; /* factory(call, code) -> exception instance */
 
 /* ------------------------------------------------------------ released tokens */
@@ -176,8 +183,10 @@ static PyObject *load(PyObject *self, PyObject *factory) {
     p_user_object_create = (user_object_create_t)find(lib, "cuUserObjectCreate");
     p_user_object_release = (user_object_release_t)find(lib, "cuUserObjectRelease");
     p_graph_retain_user_object = (graph_retain_user_object_t)find(lib, "cuGraphRetainUserObject");
+    p_stream_query = (stream_query_t)find(lib, "cuStreamQuery");
+    p_exchange_mode = (exchange_mode_t)find(lib, "cuThreadExchangeStreamCaptureMode");
     if (fn == NULL || p_user_object_create == NULL || p_user_object_release == NULL ||
-        p_graph_retain_user_object == NULL)
+        p_graph_retain_user_object == NULL || p_stream_query == NULL || p_exchange_mode == NULL)
         return PyUnicode_FromString("the CUDA driver lacks capture info or user objects (CUDA >= 11.3)");
     p_get_capture_info = (get_capture_info_t)fn;
     Py_RETURN_NONE;
@@ -195,6 +204,36 @@ static PyObject *capture_id(PyObject *self, PyObject *arg) {
     if (rc != 0)
         return raise_cuda("cuStreamGetCaptureInfo", rc);
     return PyLong_FromUnsignedLongLong(status == CU_STREAM_CAPTURE_STATUS_NONE ? 0ULL : id);
+}
+
+enum { CU_STREAM_CAPTURE_MODE_RELAXED = 2, CUDA_ERROR_NOT_READY = 600 };
+
+static PyObject *stream_idle(PyObject *self, PyObject *arg) {
+    CUstream s;
+    if (stream_arg(arg, &s) < 0 || not_loaded())
+        return NULL;
+    if (s == NULL)
+        Py_RETURN_FALSE; /* the legacy stream's status would cover other streams' captures */
+    int status = 0;
+    unsigned long long id = 0;
+    CUresult rc = p_get_capture_info(s, &status, &id, NULL, NULL, NULL);
+    if (rc != 0)
+        return raise_cuda("cuStreamGetCaptureInfo", rc);
+    if (status != CU_STREAM_CAPTURE_STATUS_NONE)
+        Py_RETURN_FALSE; /* a query would invalidate the capture */
+    int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    rc = p_exchange_mode(&mode);
+    if (rc != 0)
+        return raise_cuda("cuThreadExchangeStreamCaptureMode", rc);
+    CUresult q = p_stream_query(s);
+    rc = p_exchange_mode(&mode); /* the thread's own mode back */
+    if (q == 0 && rc != 0)
+        return raise_cuda("cuThreadExchangeStreamCaptureMode", rc);
+    if (q == 0)
+        Py_RETURN_TRUE;
+    if (q == CUDA_ERROR_NOT_READY)
+        Py_RETURN_FALSE;
+    return raise_cuda("cuStreamQuery", q);
 }
 
 static PyObject *attach_release(PyObject *self, PyObject *args) {
@@ -283,6 +322,8 @@ static PyMethodDef methods[] = {
     {"take_released", take_released, METH_NOARGS,
      "take_released() -> list[int]: tokens whose graphs were destroyed since the last call."},
     {"lost", lost, METH_NOARGS, "lost() -> int: tokens dropped for want of memory (should be 0)."},
+    {"stream_idle", stream_idle, METH_O,
+     "stream_idle(stream) -> bool: not capturing and all its work done (a live stream only)."},
     {NULL, NULL, 0, NULL},
 };
 

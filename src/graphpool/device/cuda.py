@@ -28,7 +28,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED, LEGACY_STREAM
 from graphpool.errors import CUDAError
 
 _R = TypeVar("_R")
@@ -277,6 +277,7 @@ class CudaDevice:
         self.index = index
         self.name = str(raw)
         self._attached: set[int] = set()  # release tokens of this device not yet reported
+        self._made: set[int] = set()  # streams create_stream made and nobody destroyed
         self._primary: int | None = None  # the primary context's handle, once owns_stream asked
         self._prop: Any = None  # virtual memory: allocation properties and access descriptor
         self._access: Any = None
@@ -426,13 +427,38 @@ class CudaDevice:
         """cudaStreamCreateWithFlags(cudaStreamNonBlocking) on this device."""
         err, s = _rt.cudaStreamCreateWithFlags(_NON_BLOCKING)
         _check("cudaStreamCreateWithFlags", err)
-        return int(s)
+        handle = int(s)
+        self._made.add(handle)
+        return handle
 
     def destroy_stream(self, stream: int) -> None:
         """cudaStreamDestroy (the legacy stream is never destroyed)."""
         if stream == LEGACY_STREAM:
             return
+        self._made.discard(stream)  # first: from here on it is never queried
         _check("cudaStreamDestroy", _rt.cudaStreamDestroy(stream)[0])
+
+    def stream_idle(self, stream: int) -> bool:
+        """A stream of ``create_stream``'s, not capturing (asked first), and its query done
+        under the relaxed capture mode (in C when the module is built); False for any other
+        handle, which is never passed to CUDA (see the protocol)."""
+        if stream not in self._made:
+            return False
+        if _native is not None:
+            return bool(_native.stream_idle(stream))
+        if self.capture_id(stream):
+            return False
+        prev = self.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            err = _rt.cudaStreamQuery(stream)[0]
+        finally:
+            self.exchange_capture_mode(prev)
+        if err == _SUCCESS:
+            return True
+        if err == _NOT_READY:
+            return False
+        _check("cudaStreamQuery", err)
+        return False
 
     def owns_stream(self, stream: int) -> bool:
         """Whether ``cuStreamGetCtx(stream)`` is this device's primary context (retained once,

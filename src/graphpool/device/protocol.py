@@ -125,6 +125,15 @@ class Device(Protocol):
         """Block the host until all work on the device is done. Unsafe during capture."""
         ...
 
+    def stream_idle(self, stream: int) -> bool:
+        """Whether ``stream`` is a stream this device object made (``create_stream``) and has
+        not destroyed, is not capturing, and has finished all its work. False for any other
+        stream without asking CUDA about it: a handle made elsewhere may have been destroyed
+        (undefined behaviour to query), the legacy stream's status covers captures on other
+        streams, and a query of a capturing stream would invalidate its capture. Legal at any
+        time: the query runs under ``CAPTURE_MODE_RELAXED`` on the calling thread."""
+        ...
+
     # -- events (timing disabled) ---------------------------------------------
     def create_event(self) -> int: ...
 

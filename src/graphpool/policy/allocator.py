@@ -655,7 +655,9 @@ class CachingAllocator:
         """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
         segment; out of memory and no capture underway, wait for pending stream uses, look
         in the cache again, release the cache (``empty_cache``'s work) and grow again."""
-        block = self._grow(fl, size, stream)
+        block = None if self._world.active else self._take_idle(fl, size, stream)
+        if block is None:
+            block = self._grow(fl, size, stream)
         if block is None and not self._world.active:
             block = self._before_retry(fl, size, stream)
             if block is None:
@@ -663,6 +665,111 @@ class CachingAllocator:
         if block is None:
             self._raise_oom(nbytes, self._round_gran(size), fl, stream)
         return block
+
+    def _take_idle(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """Before mapping more for ``stream``: take over the free blocks of ``fl`` filed under
+        each other stream whose work is all done, merging them with free neighbours of
+        ``stream``, and return the best fit for ``size`` among ``stream``'s blocks, out of the
+        list; None if none fits (NOTES entry 44).
+
+        This is cudaMallocAsync's opportunistic reuse, with expandable segments only (the
+        option off keeps PyTorch's per-stream policy exactly). A free block was freed in its
+        stream's order, so that stream having finished everything means its last use is
+        done. Only streams the device made are asked (``stream_idle``): another library's
+        handle may have been destroyed, and the legacy stream's status covers other streams'
+        captures. The caller checked that no capture is underway; a capture begun unseen on
+        another stream makes that stream not idle. A block taken over keeps its segment and
+        merges only with free neighbours of its new stream (``empty_cache`` settles them).
+        """
+        others = [t for t, bins in fl.bins.items() if t != stream and t != _LEGACY and bins.sizes]
+        if not others:
+            return None
+        idle = [t for t in others if self.device.stream_idle(t)]
+        if not idle:
+            return None
+        for t in idle:
+            for b in list(fl.bins[t].blocks):
+                # only blocks that help: one that holds the request, or one next to a free
+                # block of ``stream`` (merged, they may); the rest stay where they are
+                nb, pb = b.next, b.prev
+                if (
+                    b.size >= size
+                    or (nb is not None and not nb.allocated and nb.holds == 0 and nb.stream == stream)
+                    or (pb is not None and not pb.allocated and pb.holds == 0 and pb.stream == stream)
+                ):
+                    fl.remove(b)
+                    b.stream = stream
+                    if self._history is not None:
+                        self._history.record("stream_take", b.ptr, b.size, stream, None, from_stream=t)
+                    self._merge_free(b)
+        block = fl.best_fit(stream, size)
+        if block is None or (block.size >= self._max_split and self._refuses(block.size, size)):
+            return None
+        fl.remove(block)
+        return block
+
+    def _merge_free(self, block: Block) -> Block:
+        """File a free block that is in no free list, merged with its free neighbours of the
+        same stream (ordinary pool; no statistics change but the inactive splits'); return the
+        merged block."""
+        fl = block.pool
+        k = self.stats.kind(fl.is_small)
+        merged = False
+        nxt = block.next
+        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
+            fl.remove(nxt)
+            block.size += nxt.size
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            nxt.prev = nxt.next = None
+            self._keep_spare(nxt)
+            k.add("inactive_split", -1)
+            merged = True
+        before = block.prev
+        if (
+            before is not None
+            and not before.allocated
+            and before.holds == 0
+            and before.stream == block.stream
+        ):
+            fl.remove(before)
+            before.size += block.size
+            after = before.next = block.next
+            if after is not None:
+                after.prev = before
+            block.prev = block.next = None
+            self._keep_spare(block)
+            block = before
+            k.add("inactive_split", -1)
+            merged = True
+        if merged and block.prev is None and block.next is None:  # a whole segment again
+            k.add("inactive_split", -1)
+            k.add("inactive_split_bytes", -block.size)
+        fl.insert(block)
+        return block
+
+    def _rehome(self) -> None:
+        """``empty_cache``: free blocks that other streams took over inside an expandable
+        segment (``_take_idle``) go back to the segment's stream and merge, after one device
+        synchronize (their last uses done), so the segment can shrink or go back whole."""
+        strays = [
+            b
+            for seg in self._exp.values()
+            for b in iter_segment(self._segments[seg.base])
+            if not b.allocated and b.holds == 0 and b.stream != seg.stream
+        ]
+        if not strays:
+            return
+        self._synchronize_device()
+        for seg in self._exp.values():
+            b: Block | None = self._segments[seg.base]
+            while b is not None:
+                if not b.allocated and b.holds == 0 and b.stream != seg.stream:
+                    b.pool.remove(b)
+                    b.stream = seg.stream
+                    b = self._merge_free(b)
+                b = b.next
 
     def _round_gran(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the device's mapping granularity (asked once)."""
@@ -717,7 +824,7 @@ class CachingAllocator:
         # A free last block grows into the block asked for, unless it already holds the request:
         # then this request may not take it (an oversize block under max_split_size, which
         # malloc refused), and a new block is mapped after it instead.
-        free_tail = not tail.allocated and tail.holds == 0 and tail.size < size
+        free_tail = not tail.allocated and tail.holds == 0 and tail.size < size and tail.stream == stream
         need = self._round_gran(size - tail.size if free_tail else size)
         end = seg.base + seg.mapped
         if seg.mapped + need > seg.reserved or not self._map_allowed(need):
@@ -1249,8 +1356,8 @@ class CachingAllocator:
         old: Block | None = None
         old_size = 0
         nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0:
-            # absorb the free block after this one; keep its object for a later split
+        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
+            # absorb the free block after this one (of its stream: _take_idle); keep its object
             old = nxt
             old_size = nxt.size
             d_cnt = -1
@@ -1262,7 +1369,7 @@ class CachingAllocator:
             nxt.prev = nxt.next = None
             self._keep_spare(nxt)
         prev = block.prev
-        if prev is not None and not prev.allocated and prev.holds == 0:
+        if prev is not None and not prev.allocated and prev.holds == 0 and prev.stream == block.stream:
             # the free block before absorbs this one
             if old is not None:
                 fl.remove(old)
@@ -1492,6 +1599,8 @@ class CachingAllocator:
         self._synchronize_events()
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
+            if self._exp:
+                self._rehome()
             for fl in (self._small, self._large):
                 self._release_free_segments(fl)
             for seg in list(self._exp.values()):  # partly free: unmap their free ends

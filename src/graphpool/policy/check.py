@@ -102,7 +102,7 @@ def _check_expandable(a: CachingAllocator) -> None:
         _expect(head is not None, f"{seg} is no segment")
         assert head is not None
         fl = a._small if seg.is_small else a._large
-        _expect(head.pool is fl and head.stream == seg.stream, f"{seg} in the wrong pool or stream")
+        _expect(head.pool is fl, f"{seg} in the wrong pool")
         _expect(sum(b.size for b in iter_segment(head)) == seg.mapped, f"{seg}: blocks do not tile it")
         _expect(0 < seg.mapped <= seg.reserved, f"{seg}: mapped outside its reservation")
         _expect(a._gran > 0 and seg.mapped % a._gran == 0, f"{seg}: not whole granules")
@@ -125,7 +125,11 @@ def check_invariants(a: CachingAllocator) -> None:
                 _expect(b.next.ptr == b.ptr + b.size, "gap or overlap between neighbours")
                 _expect(b.next.prev is b, "broken back link")
                 both_free = not (b.allocated or b.holds or b.next.allocated or b.next.holds)
-                _expect(not both_free, "two adjacent free blocks were not merged")
+                _expect(
+                    not both_free or b.stream != b.next.stream, "two adjacent free blocks were not merged"
+                )
+            if head.ptr not in a._exp:  # only expandable segments lend blocks to other streams
+                _expect(b.stream == head.stream, "a block of an ordinary segment on another stream")
         all_blocks.extend(chain)
 
     in_fl: set[int] = set()

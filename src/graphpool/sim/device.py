@@ -104,6 +104,7 @@ class SimDevice:
         self._lock = threading.RLock()
         self._mem = SimMemory(ADDRESS_BASE + index * ADDRESS_SPAN, memory_bytes)
         self._streams: dict[int, _Stream] = {LEGACY_STREAM: _Stream(LEGACY_STREAM)}
+        self._made: set[int] = set()  # streams create_stream made, not destroyed
         self._events: dict[int, _Marker | _CaptureMark | None] = {}
         self._graphs: dict[int, tuple[Node, ...]] = {}
         self._execs: dict[int, tuple[Node, ...]] = {}
@@ -247,6 +248,7 @@ class SimDevice:
         with self._lock:
             handle = next(_handles)
             self._streams[handle] = _Stream(handle)
+            self._made.add(handle)
             return handle
 
     def destroy_stream(self, stream: int) -> None:
@@ -262,6 +264,7 @@ class SimDevice:
             if st.capture is not None:
                 raise cuda_error("cudaStreamDestroy", "cudaErrorIllegalState", "stream is capturing")
             st.destroyed = True
+            self._made.discard(stream)
             if not st.queue:
                 del self._streams[stream]
 
@@ -364,6 +367,16 @@ class SimDevice:
         with self._lock:
             capture.check_unsafe("cudaDeviceSynchronize")
             self._run_until(self._idle)
+
+    def stream_idle(self, stream: int) -> bool:
+        """Whether a stream this device made is live, not capturing and has no queued work
+        (runs nothing itself); False for any other handle, as on CUDA. Legal in any capture
+        mode (CUDA's device queries under the relaxed mode)."""
+        with self._lock:
+            if stream not in self._made:
+                return False
+            st = self._streams[stream]
+            return st.capture is None and not st.queue
 
     # -- events ---------------------------------------------------------------
     def create_event(self) -> int:

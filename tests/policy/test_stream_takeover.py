@@ -1,0 +1,131 @@
+"""Expandable segments: a stream about to map more takes over the free blocks of another
+stream whose work is all done (``CachingAllocator._take_idle``, NOTES entry 44).
+
+The rule, as these tests pin it down:
+
+* only with ``expandable_segments:True`` (off, each stream keeps its own cache, as PyTorch's);
+* only from a stream the device made and reports idle (``stream_idle``): never the legacy
+  stream, never a stream the device did not make, never one with work left or capturing;
+* never while a capture is underway;
+* a block taken over is the new stream's: it merges with that stream's free neighbours, and
+  ``empty_cache`` gives it back to its segment's stream so the segment can go back whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from fakedevice import SHRUNK, FakeDevice
+
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.private_pools import PoolId
+
+A, B, C = 11, 12, 13
+BIG = 64 * 1024  # large pool (SHRUNK's small requests end at 4 KiB); 8 granules of 8 KiB
+
+
+def _alloc(expandable: bool = True) -> tuple[FakeDevice, CachingAllocator]:
+    dev = FakeDevice(streams=True)
+    dev.made = {A, B, C}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=expandable))
+    return dev, a
+
+
+def _reserved(a: CachingAllocator) -> int:
+    return a.memory_stats()["reserved_bytes.all.current"]
+
+
+def test_an_idle_streams_free_block_serves_another_stream_without_mapping() -> None:
+    dev, a = _alloc()
+    x = a.malloc(BIG, stream=A)
+    a.free(x)
+    reserved = _reserved(a)
+    y = a.malloc(BIG, stream=B)
+    assert y == x and _reserved(a) == reserved  # taken over: nothing mapped
+    assert dev.idle_asked == [A]
+    a.check_invariants()
+    a.free(y)
+    z = a.malloc(BIG, stream=A)  # and back again, B being idle
+    assert z == x and _reserved(a) == reserved
+    a.free(z)
+    a.check_invariants()
+
+
+@pytest.mark.parametrize("why", ["busy", "not made", "capturing", "legacy", "option off"])
+def test_a_stream_that_may_still_use_its_block_keeps_it(why: str) -> None:
+    dev, a = _alloc(expandable=why != "option off")
+    src = 0 if why == "legacy" else A
+    x = a.malloc(BIG, stream=src)
+    if why == "busy":
+        dev.queue_work(A)
+    elif why == "not made":
+        dev.made.discard(A)
+    elif why == "capturing":
+        dev.begin(A)  # a capture begun outside graphpool, not yet seen by the allocator
+    a.free(x)
+    y = a.malloc(BIG, stream=B)
+    assert y != x  # mapped (or allocated) anew
+    assert 0 not in dev.idle_asked  # the legacy stream is never asked
+    a.check_invariants()
+    if why == "busy":
+        dev.finish_work(A)
+        a.free(y)
+        assert a.malloc(BIG, stream=C) in (x, y)  # idle now: either block serves
+    elif why == "capturing":
+        dev.end(A)
+
+
+def test_no_block_changes_stream_while_a_capture_is_underway() -> None:
+    dev, a = _alloc()
+    x = a.malloc(BIG, stream=A)
+    a.free(x)
+    rec = a.begin_capture(PoolId(9, 0), lambda: dev.begin(C), stream=C)
+    try:
+        y = a.malloc(BIG, stream=B)  # an eager allocation beside the capture
+        assert y != x and not dev.idle_asked
+        a.free(y)
+    finally:
+        dev.end(C)
+        a.end_capture(rec)
+    a.check_invariants()
+
+
+def test_taken_blocks_merge_with_the_new_streams_neighbours() -> None:
+    """Free pieces of two streams that lie side by side in one segment merge into a block big
+    enough for a request neither piece holds."""
+    _, a = _alloc()
+    half = BIG // 2
+    p = a.malloc(half, stream=A)
+    q = a.malloc(half, stream=A)
+    keep = a.malloc(half, stream=A)  # the segment goes on after q
+    a.free(p)
+    r = a.malloc(half, stream=B)  # takes p over
+    assert r == p
+    a.free(r)  # p is B's free block now
+    a.free(q)  # A's: does not merge with B's p
+    a.check_invariants()
+    assert a.lookup(q) is None
+    s = a.malloc(BIG, stream=B)  # takes q over, merged with p: no mapping
+    reserved = _reserved(a)
+    assert s == p and _reserved(a) == reserved
+    a.free(s)
+    a.free(keep)
+    a.check_invariants()
+
+
+def test_empty_cache_gives_taken_blocks_back_and_the_segment_goes_whole() -> None:
+    dev, a = _alloc()
+    p = a.malloc(BIG, stream=A)
+    keep = a.malloc(BIG, stream=A)
+    a.free(p)
+    r = a.malloc(BIG, stream=B)
+    assert r == p
+    a.free(r)
+    a.free(keep)  # A's segment: [B's free p][A's free keep + tail]: not one block
+    a.check_invariants()
+    syncs = dev.calls.count("device_sync")
+    a.empty_cache()
+    a.check_invariants()
+    assert _reserved(a) == 0 and a._exp == {} and a.snapshot() == []
+    assert dev.calls.count("device_sync") == syncs + 1  # B's last use of p: waited for once
