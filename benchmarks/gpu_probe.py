@@ -47,7 +47,7 @@ def check(item: str, fn: Callable[[], Any]) -> Any:
     """Run ``fn``; PASS if it returns without raising (its return is the detail)."""
     try:
         out = fn()
-    except Exception as exc:  # noqa: BLE001  (a probe reports, never stops)
+    except Exception as exc:
         tb = traceback.format_exc(limit=3).strip().splitlines()
         report("FAIL", item, f"{type(exc).__name__}: {exc} | {' / '.join(tb[-3:])}")
         return None
@@ -161,8 +161,7 @@ def main() -> int:
     check(
         "stream handles are distinct non-zero ints",
         lambda: expect(
-            len({s1, s2, s3}) == 3
-            and all(isinstance(s, int) and s for s in (s1, s2, s3)),
+            len({s1, s2, s3}) == 3 and all(isinstance(s, int) and s for s in (s1, s2, s3)),
             "handles",
         ),
     )
@@ -188,9 +187,7 @@ def main() -> int:
         d.memset(a + 16, 0x22, 16, s1)
         out = d.read(b, 64, s1)
         expect(out == b"\x11" * 64, f"memcpy got {out[:8]!r}")
-        expect(
-            d.read(a, 48, s1) == b"\x11" * 16 + b"\x22" * 16 + b"\x11" * 16, "offsets"
-        )
+        expect(d.read(a, 48, s1) == b"\x11" * 16 + b"\x22" * 16 + b"\x11" * 16, "offsets")
 
     check("memcpy D2D + memset at offset", memcpy_rt)
 
@@ -244,9 +241,7 @@ def main() -> int:
     def exchange() -> str:
         prev = d.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         seen: list[int] = []
-        th = threading.Thread(
-            target=lambda: seen.append(d.exchange_capture_mode(CAPTURE_MODE_GLOBAL))
-        )
+        th = threading.Thread(target=lambda: seen.append(d.exchange_capture_mode(CAPTURE_MODE_GLOBAL)))
         th.start()
         th.join()
         back = d.exchange_capture_mode(prev)
@@ -258,23 +253,17 @@ def main() -> int:
     check("exchange_capture_mode (per thread)", exchange)
     check(
         "exchange_capture_mode(bad) -> ValueError",
-        lambda: expect(
-            _raises(ValueError, lambda: d.exchange_capture_mode(7)), "ValueError"
-        ),
+        lambda: expect(_raises(ValueError, lambda: d.exchange_capture_mode(7)), "ValueError"),
     )
 
     # -- capture_info outside capture -----------------------------------------
     check(
         "capture_info non-capturing stream -> (0, 0)",
-        lambda: expect(
-            d.capture_info(s1) == (CAPTURE_STATUS_NONE, 0), str(d.capture_info(s1))
-        ),
+        lambda: expect(d.capture_info(s1) == (CAPTURE_STATUS_NONE, 0), str(d.capture_info(s1))),
     )
     check(
         "capture_info legacy stream -> (0, 0)",
-        lambda: expect(
-            d.capture_info(LEGACY_STREAM) == (CAPTURE_STATUS_NONE, 0), "legacy"
-        ),
+        lambda: expect(d.capture_info(LEGACY_STREAM) == (CAPTURE_STATUS_NONE, 0), "legacy"),
     )
 
     # -- capture with fork/join -----------------------------------------------
@@ -423,9 +412,7 @@ def main() -> int:
     check("begin_capture on legacy stream -> CUDAError", legacy_capture)
     check(
         "begin_capture(bad mode) -> ValueError",
-        lambda: expect(
-            _raises(ValueError, lambda: d.begin_capture(s1, 9)), "ValueError"
-        ),
+        lambda: expect(_raises(ValueError, lambda: d.begin_capture(s1, 9)), "ValueError"),
     )
 
     # -- other devices --------------------------------------------------------
@@ -486,9 +473,7 @@ def main() -> int:
         d.device_synchronize()
 
     check("destroy_event / destroy_stream / free", cleanup)
-    print(
-        f"\n{RESULTS['PASS']} passed, {RESULTS['FAIL']} failed, {RESULTS['SKIP']} skipped"
-    )
+    print(f"\n{RESULTS['PASS']} passed, {RESULTS['FAIL']} failed, {RESULTS['SKIP']} skipped")
     return 1 if RESULTS["FAIL"] else 0
 
 

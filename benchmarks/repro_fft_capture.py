@@ -1,6 +1,8 @@
 """Reproduce a crash seen in CuPy's test_graph.py::test_capture_run_on_same_stream[True] with
 graphpool as CuPy's allocator. Usage: python3 repro_fft_capture.py MODE  (MODE: full | nohook |
 nodetect | cupypool | helperN). Prints OK or dies; run each in its own process."""
+
+# ruff: noqa: E402  (faulthandler must be on before CuPy loads)
 import faulthandler
 import sys
 

@@ -667,10 +667,11 @@ class CachingAllocator:
         return block
 
     def _take_idle(self, fl: FreeList, size: int, stream: int) -> Block | None:
-        """Before mapping more for ``stream``: take over the free blocks of ``fl`` filed under
-        each other stream whose work is all done, merging them with free neighbours of
-        ``stream``, and return the best fit for ``size`` among ``stream``'s blocks, out of the
-        list; None if none fits (NOTES entry 44).
+        """Before mapping more for ``stream``: a block of ``fl`` for ``size`` made of free memory
+        that other streams, each with all its work done, hold: the smallest run of adjacent
+        free blocks of those streams and ``stream`` with room, its other streams' blocks made
+        ``stream``'s and merged; returned out of the list. None when no such run has room
+        (NOTES entry 44).
 
         This is cudaMallocAsync's opportunistic reuse, with expandable segments only (the
         option off keeps PyTorch's per-stream policy exactly). A free block was freed in its
@@ -680,31 +681,57 @@ class CachingAllocator:
         captures. The caller checked that no capture is underway; a capture begun unseen on
         another stream makes that stream not idle. A block taken over keeps its segment and
         merges only with free neighbours of its new stream (``empty_cache`` settles them).
+        Only the one run is taken: the other streams keep the rest of their cache.
         """
-        others = [t for t, bins in fl.bins.items() if t != stream and t != _LEGACY and bins.sizes]
-        if not others:
-            return None
-        idle = [t for t in others if self.device.stream_idle(t)]
+        idle: set[int] = set()
+        for t, bins in fl.bins.items():
+            if t != stream and t != _LEGACY and bins.sizes and self.device.stream_idle(t):
+                idle.add(t)
         if not idle:
             return None
+        idle.add(stream)
+        best: Block | None = None  # the first block of the best run
+        best_size = 0
+        seen: set[int] = set()  # first blocks of runs already measured
         for t in idle:
-            for b in list(fl.bins[t].blocks):
-                # only blocks that help: one that holds the request, or one next to a free
-                # block of ``stream`` (merged, they may); the rest stay where they are
-                nb, pb = b.next, b.prev
-                if (
-                    b.size >= size
-                    or (nb is not None and not nb.allocated and nb.holds == 0 and nb.stream == stream)
-                    or (pb is not None and not pb.allocated and pb.holds == 0 and pb.stream == stream)
-                ):
-                    fl.remove(b)
-                    b.stream = stream
-                    if self._history is not None:
-                        self._history.record("stream_take", b.ptr, b.size, stream, None, from_stream=t)
-                    self._merge_free(b)
-        block = fl.best_fit(stream, size)
-        if block is None or (block.size >= self._max_split and self._refuses(block.size, size)):
+            if t == stream:
+                continue
+            for b in fl.bins[t].blocks:
+                first = b
+                while True:
+                    p = first.prev
+                    if p is None or p.allocated or p.holds or p.stream not in idle:
+                        break
+                    first = p
+                if first.ptr in seen:
+                    continue
+                seen.add(first.ptr)
+                total = 0
+                r: Block | None = first
+                while r is not None and not r.allocated and r.holds == 0 and r.stream in idle:
+                    total += r.size
+                    r = r.next
+                if total >= size and (best is None or (total, first.ptr) < (best_size, best.ptr)):
+                    if total < self._max_split or not self._refuses(total, size):
+                        best, best_size = first, total
+        if best is None:
             return None
+        # make the run's blocks ``stream``'s, one by one, each merged with the one before
+        cur = best
+        while True:
+            if cur.stream != stream:
+                old = cur.stream
+                fl.remove(cur)
+                cur.stream = stream
+                if self._history is not None:
+                    self._history.record("stream_take", cur.ptr, cur.size, stream, None, from_stream=old)
+                cur = self._merge_free(cur)
+            nxt = cur.next
+            if nxt is None or nxt.allocated or nxt.holds or nxt.stream not in idle:
+                break
+            cur = nxt
+        block = cur
+        assert block is not None and block.size >= size
         fl.remove(block)
         return block
 
