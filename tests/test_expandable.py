@@ -275,6 +275,52 @@ def test_a_stream_takes_over_memory_only_from_an_idle_stream_the_device_made(
         dev.destroy_stream(s2)
 
 
+def test_a_large_block_splits_off_any_remainder(exp: CachingAllocator) -> None:
+    """In a growing segment a large block's remainder under small_size splits off (PyTorch's
+    should_split with expandable segments): the allocation holds only its rounded size, and
+    the remainder is free memory the next request takes. The option off keeps it attached."""
+    a = exp
+    x = a.malloc(3 * MiB, stream=0)
+    a.free(x)  # a free block of the segment's whole mapped part (4 MiB on 2 MiB granules)
+    y = a.malloc(3 * MiB - 100 * 1024, stream=0)  # leaves 1.1 MiB
+    z = a.malloc(2 * MiB + 512 * 1024, stream=0)  # leaves 0.6 MiB: split off too
+    stats = a.memory_stats()
+    assert stats["allocated_bytes.large_pool.current"] == (3 * MiB - 100 * 1024) + (2 * MiB + 512 * 1024)
+    w = a.malloc(MiB + 512, stream=0)
+    a.free(z)
+    a.free(y)
+    a.free(w)
+    a.check_invariants()
+    off = CachingAllocator(a.device, sizes=DEFAULT, world=runtime.get().world)
+    v = off.malloc(20 * MiB - 512 * 1024, stream=0)  # 20 MiB segment: 0.5 MiB stays attached
+    assert off.memory_stats()["allocated_bytes.large_pool.current"] == 20 * MiB
+    off.free(v)
+    off.empty_cache()
+
+
+def test_holes_are_filled_before_a_segments_free_end(exp: CachingAllocator) -> None:
+    """Wilderness preservation: where the best fit is a segment's free last block, a request
+    takes the smallest hole between live blocks that holds it instead, so the free end stays
+    whole for a request no hole holds, and that one maps only what the end lacks."""
+    a = exp
+    gran = a.device.vmm_granularity()
+    hole = a.malloc(8 * MiB, stream=0)
+    keep = a.malloc(4 * MiB, stream=0)
+    end = a.malloc(6 * MiB, stream=0)
+    a.free(end)  # the free end: 6 MiB at least (to the mapped end)
+    a.free(hole)  # a hole of 8 MiB between the segment's start and `keep`
+    x = a.malloc(5 * MiB, stream=0)  # the end (6 MiB) fits best, but the hole takes it
+    assert x == hole
+    reserved = a.memory_stats()["reserved_bytes.all.current"]
+    y = a.malloc(10 * MiB, stream=0)  # no hole holds it: the end grows by what it lacks
+    assert y == end
+    # (had the end served x, y would need 10 MiB mapped past x's remainder instead of 4 MiB)
+    assert a.memory_stats()["reserved_bytes.all.current"] - reserved == -(-4 * MiB // gran) * gran
+    for p in (x, y, keep):
+        a.free(p)
+    a.check_invariants()
+
+
 def test_configuration_turns_it_on_for_the_runtime(sim: Any) -> None:
     gp.set_allocator_config("expandable_segments:True")
     try:

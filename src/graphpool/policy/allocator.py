@@ -54,7 +54,7 @@ from graphpool.errors import (
 )
 from graphpool.policy import interrupts, observers
 from graphpool.policy.block import Block, ExpandableSegment, iter_segment
-from graphpool.policy.freelist import Bins, FreeList, bisect_sizes
+from graphpool.policy.freelist import Bins, FreeList, bisect_sizes, past_tails
 from graphpool.policy.history import History
 from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import DEFAULT, SizeConfig
@@ -276,6 +276,7 @@ class CachingAllocator:
         self._divisions = bool(sizes.roundup_power2_divisions)
         self._gc_threshold = sizes.garbage_collection_threshold
         self._expandable = sizes.expandable_segments
+        self._small.grows = self._large.grows = sizes.expandable_segments
 
     def configure(self, sizes: SizeConfig) -> None:
         """Replace the size policy (``gp.set_allocator_config``): only before the first allocation,
@@ -405,6 +406,9 @@ class CachingAllocator:
                         i = bisect_sizes(sizes, size)
                         if i < len(sizes):
                             block = bins.blocks[i]
+                            if block.next is None and fl.grows:  # a segment's growable end
+                                i = past_tails(bins, i, self._max_split)
+                                block = bins.blocks[i]
                             hit = bins
                     d_cnt = d_bytes = 0
                     rest: Block | None = None
@@ -420,7 +424,13 @@ class CachingAllocator:
                     if small:
                         split = remaining >= m
                     else:  # max_split_size: an oversize block is never split
-                        split = remaining > self._small_limit and size < self._max_split
+                        # A remainder up to small_size stays with the block (PyTorch's rule), but
+                        # in a growing segment it splits off: it merges back with its neighbours
+                        # there, and splitting it lowers peak reserved (PyTorch's should_split
+                        # with expandable segments; NOTES entry 44).
+                        split = (remaining >= m if fl.grows else remaining > self._small_limit) and (
+                            size < self._max_split
+                        )
                     if split:
                         # split: the front is handed out, the rest stays free (a recycled Block)
                         rest = self._spare1
@@ -640,7 +650,7 @@ class CachingAllocator:
         return a fitting block they freed (out of ``fl``), else release the cache (PyTorch's
         retry) and count the retry; the caller then asks the driver again."""
         self._synchronize_events()
-        block = fl.best_fit(stream, size)
+        block = fl.best_fit(stream, size, self._max_split)
         if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
             fl.remove(block)  # a stream use that just completed freed a fitting block
             return block
