@@ -44,7 +44,8 @@ RECORD = "src/graphpool/_compiled_sources.json"  # read by graphpool.build.stale
 
 def _clear_in_tree() -> None:
     """Remove compiled modules an earlier editable install left next to the sources."""
-    stems = [path[: -len(".py")] for path in COMPILED] + ["src/graphpool/_native__mypyc", NATIVE, LOCK, TORCH_SHIM]
+    stems = [path[: -len(".py")] for path in COMPILED]
+    stems += ["src/graphpool/_native__mypyc", NATIVE, LOCK, TORCH_SHIM]
     for stem in stems:
         for path in glob.glob(f"{stem}.*.so") + glob.glob(f"{stem}.*.pyd"):
             os.remove(path)
