@@ -298,6 +298,29 @@ def test_a_large_block_splits_off_any_remainder(exp: CachingAllocator) -> None:
     off.empty_cache()
 
 
+def test_max_split_size_does_not_keep_a_remainder_attached_in_a_growing_segment(backend: Any) -> None:
+    """A request at or above max_split_size may take an oversize free block that wastes less
+    than max_non_split_rounding; in a growing segment the rest still splits off (PyTorch's
+    should_split with expandable segments ignores max_split_size) and serves the next request."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(DEFAULT, expandable_segments=True, max_split_size=20 * MiB)
+    a = CachingAllocator(rt.device(0), sizes=sizes, world=rt.world)
+    try:
+        x = a.malloc(24 * MiB, stream=0)
+        a.free(x)  # 24 MiB free (whole granules), oversize
+        y = a.malloc(22 * MiB, stream=0)  # wastes 2 MiB < 20 MiB (max_non_split_rounding)
+        assert y == x and a.memory_stats()["allocated_bytes.large_pool.current"] == 22 * MiB
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        z = a.malloc(MiB + 512, stream=0)  # the split-off 2 MiB serves it: nothing mapped
+        assert z == x + 22 * MiB and a.memory_stats()["reserved_bytes.all.current"] == reserved
+        a.free(y)
+        a.free(z)
+        a.check_invariants()
+    finally:
+        a.device.device_synchronize()
+        a.empty_cache()
+
+
 def test_holes_are_filled_before_a_segments_free_end(exp: CachingAllocator) -> None:
     """Wilderness preservation: where the best fit is a segment's free last block, a request
     takes the smallest hole between live blocks that holds it instead, so the free end stays

@@ -365,6 +365,7 @@ _TORCH_IGNORED = frozenset(
         "segment_free",
         "segment_map",
         "segment_unmap",
+        "stream_take",
         "snapshot",
         "oom",
     )

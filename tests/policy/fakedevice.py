@@ -122,7 +122,9 @@ class FakeDevice:
         return True
 
     def vmm_unmap(self, va: int, nbytes: int) -> None:
+        """Waits for all queued work first, as the protocol says (CUDA: a device synchronize)."""
         self.calls.append("unmap")
+        self.complete_all()
         mapped, granules = self._granules(va, nbytes)
         assert all(g in mapped for g in granules), "unmapping unmapped memory"
         mapped.difference_update(granules)

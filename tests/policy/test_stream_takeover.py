@@ -129,3 +129,70 @@ def test_empty_cache_gives_taken_blocks_back_and_the_segment_goes_whole() -> Non
     a.check_invariants()
     assert _reserved(a) == 0 and a._exp == {} and a.snapshot() == []
     assert dev.calls.count("device_sync") == syncs + 1  # B's last use of p: waited for once
+
+
+def test_empty_cache_leaves_taken_blocks_between_live_ones_with_their_taker() -> None:
+    """Only the free end goes back to the segment's stream: a taken block between live blocks
+    would free nothing there, and would be stranded if that stream is never idle again (the
+    review's case: a destroyed stream is never asked)."""
+    dev, a = _alloc()
+    p = a.malloc(BIG, stream=A)
+    keep = a.malloc(BIG, stream=A)
+    a.free(p)
+    r = a.malloc(BIG, stream=B)
+    assert r == p
+    a.free(r)  # B's free block, between A's segment start and A's live `keep`
+    dev.destroyed.add(A)
+    a.empty_cache()
+    a.check_invariants()
+    reserved = _reserved(a)
+    assert a.malloc(BIG, stream=B) == p and _reserved(a) == reserved  # still B's: no mapping
+    a.free(p)
+    a.free(keep)
+
+
+def test_after_the_out_of_memory_release_an_idle_stream_is_asked_again() -> None:
+    """The release before the retry unmaps a free end, which waits for the device: a stream
+    busy before is idle then, and its free block serves the request instead of an OOM."""
+    g = 8 * 1024  # SHRUNK's granule
+    dev = FakeDevice(total=6 * g, streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    p = a.malloc(2 * g, stream=A)
+    keep = a.malloc(3 * g, stream=A)
+    t = a.malloc(g, stream=A)  # the device is full now
+    a.free(t)  # A's free end, one granule: the release unmaps it
+    dev.queue_work(A)
+    a.free(p)  # A may still use p: not B's yet
+    assert a.malloc(2 * g, stream=B) == p  # a new segment for B would need 2 granules, 1 is free
+    assert a.memory_stats()["num_alloc_retries"] == 1
+    a.check_invariants()
+    a.free(p)
+    a.free(keep)
+
+
+def test_a_segments_snapshot_stream_is_its_own_after_a_takeover() -> None:
+    _, a = _alloc()
+    x = a.malloc(BIG, stream=A)
+    a.free(x)
+    assert a.malloc(BIG, stream=B) == x  # B now holds the segment's first block
+    (seg,) = a.snapshot()
+    assert seg["stream"] == A and seg["blocks"][0]["address"] == x
+    a.free(x)
+
+
+def test_a_truthy_answer_from_a_device_reads_as_in_plain_python() -> None:
+    """The compiled build reads a device's non-bool answer as Python does (no TypeError)."""
+
+    class IntAnswers(FakeDevice):
+        def stream_idle(self, stream: int) -> bool:
+            return int(super().stream_idle(stream))  # type: ignore[return-value]
+
+    dev = IntAnswers(streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    x = a.malloc(BIG, stream=A)
+    a.free(x)
+    assert a.malloc(BIG, stream=B) == x
+    a.free(x)
+    a.check_invariants()

@@ -226,8 +226,8 @@ static PyObject *stream_idle(PyObject *self, PyObject *arg) {
     if (rc != 0)
         return raise_cuda("cuThreadExchangeStreamCaptureMode", rc);
     CUresult q = p_stream_query(s);
-    rc = p_exchange_mode(&mode); /* the thread's own mode back */
-    if (q == 0 && rc != 0)
+    rc = p_exchange_mode(&mode); /* the thread's own mode back, whatever the query gave */
+    if (rc != 0)
         return raise_cuda("cuThreadExchangeStreamCaptureMode", rc);
     if (q == 0)
         Py_RETURN_TRUE;

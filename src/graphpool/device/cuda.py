@@ -278,6 +278,10 @@ class CudaDevice:
         self.name = str(raw)
         self._attached: set[int] = set()  # release tokens of this device not yet reported
         self._made: set[int] = set()  # streams create_stream made and nobody destroyed
+        # Held across "made and not destroyed?" and the query that follows, and across a
+        # destroy: no thread asks CUDA about a handle another thread is destroying. Reentrant:
+        # a finalizer run on the asking thread may destroy a stream.
+        self._made_lock = threading.RLock()
         self._primary: int | None = None  # the primary context's handle, once owns_stream asked
         self._prop: Any = None  # virtual memory: allocation properties and access descriptor
         self._access: Any = None
@@ -435,24 +439,26 @@ class CudaDevice:
         """cudaStreamDestroy (the legacy stream is never destroyed)."""
         if stream == LEGACY_STREAM:
             return
-        self._made.discard(stream)  # first: from here on it is never queried
-        _check("cudaStreamDestroy", _rt.cudaStreamDestroy(stream)[0])
+        with self._made_lock:
+            self._made.discard(stream)  # first: from here on it is never queried
+            _check("cudaStreamDestroy", _rt.cudaStreamDestroy(stream)[0])
 
     def stream_idle(self, stream: int) -> bool:
         """A stream of ``create_stream``'s, not capturing (asked first), and its query done
         under the relaxed capture mode (in C when the module is built); False for any other
         handle, which is never passed to CUDA (see the protocol)."""
-        if stream not in self._made:
-            return False
-        if _native is not None:
-            return bool(_native.stream_idle(stream))
-        if self.capture_id(stream):
-            return False
-        prev = self.exchange_capture_mode(CAPTURE_MODE_RELAXED)
-        try:
-            err = _rt.cudaStreamQuery(stream)[0]
-        finally:
-            self.exchange_capture_mode(prev)
+        with self._made_lock:
+            if stream not in self._made:
+                return False
+            if _native is not None:
+                return bool(_native.stream_idle(stream))
+            if self.capture_id(stream):
+                return False
+            prev = self.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+            try:
+                err = _rt.cudaStreamQuery(stream)[0]
+            finally:
+                self.exchange_capture_mode(prev)
         if err == _SUCCESS:
             return True
         if err == _NOT_READY:

@@ -425,12 +425,13 @@ class CachingAllocator:
                         split = remaining >= m
                     else:  # max_split_size: an oversize block is never split
                         # A remainder up to small_size stays with the block (PyTorch's rule), but
-                        # in a growing segment it splits off: it merges back with its neighbours
-                        # there, and splitting it lowers peak reserved (PyTorch's should_split
-                        # with expandable segments; NOTES entry 44).
-                        split = (remaining >= m if fl.grows else remaining > self._small_limit) and (
-                            size < self._max_split
-                        )
+                        # in a growing segment any remainder splits off, oversize blocks too: it
+                        # merges back with its neighbours there, and splitting it lowers peak
+                        # reserved (PyTorch's should_split with expandable segments; entry 44).
+                        if fl.grows:
+                            split = remaining >= m
+                        else:
+                            split = remaining > self._small_limit and size < self._max_split
                     if split:
                         # split: the front is handed out, the rest stays free (a recycled Block)
                         rest = self._spare1
@@ -670,6 +671,8 @@ class CachingAllocator:
             block = self._grow(fl, size, stream)
         if block is None and not self._world.active:
             block = self._before_retry(fl, size, stream)
+            if block is None:  # the release synchronized: streams busy before may be idle now
+                block = self._take_idle(fl, size, stream)
             if block is None:
                 block = self._grow(fl, size, stream)
         if block is None:
@@ -694,8 +697,9 @@ class CachingAllocator:
         Only the one run is taken: the other streams keep the rest of their cache.
         """
         idle: set[int] = set()
-        for t, bins in fl.bins.items():
-            if t != stream and t != _LEGACY and bins.sizes and self.device.stream_idle(t):
+        device: Any = self.device  # untyped: compiled, a truthy non-bool answer is read as plain
+        for t, bins in fl.bins.items():  # Python reads it, not refused (the review's finding)
+            if t != stream and t != _LEGACY and bins.sizes and bool(device.stream_idle(t)):
                 idle.add(t)
         if not idle:
             return None
@@ -787,26 +791,28 @@ class CachingAllocator:
         return block
 
     def _rehome(self) -> None:
-        """``empty_cache``: free blocks that other streams took over inside an expandable
-        segment (``_take_idle``) go back to the segment's stream and merge, after one device
-        synchronize (their last uses done), so the segment can shrink or go back whole."""
-        strays = [
-            b
-            for seg in self._exp.values()
-            for b in iter_segment(self._segments[seg.base])
-            if not b.allocated and b.holds == 0 and b.stream != seg.stream
-        ]
+        """``empty_cache``: the free blocks at the end of an expandable segment that other streams
+        took over (``_take_idle``) go back to the segment's stream and merge, after one device
+        synchronize (their last uses done), so the segment can shrink or go back whole. Taken
+        blocks between live ones stay with the streams that took them: giving them back would
+        free nothing, and would strand them if the segment's stream was destroyed (a destroyed
+        stream is never asked whether it is idle, so nothing would take them over again)."""
+        strays: list[tuple[Block, int]] = []
+        for seg in self._exp.values():
+            b: Block | None = self._segments[seg.base]
+            while b is not None and b.next is not None:
+                b = b.next
+            while b is not None and not b.allocated and b.holds == 0:  # the free end, backwards
+                if b.stream != seg.stream:
+                    strays.append((b, seg.stream))
+                b = b.prev
         if not strays:
             return
         self._synchronize_device()
-        for seg in self._exp.values():
-            b: Block | None = self._segments[seg.base]
-            while b is not None:
-                if not b.allocated and b.holds == 0 and b.stream != seg.stream:
-                    b.pool.remove(b)
-                    b.stream = seg.stream
-                    b = self._merge_free(b)
-                b = b.next
+        for b, home in strays:  # each still a block of its own: only ``home``'s blocks merge away
+            b.pool.remove(b)
+            b.stream = home
+            self._merge_free(b)
 
     def _round_gran(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the device's mapping granularity (asked once)."""
@@ -2203,7 +2209,7 @@ class CachingAllocator:
                 "allocated_size": sum(b.size for b in blocks if b.allocated),
                 "active_size": sum(b.size for b in blocks if b.allocated or b.holds),
                 "requested_size": sum(b.requested for b in blocks if b.allocated or b.holds),
-                "stream": head.stream,
+                "stream": self._exp[base].stream if base in self._exp else head.stream,
                 "segment_type": "small" if head.pool.is_small else "large",
                 "segment_pool_id": tuple(owner.id) if owner is not None else None,
                 "is_expandable": base in self._exp,
