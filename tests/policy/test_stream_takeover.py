@@ -196,3 +196,24 @@ def test_a_truthy_answer_from_a_device_reads_as_in_plain_python() -> None:
     assert a.malloc(BIG, stream=B) == x
     a.free(x)
     a.check_invariants()
+
+
+def test_one_idle_answer_covers_every_block_freed_before_it() -> None:
+    """A stream that answered idle is not asked again for blocks it had freed by then, and those
+    blocks may be taken even while it is busy with later work; a block it frees afterwards
+    needs a new answer."""
+    dev, a = _alloc()
+    p, k1, q, k2 = (a.malloc(BIG, stream=A) for _ in range(4))
+    a.free(p)
+    a.free(q)  # two free blocks of A, apart
+    x = a.malloc(BIG, stream=B)  # asks A (idle): takes p
+    assert x == p and dev.idle_asked == [A]
+    dev.queue_work(A)  # A busy with later work
+    y = a.malloc(BIG, stream=B)  # q was freed before A's answer: taken, A not asked
+    assert y == q and dev.idle_asked == [A]
+    a.free(k1)  # freed after the answer, while A is busy: A may still use it
+    z = a.malloc(BIG, stream=C)  # A asked anew (busy): k1 stays A's, C maps anew
+    assert z not in (p, k1, q, k2) and dev.idle_asked == [A, A]
+    for ptr in (x, y, z, k2):
+        a.free(ptr)
+    a.check_invariants()

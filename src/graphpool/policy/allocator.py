@@ -183,6 +183,14 @@ def _reentered(call: str) -> NoReturn:
     )
 
 
+def _takeable(b: Block, stream: int, done: dict[int, int]) -> bool:
+    """Whether free-list block ``b`` may join a run that ``stream`` takes over: no pending use,
+    and ``stream``'s own or filed before its stream last answered idle (``done``, _take_idle)."""
+    if b.allocated or b.holds:
+        return False
+    return b.stream == stream or b.gc_base < done.get(b.stream, 0)
+
+
 class CachingAllocator:
     """The allocator of one device. Every public method is thread-safe."""
 
@@ -694,27 +702,40 @@ class CachingAllocator:
         captures. The caller checked that no capture is underway; a capture begun unseen on
         another stream makes that stream not idle. A block taken over keeps its segment and
         merges only with free neighbours of its new stream (``empty_cache`` settles them).
-        Only the one run is taken: the other streams keep the rest of their cache.
+        Only the one run is taken: the other streams keep the rest of their cache. A stream
+        is asked only when it freed a block since it last answered idle (``FreeList.idle_at``).
         """
-        idle: set[int] = set()
+        # One idle answer covers every block the stream had freed before it (``fl.calls`` ticks
+        # at each malloc, before this; a block's ``gc_base`` is the tick it was filed at), so a
+        # stream is asked only when it has freed a block since its last idle answer.
+        done = fl.idle_at
+        now = fl.calls
         device: Any = self.device  # untyped: compiled, a truthy non-bool answer is read as plain
         for t, bins in fl.bins.items():  # Python reads it, not refused (the review's finding)
-            if t != stream and t != _LEGACY and bins.sizes and bool(device.stream_idle(t)):
-                idle.add(t)
-        if not idle:
+            if t == stream or t == _LEGACY or not bins.sizes:
+                continue
+            mark = done.get(t, 0)
+            for b in bins.blocks:
+                if b.gc_base >= mark:
+                    if bool(device.stream_idle(t)):
+                        done[t] = now
+                    break
+        if not done:
             return None
-        idle.add(stream)
         best: Block | None = None  # the first block of the best run
         best_size = 0
         seen: set[int] = set()  # first blocks of runs already measured
-        for t in idle:
-            if t == stream:
+        for t in done:
+            theirs = fl.find(t)
+            if t == stream or theirs is None:
                 continue
-            for b in fl.bins[t].blocks:
+            for b in theirs.blocks:
+                if not _takeable(b, stream, done):
+                    continue
                 first = b
                 while True:
                     p = first.prev
-                    if p is None or p.allocated or p.holds or p.stream not in idle:
+                    if p is None or not _takeable(p, stream, done):
                         break
                     first = p
                 if first.ptr in seen:
@@ -722,7 +743,7 @@ class CachingAllocator:
                 seen.add(first.ptr)
                 total = 0
                 r: Block | None = first
-                while r is not None and not r.allocated and r.holds == 0 and r.stream in idle:
+                while r is not None and _takeable(r, stream, done):
                     total += r.size
                     r = r.next
                 if total >= size and (best is None or (total, first.ptr) < (best_size, best.ptr)):
@@ -741,7 +762,7 @@ class CachingAllocator:
                     self._history.record("stream_take", cur.ptr, cur.size, stream, None, from_stream=old)
                 cur = self._merge_free(cur)
             nxt = cur.next
-            if nxt is None or nxt.allocated or nxt.holds or nxt.stream not in idle:
+            if nxt is None or not _takeable(nxt, stream, done):
                 break
             cur = nxt
         block = cur

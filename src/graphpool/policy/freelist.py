@@ -80,6 +80,7 @@ class FreeList:
         "is_small",
         "owner",
         "grows",
+        "idle_at",
         "bins",
         "calls",
         "_last_stream",
@@ -95,6 +96,10 @@ class FreeList:
         # the best fit then spares a segment's free last block (``past_tails``) and a large
         # block splits off any remainder (CachingAllocator.malloc). Set by the allocator.
         self.grows = False
+        # Stream -> ``calls`` when that stream last answered that all its work was done
+        # (CachingAllocator._take_idle): its blocks filed before then (``gc_base`` below it)
+        # had their last use finished, whatever the stream does since.
+        self.idle_at: dict[int, int] = {}
         self.bins: dict[int, Bins] = {}  # stream -> its free blocks
         # Searches so far (malloc counts them): a free block's age is ``calls - gc_base``,
         # PyTorch's ``gc_count`` (garbage_collection_threshold, CachingAllocator._collect).
