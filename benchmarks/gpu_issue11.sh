@@ -36,4 +36,4 @@ for round in ${ROUNDS:-1 2}; do
     echo "== $d round $round"; grep -E 'expandable peak reserved/peak live|torch expandable peak|cudaMallocAsync peak reserved/peak|expandable/policy time, warm' "$OUT/traces_${d}_$round.txt"
   done
 done
-(cd "$OUT" && tar czf traces.tgz traces_*.txt build_*.txt && rm -f traces_*.txt build_*.txt)
+(cd "$OUT" && tar czf traces.tgz traces_*.txt traces_*.json build_*.txt && rm -f traces_*.txt traces_*.json build_*.txt)
