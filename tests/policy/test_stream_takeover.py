@@ -114,14 +114,20 @@ def test_taken_blocks_merge_with_the_new_streams_neighbours() -> None:
     a.check_invariants()
 
 
-def test_empty_cache_gives_taken_blocks_back_and_the_segment_goes_whole() -> None:
-    dev, a = _alloc()
+def _b_takes_the_first_block(a: CachingAllocator) -> tuple[int, int]:
+    """A's segment [p][keep]; B takes p over and frees it: (p, keep), keep still A's, live."""
     p = a.malloc(BIG, stream=A)
     keep = a.malloc(BIG, stream=A)
     a.free(p)
     r = a.malloc(BIG, stream=B)
     assert r == p
     a.free(r)
+    return p, keep
+
+
+def test_empty_cache_gives_taken_blocks_back_and_the_segment_goes_whole() -> None:
+    dev, a = _alloc()
+    _, keep = _b_takes_the_first_block(a)
     a.free(keep)  # A's segment: [B's free p][A's free keep + tail]: not one block
     a.check_invariants()
     syncs = dev.calls.count("device_sync")
@@ -136,12 +142,7 @@ def test_empty_cache_leaves_taken_blocks_between_live_ones_with_their_taker() ->
     would free nothing there, and would be stranded if that stream is never idle again (the
     review's case: a destroyed stream is never asked)."""
     dev, a = _alloc()
-    p = a.malloc(BIG, stream=A)
-    keep = a.malloc(BIG, stream=A)
-    a.free(p)
-    r = a.malloc(BIG, stream=B)
-    assert r == p
-    a.free(r)  # B's free block, between A's segment start and A's live `keep`
+    p, keep = _b_takes_the_first_block(a)  # B's free p, before A's live `keep`
     dev.destroyed.add(A)
     a.empty_cache()
     a.check_invariants()
