@@ -192,9 +192,10 @@ def guard_signal_handler(
 
     Install your own handlers through it, ``signal.signal(signal.SIGALRM,
     gp.guard_signal_handler(on_alarm))``, if they may raise (KeyboardInterrupt, a timeout) or
-    call graphpool. Needed in the plain-Python build only (``compiled()`` False), where Python
-    may run a handler between any two bytecodes of a malloc or free; compiled, it is harmless.
-    graphpool installs ``guard_signal_handler(signal.default_int_handler)`` for SIGINT itself
+    call graphpool. Needed in both builds: Python may run a handler between any two bytecodes
+    of Python code, which in the plain-Python build is the whole allocator and compiled is the
+    code it calls in the middle of an update (the device's, the history's). graphpool installs
+    ``guard_signal_handler(signal.default_int_handler)`` for SIGINT itself
     (docs/behaviour.rst, "Interrupts"). Idempotent; ``signal.SIG_DFL`` and ``SIG_IGN`` come
     back unchanged. The wrapper's ``handler`` attribute is the handler it wraps.
     """
@@ -203,11 +204,12 @@ def guard_signal_handler(
 
 
 def _guard_interrupts() -> None:
-    """Plain-Python build: guard Python's default SIGINT handler (Ctrl-C, a Jupyter interrupt),
-    now and before each IPython cell, so a KeyboardInterrupt never lands mid-update."""
-    if not compiled():
-        _interrupts.guard_default_sigint()
-        _interrupts.guard_ipython_cells()
+    """Guard Python's default SIGINT handler (Ctrl-C, a Jupyter interrupt), now and before each
+    IPython cell, so a KeyboardInterrupt never lands mid-update (both builds: compiled, the
+    allocator still calls Python code in the middle of its updates, the device's and the
+    history's)."""
+    _interrupts.guard_default_sigint()
+    _interrupts.guard_ipython_cells()
 
 
 _guard_interrupts()

@@ -215,6 +215,7 @@ class CachingAllocator:
         # Signal handlers deferred until a critical section ends (policy/interrupts.py): the
         # shared list, tested after each section (a native attribute read, compiled).
         self._signals = interrupts.pending
+        self._section = interrupts.section(self._lock)  # what the guard asks (interrupts.py)
         self._small = FreeList(True)
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
@@ -372,6 +373,7 @@ class CachingAllocator:
         if self._divisions:  # roundup_power2_divisions (pools.py)
             size = self.sizes.round_divisions(requested)
         small = size <= self._small_limit
+        out: object
         try:
             with self._held:  # `with`: see _run_locked
                 if self._busy:
@@ -468,7 +470,7 @@ class CachingAllocator:
                     ptr = block.ptr
                     if owned:
                         block.owned = True
-                        out: object = block
+                        out = block
                     else:
                         # boxed once, declared object here: the dict's key and the return value
                         # (assigned to a wider variable, mypyc would unbox and box it again)
@@ -492,19 +494,65 @@ class CachingAllocator:
                             joined = rec.streams
                             if not joined or joined[0] != stream:  # its first stream: no search
                                 self._join(rec, stream)
-                    if self._history is not None:
-                        self._history.alloc(ptr, requested, stream, owner)
-                    if self._debug:
-                        self._check()
-                    return out
+                    if self._history is not None or self._debug:
+                        self._after_malloc(out, ptr, requested, stream, owner)
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
             self._after_oom(err)
-            raise
-        finally:
             if self._signals:  # see _run_locked
                 interrupts.run_pending()
+            raise
+        except BaseException:
+            if self._signals:
+                interrupts.run_pending()
+            raise
+        if self._signals:  # a handler deferred by the update that raises gives the block back first
+            self._signals_after_malloc(out)
+        return out
+
+    def _after_malloc(
+        self, out: object, ptr: int, requested: int, stream: int, owner: PrivatePool | None
+    ) -> None:
+        """malloc's calls out once its block is handed out (the history, the debug check): if one
+        raises (a signal handler inside it), the caller never gets the block, so it goes back."""
+        try:
+            if self._history is not None:
+                self._history.alloc(ptr, requested, stream, owner)
+            if self._debug:
+                self._check()
+        except BaseException:
+            self._undo_malloc(out)
+            raise
+
+    def _signals_after_malloc(self, out: object) -> None:
+        """Run the signal handlers deferred during a malloc; if one raises, the caller never gets
+        the allocation ``out``: it is given back (under the lock), then the exception propagates."""
+        try:
+            interrupts.run_pending()
+        except BaseException:
+            self._run_locked("malloc", lambda: self._undo_malloc(out))
+            raise
+
+    def _undo_malloc(self, out: object) -> None:
+        """Give back the allocation ``out`` (what ``_malloc`` returns) that its caller will not
+        receive, as a free made at once, with no call out (no history, no device call: a fresh
+        block has no stream uses). Nothing if it is no longer live. The lock is held."""
+        if type(out) is Block:
+            if not out.owned:
+                return
+            out.owned = False
+            block: Block | None = out
+        else:
+            block = cast("dict[object, Block]", self._active).pop(out, None)
+            if block is None:
+                return
+        assert block is not None
+        block.allocated = False
+        if self._capturing:
+            self._free_held(block)
+        else:
+            self._free_block(block, True)
 
     def _refuses(self, bsize: int, size: int) -> bool:
         """Whether a request of ``size`` may not take an oversize free block of ``bsize`` bytes
@@ -648,11 +696,21 @@ class CachingAllocator:
             owner.segment_count += 1
             if rec is not None:  # may go back with the capture if it fails (see _touch)
                 self._set_creator(head, rec)
-        if self._history is not None:
-            self._history.segment_alloc(ptr, seg, stream, owner)
-        if _enabled(logging.DEBUG):
-            self._log_segment("allocated", head)
+        self._segment_made(head, "allocated", owner)
         return head
+
+    def _segment_made(self, head: Block, what: str, owner: PrivatePool | None) -> None:
+        """Record and log a new segment, filed and counted, whose head is in no free list yet (the
+        caller hands it out). If a call out raises, the head is filed free first: the segment
+        stays cached, and the exception propagates."""
+        try:
+            if self._history is not None:
+                self._history.segment_alloc(head.ptr, head.size, head.stream, owner)
+            if _enabled(logging.DEBUG):
+                self._log_segment(what, head)
+        except BaseException:
+            head.pool.insert(head)
+            raise
 
     def _before_retry(self, fl: FreeList, size: int, stream: int) -> Block | None:
         """The driver refused memory, no capture underway: wait for pending stream uses and
@@ -755,12 +813,12 @@ class CachingAllocator:
         cur = best
         while True:
             if cur.stream != stream:
-                old = cur.stream
+                old, at, size_was = cur.stream, cur.ptr, cur.size
                 fl.remove(cur)
                 cur.stream = stream
-                if self._history is not None:
-                    self._history.record("stream_take", cur.ptr, cur.size, stream, None, from_stream=old)
                 cur = self._merge_free(cur)
+                if self._history is not None:  # after: the block is filed again (a call out)
+                    self._history.record("stream_take", at, size_was, stream, None, from_stream=old)
             nxt = cur.next
             if nxt is None or not _takeable(nxt, stream, done):
                 break
@@ -859,8 +917,9 @@ class CachingAllocator:
                 va = self.device.vmm_reserve(reserve)
                 try:
                     mapped = self.device.vmm_map(va, need)
-                except BaseException:  # a driver error: the range goes back, the error propagates
-                    self.device.vmm_release(va, reserve)
+                except BaseException:  # a driver error or an interrupt: the range goes back
+                    self._unmap_quietly(va, need)  # (an interrupt may come after the map took effect)
+                    self._release_quietly(va, reserve)
                     raise
                 if not mapped:
                     self.device.vmm_release(va, reserve)
@@ -877,10 +936,7 @@ class CachingAllocator:
             k = self.stats.kind(fl.is_small)
             k.add("segment", 1)
             k.add("reserved_bytes", need)
-            if self._history is not None:
-                self._history.segment_alloc(va, need, stream, None)
-            if _enabled(logging.DEBUG):
-                self._log_segment("allocated (expandable)", head)
+            self._segment_made(head, "allocated (expandable)", None)
             return head
         tail = self._segments[seg.base]
         while tail.next is not None:
@@ -895,7 +951,11 @@ class CachingAllocator:
             return None
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
-            mapped = self.device.vmm_map(end, need)
+            try:
+                mapped = self.device.vmm_map(end, need)
+            except BaseException:  # an interrupt may come after the map took effect: undo it, or
+                self._unmap_quietly(end, need)  # the range could never be mapped again
+                raise
         finally:
             self.device.exchange_capture_mode(prev)
         if not mapped:
@@ -905,13 +965,12 @@ class CachingAllocator:
         self.stats.num_device_alloc += 1
         k = self.stats.kind(fl.is_small)
         k.add("reserved_bytes", need)
-        if self._history is not None:
-            self._history.record("segment_map", end, need, stream, None)
         if free_tail:
             fl.remove(tail)
             tail.size += need
             if tail.prev is not None:
                 k.add("inactive_split_bytes", need)
+            self._mapped(tail, end, need, stream)
             return tail
         block = Block(end, need, stream, fl)
         block.prev = tail
@@ -923,7 +982,35 @@ class CachingAllocator:
             k.add("inactive_split_bytes", tail.size)
         k.add("inactive_split", 1)
         k.add("inactive_split_bytes", need)
+        self._mapped(block, end, need, stream)
         return block
+
+    def _mapped(self, block: Block, end: int, need: int, stream: int) -> None:
+        """Record the mapping that grew an expandable segment (``block``, in no free list, holds
+        it; the caller hands it out). If the history raises, the block is filed free first."""
+        if self._history is not None:
+            try:
+                self._history.record("segment_map", end, need, stream, None)
+            except BaseException:
+                block.pool.insert(block)
+                raise
+
+    def _unmap_quietly(self, va: int, nbytes: int) -> None:
+        """Unmap ``[va, va + nbytes)`` of one of this allocator's reservations if it is mapped: a
+        map or unmap that raised may or may not have taken effect. The device refusing (nothing
+        mapped there) is the answer, not an error. Safe to repeat: nobody else maps into the
+        allocator's reservations."""
+        try:
+            self.device.vmm_unmap(va, nbytes)
+        except GraphpoolError:
+            pass
+
+    def _release_quietly(self, va: int, nbytes: int) -> None:
+        """Give back a reservation that an interrupted call left (a refusal is ignored)."""
+        try:
+            self.device.vmm_release(va, nbytes)
+        except GraphpoolError:
+            pass
 
     def _map_allowed(self, nbytes: int) -> bool:
         """Whether mapping ``nbytes`` more keeps reserved memory within the limits (a refusal
@@ -947,17 +1034,31 @@ class CachingAllocator:
         end = seg.base + seg.mapped
         if start >= end:
             return
-        self.device.vmm_unmap(start, end - start)  # first: if it fails, nothing has changed
+        try:
+            self.device.vmm_unmap(start, end - start)  # first: if it fails, nothing has changed
+        except GraphpoolError:
+            raise
+        except BaseException:  # a signal handler, perhaps after the unmap took effect: make sure
+            try:  # it did, and forget the range either way (unmapped memory is never filed)
+                self._unmap_quietly(start, end - start)
+            finally:
+                self._unmapped_tail(seg, tail, start, end)
+            raise
+        self._unmapped_tail(seg, tail, start, end)
+        if self._history is not None:
+            self._history.record("segment_unmap", start, end - start, seg.stream, None)
+
+    def _unmapped_tail(self, seg: ExpandableSegment, tail: Block, start: int, end: int) -> None:
+        """``_shrink``'s bookkeeping once ``[start, end)`` of free last block ``tail`` is unmapped."""
         fl = tail.pool
         fl.remove(tail)
         seg.mapped -= end - start
         self.stats.num_device_free += 1
         k = self.stats.kind(fl.is_small)
         k.add("reserved_bytes", start - end)
-        if self._history is not None:
-            self._history.record("segment_unmap", start, end - start, seg.stream, None)
         if start == tail.ptr:  # the whole block goes
             before = tail.prev
+            assert before is not None
             before.next = None
             tail.prev = None
             k.add("inactive_split", -1)
@@ -1062,10 +1163,16 @@ class CachingAllocator:
             self._refuse_by_limit(limits, nbytes)
             return None
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        ptr: int | None = None
         try:
             ptr = self.device.malloc(nbytes)
         finally:
-            self.device.exchange_capture_mode(prev)
+            try:
+                self.device.exchange_capture_mode(prev)
+            except BaseException:  # (a signal handler in the restore): the caller never sees
+                if ptr is not None:  # the segment, so the driver gets it back
+                    self.device.free(ptr)
+                raise
         if ptr is not None:
             self._limit_hit = None
         return ptr
@@ -1193,12 +1300,29 @@ class CachingAllocator:
         if block is None:
             self._bad_pointer(ptr, "free")
         block.allocated = False
-        if self._history is not None:
-            self._free_traced(block)
-        elif self._capturing or block.stream_uses:
-            self._free_held(block)
+        if self._history is not None or self._capturing or block.stream_uses:
+            try:
+                if self._history is not None:
+                    self._free_traced(block)
+                else:
+                    self._free_held(block)
+            except BaseException:
+                if block.allocated:  # raised before the block was filed: see _requeue
+                    self._requeue(block, key)
+                raise
         else:
             self._free_block(block, True)
+
+    def _requeue(self, block: Block, key: object) -> None:
+        """A free whose call out raised before its block was filed (a signal handler inside the
+        history, or inside a capture query for its stream uses; the block still marked
+        allocated): the block is live again and its free is queued, as a finalizer's free is,
+        for the next call, under the same rules. Whoever freed it owns it no more either way."""
+        if type(key) is Block:
+            block.owned = True
+        else:
+            cast("dict[object, Block]", self._active)[key] = block
+        self._pending.append(key)
 
     def _free_traced(self, block: Block) -> None:
         """A free while the history records: ``free_requested`` now, ``free_completed`` when
@@ -1206,7 +1330,9 @@ class CachingAllocator:
         h = self._history
         assert h is not None
         ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.pool.owner
+        block.allocated = True  # until the event is in: raising, the free is queued again (_free)
         frames = h.free_requested(ptr, requested, stream, owner)
+        block.allocated = False
         if self._capturing or block.stream_uses:
             if self._free_held(block):
                 h.free_completed(ptr, requested, stream, owner, frames)
@@ -1235,10 +1361,8 @@ class CachingAllocator:
             # back to their free lists: this block, in none yet, counts as allocated until
             # then, so that no neighbour merges it.
             block.allocated = True
-            try:
-                self._adopt_users(block)
-            finally:
-                block.allocated = False
+            self._adopt_users(block)  # raising, the block stays marked allocated: _free queues it again
+            block.allocated = False
         fl = block.pool
         size = block.size
         owner = fl.owner
@@ -1288,8 +1412,10 @@ class CachingAllocator:
                 return False
         elif block.stream_uses:
             self._hold(block)
-            self._insert_events(block)
-            self._unhold(block)  # records the completion itself if this was the last hold
+            try:
+                self._insert_events(block)
+            finally:
+                self._unhold(block)  # records the completion itself if this was the last hold
             return False
         self._free_block(block, False)
         return True
@@ -1479,9 +1605,14 @@ class CachingAllocator:
         if block.holds == 0:
             for st in self._scopes(block.pool):
                 st.hold(block.pool.is_small, block.size, -1)
-            if self._history is not None:
-                self._history.free_completed(block.ptr, block.requested, block.stream, block.pool.owner)
+            h = self._history
+            if h is None:
+                self._free_block(block, False)
+                return
+            # the block is back in its list before the history (a call out) hears of it
+            ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.pool.owner
             self._free_block(block, False)
+            h.free_completed(ptr, requested, stream, owner)
 
     def _check_pointer(self, ptr: Any, what: str) -> None:
         """Raise the right error unless ``ptr`` is a live allocation not yet queued for a free.
@@ -1553,20 +1684,31 @@ class CachingAllocator:
         """
         uses = block.stream_uses or set()
         block.stream_uses = None
-        for s in sorted(uses):
-            ev = self._event_pool.pop() if self._event_pool else self.device.create_event()
-            try:
-                self._record_event(ev, s)
-            except GraphpoolError:  # the stream is gone: wait for the whole device instead
-                self._event_pool.append(ev)
-                if self._world.active:  # not now: after the captures (see _process_events)
-                    self._orphans.append(block)
-                    self._hold(block)
-                else:
-                    self._synchronize_device()
-                continue
-            self._waiting.setdefault(s, deque()).append((ev, block))
+        try:
+            for s in sorted(uses):
+                ev = self._event_pool.pop() if self._event_pool else self.device.create_event()
+                try:
+                    self._record_event(ev, s)
+                except GraphpoolError:  # the stream is gone: wait for the whole device instead
+                    self._event_pool.append(ev)
+                    if self._world.active:  # not now: after the captures (see _process_events)
+                        self._orphans.append(block)
+                        self._hold(block)
+                    else:
+                        self._synchronize_device()
+                    continue
+                except BaseException:  # a signal handler: recorded or not, the event stays pooled
+                    self._event_pool.append(ev)
+                    raise
+                self._waiting.setdefault(s, deque()).append((ev, block))
+                self._hold(block)
+        except BaseException:
+            # Interrupted (a signal handler inside a device call): the streams not yet covered
+            # by an event are covered by a device synchronize before the block is reused
+            # (_release_orphans, at the next call with no capture underway).
+            self._orphans.append(block)
             self._hold(block)
+            raise
 
     def _record_event(self, event: int, stream: int) -> None:
         assert not self._capturing, "no event is recorded during capture"
@@ -1611,9 +1753,9 @@ class CachingAllocator:
         """Blocks whose user stream vanished while a capture was underway: one device
         synchronize covers whatever work that stream still had."""
         self._synchronize_device()
-        orphans, self._orphans = self._orphans, []
-        for block in orphans:
-            self._unhold(block)
+        orphans = self._orphans
+        while orphans:  # one at a time: an exception out of a call (the history) loses none
+            self._unhold(orphans.pop())
 
     def _synchronize_events(self) -> None:
         """Wait for every pending event and free its block (empty_cache and OOM only)."""
@@ -1621,19 +1763,28 @@ class CachingAllocator:
             raise CaptureError("graphpool: no event is synchronized while a capture is underway")
         if self._orphans:
             self._release_orphans()
-        waiting, self._waiting = self._waiting, {}
-        for q in waiting.values():
-            for ev, block in q:
+        # In place, one event at a time: an exception out of a device call (a signal handler's)
+        # leaves every event not yet synchronized waiting, and its block held.
+        waiting = self._waiting
+        for stream in list(waiting):
+            q = waiting[stream]
+            while q:
+                ev, block = q[0]
                 self.device.event_synchronize(ev)
+                q.popleft()
                 self._event_pool.append(ev)
                 self._unhold(block)
+            del waiting[stream]
 
     def _flush_deferred(self) -> None:
         """Once no capture is underway: record the events of frees deferred during capture."""
-        deferred, self._deferred = self._deferred, []
-        for block in deferred:
-            self._insert_events(block)
-            self._unhold(block)  # the deferral's own hold
+        deferred = self._deferred
+        while deferred:  # one at a time: an exception out of a call loses none
+            block = deferred.pop(0)
+            try:
+                self._insert_events(block)
+            finally:
+                self._unhold(block)  # the deferral's own hold
 
     # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
@@ -1701,19 +1852,15 @@ class CachingAllocator:
         if self._world.active:
             raise CaptureError("graphpool: no device memory is freed while a capture is underway")
         seg = self._exp.get(block.ptr) if self._exp else None
-        if seg is None:
-            self.device.free(block.ptr)
-        else:  # a whole free expandable segment: unmap it and give back its range, then forget it
-            self.device.vmm_unmap(seg.base, seg.mapped)
-            self.device.vmm_release(seg.base, seg.reserved)
+        # The allocator forgets the segment first, then the device gives it back: a device call
+        # that raises (a driver error, or a signal handler's exception after the free took
+        # effect) never leaves a freed segment filed, to be handed out or freed a second time.
+        # What that costs when the driver did not free it: the memory stays with the driver.
+        if seg is not None:
             del self._exp[seg.base]
             del self._exp_of[(seg.is_small, seg.stream)]
         del self._segments[block.ptr]
         self._seg_bases.remove(block.ptr)
-        if self._history is not None:
-            self._history.segment_free(block.ptr, block.size, block.stream, block.pool.owner)
-        if _enabled(logging.DEBUG):
-            self._log_segment("released", block)
         fl = block.pool
         for st in self._scopes(fl):
             st.num_device_free += 1
@@ -1724,13 +1871,37 @@ class CachingAllocator:
         if owner is not None:
             owner.segment_count -= 1
             self._set_creator(block, None)
+        try:
+            if seg is None:
+                self.device.free(block.ptr)
+            else:  # a whole free expandable segment: unmap it and give back its range
+                try:
+                    self.device.vmm_unmap(seg.base, seg.mapped)
+                except GraphpoolError:
+                    raise
+                except BaseException:  # perhaps after the unmap took effect: finish it
+                    try:
+                        self._unmap_quietly(seg.base, seg.mapped)
+                    finally:
+                        self._release_quietly(seg.base, seg.reserved)
+                    raise
+                self.device.vmm_release(seg.base, seg.reserved)
+        finally:
+            if self._history is not None:
+                self._history.segment_free(block.ptr, block.size, block.stream, owner)
+            if _enabled(logging.DEBUG):
+                self._log_segment("released", block)
 
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
         later: list[Any] | None = None  # records to retry at a later call (made when needed)
+        # What was queued when it began: a free queued again (``_requeue``: a call out raised)
+        # waits for the next call, so a call out that always fails cannot make this loop forever.
+        todo = len(pending)
         try:
-            while pending:
+            while todo > 0 and pending:
+                todo -= 1
                 item = pending.popleft()
                 try:
                     if type(item) is int or type(item) is Block:
@@ -1743,25 +1914,35 @@ class CachingAllocator:
                             else:
                                 block.stream_uses.add(item[1])
                         self._free(item[0])
-                    elif (
-                        item.active
-                        and not item.foreign
-                        and item.thread != threading.get_ident()  # asked for a record only
-                        and self._query(item.stream) == item.capture_id
-                        and _thread_alive(item.thread)
-                    ):
+                    elif self._release_later(item):
                         # only the capturing thread can end its capture
                         if later is None:
                             later = [item]
                         else:
                             later.append(item)
                     else:
-                        self._release(item)
+                        self._release(item)  # (raising, it queues the rest of its work again)
                 except Exception as exc:  # a finalizer's work must not fail an unrelated call
                     _warnings.warn(f"graphpool: deferred work failed: {exc!r}", RuntimeWarning)
         finally:
             if later is not None:
                 pending.extend(later)
+
+    def _release_later(self, rec: CaptureRecord) -> bool:
+        """Whether a queued release of ``rec`` must wait: its capture is still underway on a thread
+        that lives (only that thread can end it). If the device query raises (a signal handler
+        in it), the release is queued again first."""
+        try:
+            return (
+                rec.active
+                and not rec.foreign
+                and rec.thread != threading.get_ident()  # asked for a record only
+                and self._query(rec.stream) == rec.capture_id
+                and _thread_alive(rec.thread)
+            )
+        except BaseException:
+            self._pending.append(rec)
+            raise
 
     # --------------------------------------------------------------- capture
     def begin_capture(
@@ -1918,12 +2099,16 @@ class CachingAllocator:
         try:
             self.device.attach_release(stream, token)
         except GraphpoolError as exc:  # no user objects here: protect the capture all the same
-            _warnings.warn(
-                f"graphpool: the pool of {rec.label} cannot be tied to its graph ({exc}); it is "
-                "kept until the process ends",
-                RuntimeWarning,
-            )
             token = 0
+            try:
+                _warnings.warn(
+                    f"graphpool: the pool of {rec.label} cannot be tied to its graph ({exc}); it is "
+                    "kept until the process ends",
+                    RuntimeWarning,
+                )
+            except BaseException:
+                self._drop_use(rec.pool)
+                raise
         except BaseException:
             self._drop_use(rec.pool)
             raise
@@ -1965,13 +2150,21 @@ class CachingAllocator:
 
     def _poll_released(self) -> None:
         """Release the records whose graphs the device reports destroyed (Device.attach_release)."""
+        recs = []
         for token in self.device.take_released():
-            rec = self._tokens.pop(token, None)
+            rec = self._tokens.get(token)  # (``_release`` drops the token)
             if rec is not None:
+                recs.append(rec)
+        for i, rec in enumerate(recs):
+            try:
                 if rec.active:  # destroyed before it ended: an invalidated or abandoned capture
                     rec.failed = True
-                    self._stop_routing(rec)
-                self._release(rec)
+                    self._stop_and_release(rec)
+                else:
+                    self._release(rec)
+            except BaseException:  # a call out raised: the others are released at the next call
+                self._pending.extend(recs[i + 1 :])
+                raise
 
     def end_capture(self, rec: CaptureRecord) -> None:
         """Stop routing to ``rec``'s pool after its device capture ended successfully."""
@@ -1982,12 +2175,12 @@ class CachingAllocator:
             self._drain()  # frees queued during the capture still count as made during it
         if not rec.active:
             return
-        self._stop_routing(rec)
-        rec.outputs = self._outputs(rec)
+        rec.outputs = self._outputs(rec)  # first: _stop_routing ends with calls out
         for head in rec.created:  # the graph lives: its segments stay with the pool
             if head.creator is rec:
                 self._set_creator(head, None)
         rec.created = []
+        self._stop_routing(rec)
 
     def _outputs(self, rec: CaptureRecord) -> list[tuple[Block, int]]:
         """The blocks ``rec`` allocated that are still allocated, with their serials, in
@@ -2010,8 +2203,7 @@ class CachingAllocator:
         if self._pending:
             self._drain()
         rec.failed = True
-        self._stop_routing(rec)
-        self._release(rec)
+        self._stop_and_release(rec)
 
     def release_capture(self, rec: CaptureRecord) -> None:
         """The graph of ``rec`` is gone: return its kept blocks and lower the pool's use count."""
@@ -2048,48 +2240,71 @@ class CachingAllocator:
         to that thread) is marked dead, so nothing waits for it."""
         if rec.released:
             return
-        if rec.active:
-            rec.failed = True
-            if not rec.foreign:
+        try:
+            if rec.active:
+                rec.failed = True
+                if not rec.foreign:
+                    try:
+                        rec.handles.append(("graph", self.device.end_capture(rec.stream)))
+                    except GraphpoolError:
+                        if self._query(rec.stream) == rec.capture_id:
+                            self._dead.add(rec.capture_id)
+                self._stop_routing(rec)
+            # One handle, one block at a time, each taken off the record as it is done: an
+            # exception out of a call (a signal handler in the device or the history) loses
+            # none, and the rest of the release is queued for the next call (below).
+            handles = rec.handles
+            while handles:
+                kind, handle = handles.pop(0)
                 try:
-                    rec.handles.append(("graph", self.device.end_capture(rec.stream)))
+                    if kind == "exec":
+                        self.device.destroy_graph_exec(handle)
+                    else:
+                        self.device.destroy_graph(handle)
                 except GraphpoolError:
-                    if self._query(rec.stream) == rec.capture_id:
-                        self._dead.add(rec.capture_id)
-            self._stop_routing(rec)
+                    pass
+            kept = rec.kept
+            while kept:
+                block = kept.pop(0)
+                try:
+                    # A replay queued on another stream may still touch the block: it waits for
+                    # an event on each such stream, as a record_stream'd block would.
+                    uses = rec.replay_streams - {block.stream}
+                    if uses:
+                        if block.stream_uses:  # still deferred: its coming events cover these too
+                            block.stream_uses |= uses
+                        else:
+                            block.stream_uses = set(uses)
+                            self._hold(block)
+                            if self._capturing:
+                                self._deferred.append(block)
+                            else:
+                                try:
+                                    self._insert_events(block)
+                                finally:
+                                    self._unhold(block)
+                finally:
+                    self._unhold(block)  # the graph's own hold
+        except BaseException:
+            self._pending.append(rec)  # the rest of the release, at the next call
+            raise
         rec.released = True
         self._records.pop(rec.sequence, None)
         if rec.token:
             self._tokens.pop(rec.token, None)
-        handles, rec.handles = rec.handles, []
-        for kind, handle in handles:
-            try:
-                if kind == "exec":
-                    self.device.destroy_graph_exec(handle)
-                else:
-                    self.device.destroy_graph(handle)
-            except GraphpoolError:
-                pass
-        kept, rec.kept = rec.kept, []
-        for block in kept:
-            # A replay queued on another stream may still touch the block: it waits for an
-            # event on each such stream, as a record_stream'd block would.
-            uses = rec.replay_streams - {block.stream}
-            if uses:
-                if block.stream_uses:  # still deferred: its coming events cover these streams too
-                    block.stream_uses |= uses
-                else:
-                    block.stream_uses = set(uses)
-                    self._hold(block)
-                    if self._capturing:
-                        self._deferred.append(block)
-                    else:
-                        self._insert_events(block)
-                        self._unhold(block)
-            self._unhold(block)  # the graph's own hold
         self._drop_use(rec.pool)
         if not self._capturing and self._deferred:
             self._flush_deferred()
+
+    def _stop_and_release(self, rec: CaptureRecord) -> None:
+        """``_stop_routing`` then ``_release``: a failed or destroyed capture. If the first raises
+        after it stopped routing (a call out), the release is queued for the next call."""
+        try:
+            self._stop_routing(rec)
+        except BaseException:
+            self._pending.append(rec)
+            raise
+        self._release(rec)
 
     def _drop_use(self, pool: PrivatePool) -> None:
         pool.use_count -= 1
@@ -2315,15 +2530,6 @@ class CachingAllocator:
         check_invariants(self)
 
 
-# The critical sections a guarded signal handler waits for (policy/interrupts.py). Compiled,
-# these methods have no Python code and are skipped: they run no handler half-way.
-interrupts.register(
-    owned=(
-        CachingAllocator.malloc,
-        CachingAllocator._malloc,
-        CachingAllocator.free,
-        CachingAllocator.free_owned,
-        CachingAllocator._free_locked,
-        CachingAllocator._run_locked,
-    ),
-)
+# The plain-Python build's hand-off points (policy/interrupts.py, ``handoff``): after the lock is
+# released, until the caller holds the allocation. Compiled, these have no Python code.
+interrupts.handoff(CachingAllocator.malloc, CachingAllocator.malloc_owned, CachingAllocator._malloc)

@@ -1,41 +1,42 @@
-"""Signal handlers that wait until the allocator is consistent again (the plain-Python build).
+"""Signal handlers that wait until the allocator is consistent again (both builds).
 
-Python runs a signal handler in the main thread, between two bytecodes of the code running
-there. In the plain-Python build that can be the middle of a malloc or free: a
-KeyboardInterrupt raised there would leave the free lists half-updated (benchmarks/NOTES.md,
-entries 15 and 22). Compiled by mypyc the allocator's methods have no Python frames and run
-no handler half-way, so nothing here ever defers anything in that build.
+Python runs a signal handler in the main thread, between two bytecodes of the Python code
+running there. Compiled by mypyc the allocator's own methods have no bytecode, but in the
+middle of an update they call plain Python: the device (the simulator, and CUDA's wrappers in
+device/cuda.py), the history, logging. In the plain-Python build every line of the allocator
+is such a point. A KeyboardInterrupt raised there would leave the update half done.
 
-``guard(handler)`` wraps a handler. When the interrupted frame chain is inside an allocator's
-*critical section* the handler is not run: it is recorded as pending, and the allocator runs
-it (``run_pending``) as soon as it leaves the section; anywhere else it runs at once. A
-critical section is a frame of one of the functions registered with ``register``:
+``guard(handler)`` wraps a handler. When the signal arrives while this thread is inside an
+allocator's *critical section* the handler is not run: it is recorded as pending, and the
+allocator runs it (``run_pending``) as soon as it leaves the section; anywhere else it runs at
+once. A critical section is the time this thread holds the lock of an allocator (every
+mutation, and every call out of the allocator, runs with it held), so the test needs no
+Python frames and works compiled: each allocator registers its lock (``section``), and the
+guard asks each registered lock whether this thread owns it (only when a signal arrives).
+The handler then runs once the lock is released, so it may call graphpool or wait for a
+thread that does.
 
-- the allocator's locked calls (malloc, free, ``free_owned``, the body of free,
-  ``_run_locked``) while ``self._lock`` is held by this thread. Every mutation runs with the
-  lock held; the handler then runs once the lock is released, so it may call graphpool or wait
-  for a thread that does (``busy`` functions, which also need ``self._busy`` set, remain
-  available to ``register``).
+Each locked call checks ``pending`` (one attribute read) right after it released the lock and
+calls ``run_pending``, which runs the handlers unless an outer section is still underway (a
+free run by a finalizer inside another allocator's malloc: the outer one runs them when it
+ends). An interrupt that lands after the release but before that check finds no lock held and
+runs at once, so a deferred handler is never lost. Handlers run in the main thread only, as
+Python runs them: another thread's check sees a pending handler but leaves it to the main
+thread. Like POSIX signals, a signal deferred twice runs once.
 
-Each such function checks ``pending`` (one attribute read) right after its section ends and
-calls ``run_pending``, which runs the handlers unless an outer section is still underway
-(a free run by a finalizer inside another allocator's malloc): the outer one runs them when
-it ends. An interrupt that lands after a section ended but before that check finds no
-critical frame and runs at once, so a deferred handler is never lost. Handlers run in the
-main thread only, as Python runs them: another thread's check sees a pending handler but
-leaves it to the main thread. Like POSIX signals, a signal deferred twice runs once.
-
-graphpool guards Python's default SIGINT handler when it is imported in the plain-Python
-build (``guard_default_sigint``), and again before each IPython cell (ipykernel puts the
-default handler back before running one).
+graphpool guards Python's default SIGINT handler when it is imported, in both builds
+(``guard_default_sigint``), and again before each IPython cell (ipykernel puts the default
+handler back before running one).
 """
 
 from __future__ import annotations
 
+import _thread
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
@@ -47,38 +48,75 @@ pending: list[tuple[Handler, int, FrameType | None]] = []
 interrupted frame). Every allocator keeps a reference to this list (never replaced) and tests
 it after each critical section: the only cost on the hot path."""
 
-_critical: dict[CodeType, bool] = {}
-"""Code of the functions whose frames can be critical -> whether ``self._busy`` must be set too."""
+
+class Section:
+    """One allocator's critical section for the guard: while this thread holds ``lock``.
+
+    The allocator keeps it (its ``_section``) and the registry holds it weakly, so it goes
+    with its allocator (the allocator itself, compiled, and its C lock cannot be weakly
+    referenced)."""
+
+    __slots__ = ("lock", "__weakref__")
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
 
 
-def register(*, busy: Iterable[object] = (), owned: Iterable[object] = ()) -> None:
-    """Declare the functions whose frames make a critical section (see the module docstring).
-
-    Functions without Python code (compiled by mypyc) are skipped: they run no handler
-    half-way."""
-    for fns, needs_busy in ((busy, True), (owned, False)):
-        for fn in fns:
-            code = getattr(fn, "__code__", None)
-            if isinstance(code, CodeType):
-                _critical[code] = needs_busy
+_sections: weakref.WeakSet[Section] = weakref.WeakSet()
+"""The sections of every live allocator."""
 
 
-def _holds_lock(obj: object) -> bool:
-    """Whether this thread holds ``obj._lock`` (True when the lock cannot say)."""
-    is_owned = getattr(getattr(obj, "_lock", None), "_is_owned", None)
-    return True if is_owned is None else bool(is_owned())
+def section(lock: Any) -> Section:
+    """Register an allocator's ``lock`` as a critical section; keep the result as long as the
+    allocator lives."""
+    s = Section(lock)
+    _sections.add(s)
+    return s
 
 
-def in_critical(frame: FrameType | None) -> bool:
-    """Whether ``frame`` or a frame it was called from is inside an allocator's critical section."""
+def _owned(lock: Any) -> bool:
+    """Whether this thread holds ``lock`` (False when the lock cannot say)."""
+    is_owned = getattr(lock, "_is_owned", None)
+    return bool(is_owned()) if is_owned is not None else False
+
+
+def in_critical(frame: FrameType | None = None) -> bool:
+    """Whether this thread is inside an allocator's critical section (holds an allocator's
+    lock). ``frame``, the interrupted frame, is not needed: compiled there may be none."""
+    return any(_owned(s.lock) for s in list(_sections))
+
+
+_handoff: set[CodeType] = set()
+"""Code of the functions that hand an allocation to its owner (``handoff``)."""
+
+
+def handoff(*fns: object) -> None:
+    """Declare the functions that pass an allocation between the allocator and its owner after
+    (or before) the lock is held: ``gp.alloc`` between ``malloc_owned`` and the DeviceBuffer it
+    makes, a buffer's ``free`` between marking itself freed and the allocator's free. In the
+    plain-Python build their bytecodes are points where a handler that raises would lose the
+    allocation (allocated, with no owner); a guarded handler whose signal lands in one of their
+    frames with no lock held runs once that frame has returned instead (``_bounce``).
+    Compiled functions (no Python code, so no such points) are skipped."""
+    for fn in fns:
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, CodeType):
+            _handoff.add(code)
+
+
+def _in_handoff(frame: FrameType | None) -> bool:
+    """Whether ``frame`` or a frame it was called from is one of a ``handoff`` function."""
     while frame is not None:
-        needs_busy = _critical.get(frame.f_code)
-        if needs_busy is not None:
-            obj = frame.f_locals.get("self")
-            if obj is not None and (not needs_busy or getattr(obj, "_busy", False)) and _holds_lock(obj):
-                return True
+        if frame.f_code in _handoff:
+            return True
         frame = frame.f_back
     return False
+
+
+def _bounce(signum: int) -> None:
+    """Deliver ``signum`` again at Python's next check for signals (``_thread.interrupt_main``
+    trips it as the C handler would): the guard asks again there, until the hand-off is over."""
+    _thread.interrupt_main(signal.Signals(signum))
 
 
 class GuardedHandler:
@@ -99,6 +137,9 @@ class GuardedHandler:
         if in_critical(frame):
             if all(s != signum for _, s, _ in pending):  # a signal is not queued twice
                 pending.append((self.handler, signum, frame))
+            return None
+        if _handoff and _in_handoff(frame):
+            _bounce(signum)
             return None
         return self.handler(signum, frame)
 
@@ -122,7 +163,7 @@ def run_pending() -> None:
     Python does when a handler raises (they run at the next point Python checks for signals)."""
     if not pending or threading.get_ident() != threading.main_thread().ident:
         return  # handlers run in the main thread only
-    if in_critical(sys._getframe().f_back):
+    if in_critical():
         return  # an outer critical section runs them when it ends
     while pending:
         handler, signum, frame = pending.pop(0)

@@ -124,9 +124,20 @@ class SimDevice:
         """Allocate ``nbytes``; None when the finite memory is exhausted. Unsafe in capture."""
         if nbytes <= 0:
             raise cuda_error("cudaMalloc", "cudaErrorInvalidValue", f"size {nbytes}")
-        with self._lock:
-            capture.check_unsafe("cudaMalloc")
-            return self._mem.allocate(nbytes)
+        ptr: int | None = None
+        try:
+            with self._lock:
+                capture.check_unsafe("cudaMalloc")
+                ptr = self._mem.allocate(nbytes)
+        except BaseException:
+            # A signal handler that raises as the lock is released (Python runs handlers after a
+            # call returns): the allocation would be lost with the return value, so it goes
+            # back, as if cudaMalloc had not run (on CUDA the call is C: no handler runs inside).
+            if ptr is not None:
+                with self._lock:
+                    self._mem.release(ptr)
+            raise
+        return ptr
 
     def free(self, ptr: int) -> None:
         """Free memory from ``malloc``. Like cudaFree it first waits for all queued work."""
@@ -138,8 +149,10 @@ class SimDevice:
                     "cudaErrorInvalidValue",
                     f"{ptr:#x} is not an allocation",
                 )
-            self._run_until(self._idle)
+            interrupted = self._wait_uninterrupted()
             self._mem.release(ptr)
+            if interrupted is not None:
+                raise interrupted
 
     def mem_info(self) -> tuple[int, int]:
         with self._lock:
@@ -163,8 +176,10 @@ class SimDevice:
         """Waits for all queued work first (graphpool's CUDA device synchronizes, too)."""
         with self._lock:
             capture.check_unsafe("cuMemUnmap")
-            self._run_until(self._idle)
+            interrupted = self._wait_uninterrupted()
             self._mem.unmap(va, nbytes)
+            if interrupted is not None:
+                raise interrupted
 
     def vmm_release(self, va: int, nbytes: int) -> None:
         with self._lock:
@@ -621,6 +636,31 @@ class SimDevice:
                 st.queue.append(_Op(node.name, node.fn, node.rounds))
             elif cap.status == CAPTURE_STATUS_ACTIVE:
                 cap.add(stream, node)
+
+    def _wait_uninterrupted(self) -> BaseException | None:
+        """Run all queued work for ``free`` and ``vmm_unmap``, which then give memory back; return
+        the exception that interrupted the wait, for the caller to raise after that.
+
+        CUDA waits inside cudaFree, in C: a signal that arrives meanwhile is handled once the
+        call has returned, the memory freed. Here the kernels are Python code, where Python
+        runs handlers: a KeyboardInterrupt (or another exception that is not an ``Exception``)
+        raised by one does not stop the wait half-way; the wait goes on, the caller gives the
+        memory back, and raises the first such exception after that. A kernel's own error (an
+        ``Exception``) propagates at once, as before.
+        """
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self._run_until(self._idle)
+                break
+            except Exception:
+                if interrupted is not None:
+                    raise interrupted from None
+                raise
+            except BaseException as exc:
+                if interrupted is None:
+                    interrupted = exc
+        return interrupted
 
     def _idle(self) -> bool:
         return not any(st.queue for st in self._streams.values())
