@@ -1,16 +1,19 @@
 """Interrupts (policy/interrupts.py): a guarded signal handler never runs inside an allocator's
 critical section; it runs right after it, and the allocator stays consistent.
 
-The deferral tests need the allocator's Python frames: they run on the plain-Python build
-(compiled methods have no frames and run no handler half-way). A handler is "interrupted
-into" a critical section by calling the guarded handler, with the frame of the moment, from a
-free-list method patched to do so (what Python does when a signal arrives there). Each test
-here fails with the guard removed (``GuardedHandler.__call__`` running the handler at once).
+The first deferral tests patch free-list methods, which compiled classes do not allow: they run
+on the plain-Python build. A handler is "interrupted into" a critical section by calling the
+guarded handler, with the frame of the moment, from a free-list method patched to do so (what
+Python does when a signal arrives there). The tests of interrupts inside the allocator's calls
+out (the device, the history, logging, observers) run in both builds: compiled, those calls
+are the only Python code a handler can run in. Each test here fails with the guard removed
+(``GuardedHandler.__call__`` running the handler at once).
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 import random
 import signal
@@ -26,15 +29,18 @@ from typing import Any
 import pytest
 
 import graphpool as gp
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED
 from graphpool.policy import interrupts, observers
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.interrupts import GuardedHandler
+from graphpool.policy.pools import SizeConfig
+from graphpool.policy.private_pools import PoolId
 from graphpool.sim import SimBackend
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
-plain = pytest.mark.skipif(gp.compiled(), reason="compiled methods have no Python frames: nothing waits")
+plain = pytest.mark.skipif(gp.compiled(), reason="patches FreeList methods (a native class, compiled)")
 posix = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX signals")
 main_only = pytest.mark.skipif(
     threading.current_thread() is not threading.main_thread(), reason="signals are handled in the main thread"
@@ -118,8 +124,8 @@ def test_a_signal_inside_malloc_runs_its_handler_after_the_call(call: str) -> No
     assert ran_inside == [0]  # deferred ...
     assert [(s, f, busy) for s, f, busy in log] == [(signal.SIGINT, fired[0], False)]  # ... to after
     a.check_invariants()
-    # malloc had succeeded: its block stays allocated, as after an interrupt right after a call
-    assert a.memory_stats()["allocated_bytes.all.current"] == 512
+    # malloc had succeeded, but its caller never gets the block: it went back
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
     assert not a._lock._is_owned() and not a._busy
 
 
@@ -248,7 +254,7 @@ def test_a_handler_after_the_section_or_outside_runs_at_once() -> None:
     frames: list[FrameType] = []
     with interrupted(("place",), lambda frame: frames.append(frame.f_back)):  # type: ignore[arg-type]
         ptr = a.malloc(512, stream=0)
-    # the malloc frame of a finished call (as between `_busy = False` and the check): not waiting
+    # the malloc frame of a finished call (the lock released, as before the check): not waiting
     assert frames[0].f_code is CachingAllocator._malloc.__code__  # malloc's body
     guarded(signal.SIGINT, frames[0])
     assert len(log) == 1
@@ -386,7 +392,7 @@ def test_guard_wraps_once_and_leaves_non_handlers_alone() -> None:
         assert interrupts.guard(other) is other
 
 
-def test_importing_graphpool_guards_the_default_sigint_handler_plain_python_only() -> None:
+def test_importing_graphpool_guards_the_default_sigint_handler_in_both_builds() -> None:
     code = (
         "import signal, graphpool as gp\n"
         "h = signal.getsignal(signal.SIGINT)\n"
@@ -394,10 +400,7 @@ def test_importing_graphpool_guards_the_default_sigint_handler_plain_python_only
     )
     env = {**os.environ, "PYTHONPATH": SRC}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    if gp.compiled():
-        assert out.stdout.split() == ["True", "builtin_function_or_method", "False"]
-    else:
-        assert out.stdout.split() == ["False", "GuardedHandler", "True"]
+    assert out.stdout.split() == [str(gp.compiled()), "GuardedHandler", "True"]
 
 
 @main_only
@@ -469,3 +472,295 @@ def test_a_deferred_handler_runs_with_the_lock_released() -> None:
     assert seen == [(False, True)]
     a.free(ptr)
     a.check_invariants()
+
+
+# ---------------------------------------------- interrupts inside every call out (both builds)
+# The allocator calls plain Python in the middle of its updates: the device (the simulator here,
+# CUDA's wrappers in device/cuda.py), the history, logging, the out-of-memory observers. Compiled,
+# those are the only places a signal handler can run; a fault injected there stands for one. Each
+# call out is faulted in turn, at each of its calls in a scenario, before and after the real call
+# took effect, raising at once ("raise": an unguarded handler) or through a guarded handler
+# ("guarded": it must wait until the lock is released). After each: the invariants hold, and once
+# everything is freed and the cache emptied nothing stays reserved.
+
+MiB = 1 << 20
+DEVICE_CALLS = (
+    "malloc", "free", "capture_id", "capture_info", "exchange_capture_mode", "create_event",
+    "record_event", "query_event", "event_synchronize", "device_synchronize", "stream_idle",
+    "vmm_granularity", "vmm_reserve", "vmm_map", "vmm_unmap", "vmm_release", "take_released",
+    "mem_info", "begin_capture", "end_capture", "destroy_graph", "destroy_graph_exec",
+)  # fmt: skip
+ACQUIRE = {"malloc", "vmm_reserve", "vmm_map"}
+"""Calls whose result an interrupt after the driver acted loses (stated in docs/behaviour.rst):
+the device keeps what it made."""
+RELEASE = {"free", "vmm_release"}
+"""Calls the allocator forgets the memory before (stated): interrupted before the driver acted,
+the driver keeps it."""
+
+
+class Fault:
+    """Counts the calls out by name; when armed, interrupts the ``k``-th call of ``name``."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.calls: dict[str, int] = {}
+        self.target: tuple[str, int, str] | None = None  # (name, k, "before" | "after")
+        self.fired = False
+        self.owned_when_run: list[bool] = []
+        self.alloc: CachingAllocator | None = None
+
+    def hit(self, name: str, when: str) -> None:
+        if when == "before":
+            self.calls[name] = self.calls.get(name, 0) + 1
+        t = self.target
+        if t is None or self.fired or t[0] != name or t[2] != when or self.calls[name] != t[1]:
+            return
+        self.fired = True
+        if self.kind == "raise":
+            raise Interrupt
+        a = self.alloc
+
+        def handler(signum: int, frame: FrameType | None) -> None:
+            self.owned_when_run.append(a is not None and bool(a._lock._is_owned()))
+            raise Interrupt
+
+        gp.guard_signal_handler(handler)(signal.SIGALRM, sys._getframe())
+
+
+class FaultDevice:
+    """A SimDevice whose allocator-facing calls go through ``fault``."""
+
+    def __init__(self, dev: Any, fault: Fault) -> None:
+        self._dev = dev
+        self._fault = fault
+        self.index = dev.index
+        self.name = dev.name
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._dev, name)
+        if name not in DEVICE_CALLS:
+            return real
+        fault = self._fault
+
+        def call(*args: Any) -> Any:
+            fault.hit(name, "before")
+            out = real(*args)
+            fault.hit(name, "after")
+            return out
+
+        return call
+
+
+def _faulty_history(fault: Fault) -> Any:
+    from graphpool.policy.history import History
+
+    class FaultyHistory(History):
+        __slots__ = ()
+
+    for name in ("alloc", "free_requested", "free_completed", "segment_alloc", "segment_free", "record",
+                 "oom", "capture", "pool"):  # fmt: skip
+        real = getattr(History, name)
+
+        def method(
+            self: Any, *args: Any, _real: Any = real, _name: str = "history." + name, **kw: Any
+        ) -> Any:
+            fault.hit(_name, "before")
+            return _real(self, *args, **kw)
+
+        setattr(FaultyHistory, name, method)
+    return FaultyHistory(0, 1000, False)
+
+
+class _FaultLog(logging.Handler):
+    def __init__(self, fault: Fault) -> None:
+        super().__init__(logging.DEBUG)
+        self.fault = fault
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fault.hit("log", "before")
+
+
+def _scenario(
+    name: str, a: CachingAllocator, sim: Any, s1: int, held: list[int], state: dict[str, Any]
+) -> None:
+    """One use of the allocator, through the raw API; ``held`` keeps what it owns (a pointer
+    leaves it before its free is asked for: an interrupted free is done or queued, never lost)."""
+
+    def free(p: int) -> None:
+        held.remove(p)
+        a.free(p)
+
+    if name == "cached":
+        for n in (512, 4096, 3 * MiB, 12 * MiB, 512):
+            held.append(a.malloc(n, stream=0))
+        free(held[1])
+        free(held[0])
+        held.append(a.malloc(4096, stream=0))
+        while held:
+            free(held[-1])
+        held.append(a.malloc(2 * MiB, stream=s1))
+        free(held[-1])
+    elif name == "record_stream":
+        for n in (4096, 2 * MiB):
+            p = a.malloc(n, stream=0)
+            held.append(p)
+            a.record_stream(p, s1)
+            sim.launch_sleep(s1, 3)  # the side stream is busy: the event stays pending
+            free(p)
+        held.append(a.malloc(4096, stream=0))  # queries the events
+        free(held[-1])
+        a.empty_cache()  # waits for them, gives the segments back
+    elif name == "empty_cache":
+        for n in (4096, 2 * MiB, 12 * MiB):
+            held.append(a.malloc(n, stream=0))
+        while held:
+            free(held[-1])
+        sim.launch_sleep(0, 2)
+        a.empty_cache()
+    elif name == "capture":
+        q = a.malloc(4096, stream=0)
+        held.append(q)
+
+        def begin() -> int:
+            a.device.begin_capture(s1, CAPTURE_MODE_RELAXED)
+            return int(a.device.capture_id(s1))
+
+        rec = state["rec"] = a.begin_capture(PoolId(0, 999), begin, stream=s1)
+        p = a.malloc(4096, stream=s1)
+        held.append(p)
+        free(q)  # eager memory freed during the capture: kept for the graph
+        free(p)
+        graph = a.device.end_capture(s1)
+        rec.handles.append(("graph", graph))
+        a.end_capture(rec)
+        a.release_capture(rec)
+    elif name == "expandable":
+        for n in (3 * MiB, 5 * MiB, 4096):
+            held.append(a.malloc(n, stream=0))
+        free(held[0])
+        held.append(a.malloc(7 * MiB, stream=0))
+        free(held[1])
+        a.empty_cache()  # unmaps the free end
+        while held:
+            free(held[-1])
+        a.empty_cache()  # gives the segment back
+    elif name == "oom":
+        held.append(a.malloc(40 * MiB, stream=0))
+        free(held[-1])
+        try:
+            held.append(a.malloc(50 * MiB, stream=0))  # releases the cache and retries
+            free(held[-1])
+            a.malloc(200 * MiB, stream=0)  # out of memory: history, logging, observers
+        except gp.OutOfMemoryError:
+            pass
+
+
+def _run_faulted(scenario: str, kind: str, history: bool, target: tuple[str, int, str] | None) -> Fault:
+    """Run ``scenario`` with ``target`` interrupted, then check what it left."""
+    from graphpool.sim import capture as sim_capture
+
+    fault = Fault(kind)
+    memory = 64 * MiB if scenario == "oom" else 1 << 30
+    sim = SimBackend(memory_bytes=memory).get_device(0)
+    sizes = SizeConfig(expandable_segments=True) if scenario == "expandable" else SizeConfig()
+    a = CachingAllocator(FaultDevice(sim, fault), sizes=sizes)  # type: ignore[arg-type]
+    fault.alloc = a
+    s1 = sim.create_stream()
+    mode = sim_capture.exchange_mode(CAPTURE_MODE_RELAXED)
+    sim_capture.exchange_mode(mode)
+    log = logging.getLogger("graphpool")
+    handler, level = _FaultLog(fault), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+
+    def observer(device: int, requested: int, stats: dict[str, int]) -> None:
+        fault.hit("observer", "before")
+
+    observers.attach(observer)
+    if history:
+        a._history = _faulty_history(fault)
+    held: list[int] = []
+    state: dict[str, Any] = {}
+    fault.target = target
+    try:
+        _scenario(scenario, a, sim, s1, held, state)
+    except Interrupt:
+        assert target is not None and fault.fired
+    finally:
+        fault.target = None
+        observers.detach(observer)
+        log.removeHandler(handler)
+        log.setLevel(level)
+        sim_capture.exchange_mode(mode)  # an interrupted exchange may leave it relaxed (stated)
+    where = f"{scenario} {kind} history={history} {target}"
+    a.check_invariants()
+    rec = state.get("rec")
+    graph = 0
+    if sim.capture_id(s1):  # the scenario's capture was interrupted: end it on the device
+        try:
+            graph = sim.end_capture(s1)
+        except gp.GraphpoolError:
+            pass
+    if rec is not None and not rec.released:
+        if graph:
+            rec.handles.append(("graph", graph))
+        if rec.active:
+            a.abort_capture(rec)
+        else:
+            a.release_capture(rec)
+    elif graph:  # no record came back: an adopted capture, or none; its graph goes
+        sim.destroy_graph(graph)
+    for p in held:
+        a.free(p)
+    sim.device_synchronize()
+    a.empty_cache()
+    a.empty_cache()  # a free or release queued by an interrupt ran at the first call
+    a.check_invariants()
+    st = a.memory_stats()
+    assert st["allocated_bytes.all.current"] == 0, where
+    assert st["reserved_bytes.all.current"] == 0, where
+    leaked = len(sim.allocations()) + len(sim.reservations())
+    name, _, when = target if target is not None else ("", 0, "")
+    stated = kind == "raise" and (
+        (name in ACQUIRE and when == "after") or (name in RELEASE and when == "before")
+    )
+    assert leaked == 0 or stated, f"{where}: {leaked} device allocations left"
+    assert not any(fault.owned_when_run), f"{where}: a guarded handler ran with the lock held"
+    return fault
+
+
+SCENARIOS = ("cached", "record_stream", "empty_cache", "capture", "expandable", "oom")
+
+
+@pytest.mark.parametrize("history", [False, True], ids=["", "history"])
+@pytest.mark.parametrize("kind", ["raise", "guarded"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_an_interrupt_inside_any_call_out_leaves_the_allocator_whole(
+    scenario: str, kind: str, history: bool
+) -> None:
+    counts = _run_faulted(scenario, kind, history, None).calls
+    assert counts, "the scenario calls out"
+    ran = 0
+    for name, n in sorted(counts.items()):
+        whens = ("before", "after") if name in DEVICE_CALLS else ("before",)
+        for k in sorted({1, 2, n - 1, n} & set(range(1, n + 1))):  # the first calls and the last
+            for when in whens:
+                fault = _run_faulted(scenario, kind, history, (name, k, when))
+                ran += fault.fired
+    assert ran >= len(counts)
+
+
+def test_a_deferred_handler_that_raises_at_the_end_of_a_malloc_gives_the_block_back() -> None:
+    """Compiled too: the handler waits for the lock's release (no Python frames needed), and the
+    caller, which never gets the block, does not lose it."""
+    fault = Fault("guarded")
+    sim = SimBackend().get_device(0)
+    a = CachingAllocator(FaultDevice(sim, fault))  # type: ignore[arg-type]
+    fault.alloc = a
+    fault.target = ("malloc", 1, "after")
+    with pytest.raises(Interrupt):
+        a.malloc_owned(4096, stream=0)
+    assert fault.owned_when_run == [False]
+    a.check_invariants()
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
+    assert a.memory_stats()["reserved_bytes.all.current"] > 0  # the segment stays cached

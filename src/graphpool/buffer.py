@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from graphpool.errors import DoubleFreeError
-from graphpool.policy import interrupts
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
@@ -217,8 +216,3 @@ class DeviceBuffer:
     def __repr__(self) -> str:
         state = "" if self._live else ", freed"
         return f"<graphpool.DeviceBuffer 0x{self.ptr:x}, {self.nbytes} bytes, device {self.device}{state}>"
-
-
-# Where a buffer and its allocation change hands (policy/interrupts.py, ``handoff``; plain-Python
-# build only: compiled, these have no Python code)
-interrupts.handoff(DeviceBuffer.__init__, DeviceBuffer.free, DeviceBuffer.__del__, DeviceBuffer.__deepcopy__)

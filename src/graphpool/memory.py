@@ -10,7 +10,7 @@ from typing import Any, Final, SupportsFloat, SupportsIndex
 
 from graphpool import runtime
 from graphpool.buffer import _KEY, DeviceBuffer
-from graphpool.policy import interrupts, observers
+from graphpool.policy import observers
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.limits import check_fraction, check_limit_bytes
 from graphpool.policy.private_pools import CaptureWorld, PoolId
@@ -351,8 +351,3 @@ def attach_out_of_memory_observer(
 def detach_out_of_memory_observer(observer: observers.Observer) -> None:
     """Stop calling ``observer``; ValueError if it is not attached."""
     observers.detach(observer)
-
-
-# gp.alloc between the allocator's return and the buffer it makes (policy/interrupts.py,
-# ``handoff``; plain-Python build only: compiled, it has no Python code)
-interrupts.handoff(alloc)

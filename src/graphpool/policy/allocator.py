@@ -314,7 +314,7 @@ class CachingAllocator:
     def detect(self, on: bool) -> None:
         self._detect = bool(on)
 
-    def _run_locked(self, name: str, fn: Callable[[], T]) -> T:
+    def _run_locked(self, name: str, fn: Callable[[], T], undo: Callable[[T], None] | None = None) -> T:
         """``fn()`` with the lock held and the allocator marked busy: every call but malloc and
         free (which write the same steps out) goes through here.
 
@@ -329,15 +329,26 @@ class CachingAllocator:
                     _reentered(name)
                 self._busy = True
                 try:
-                    return fn()
+                    out = fn()
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
             self._after_oom(err)
+            if self._signals:
+                interrupts.run_pending()
             raise
-        finally:
-            if self._signals:  # a signal came mid-call (policy/interrupts.py): handle it now,
-                interrupts.run_pending()  # the lock released (a handler may wait for a thread)
+        except BaseException:
+            if self._signals:
+                interrupts.run_pending()
+            raise
+        if self._signals:  # a signal came mid-call (policy/interrupts.py): handle it now, the lock
+            try:  # released (a handler may wait for a thread)
+                interrupts.run_pending()
+            except BaseException:  # the caller will not get ``out``: ``undo`` takes it back
+                if undo is not None:
+                    self._run_locked(name, lambda: undo(out))
+                raise
+        return out
 
     # ------------------------------------------------------------------ malloc
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
@@ -913,6 +924,8 @@ class CachingAllocator:
             if need > reserve or not self._map_allowed(need):
                 return None
             prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+            va = 0
+            mapped = False
             try:
                 va = self.device.vmm_reserve(reserve)
                 try:
@@ -925,7 +938,13 @@ class CachingAllocator:
                     self.device.vmm_release(va, reserve)
                     return None
             finally:
-                self.device.exchange_capture_mode(prev)
+                try:
+                    self.device.exchange_capture_mode(prev)
+                except BaseException:  # (a signal handler in the restore): nothing was filed yet
+                    if mapped:
+                        self._unmap_quietly(va, need)
+                        self._release_quietly(va, reserve)
+                    raise
             seg = ExpandableSegment(va, reserve, need, stream, fl.is_small)
             self._exp[va] = seg
             self._exp_of[(fl.is_small, stream)] = seg
@@ -950,6 +969,7 @@ class CachingAllocator:
         if seg.mapped + need > seg.reserved or not self._map_allowed(need):
             return None
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        mapped = False
         try:
             try:
                 mapped = self.device.vmm_map(end, need)
@@ -957,7 +977,12 @@ class CachingAllocator:
                 self._unmap_quietly(end, need)  # the range could never be mapped again
                 raise
         finally:
-            self.device.exchange_capture_mode(prev)
+            try:
+                self.device.exchange_capture_mode(prev)
+            except BaseException:  # (a signal handler in the restore): nothing was counted yet
+                if mapped:
+                    self._unmap_quietly(end, need)
+                raise
         if not mapped:
             return None
         seg.mapped += need
@@ -1962,7 +1987,9 @@ class CachingAllocator:
         ``rec.written`` for the replay checker (graphs.py), at a cost per allocation.
         """
         return self._run_locked(
-            "begin_capture", lambda: self._begin_capture(pool_id, begin, stream, label, footprint)
+            "begin_capture",
+            lambda: self._begin_capture(pool_id, begin, stream, label, footprint),
+            self._abort_capture,  # a handler raised after: the caller never gets the record
         )
 
     def _begin_capture(
@@ -1990,13 +2017,19 @@ class CachingAllocator:
             self._drop_use(rec.pool)
             raise CaptureError(f"capture id {cid} is already registered")
         rec.capture_id = cid
+        try:  # the calls out before the record is filed: raising, it is as if ``begin`` had raised
+            if self._history is not None:
+                self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=False)
+            if _enabled(logging.DEBUG):
+                self._log_capture("began", rec)
+        except BaseException:
+            self._capturing -= 1
+            self._world.active -= 1
+            self._drop_use(rec.pool)
+            raise
         self._captures[cid] = rec
         self._recount()
         self._records[rec.sequence] = rec
-        if self._history is not None:
-            self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=False)
-        if _enabled(logging.DEBUG):
-            self._log_capture("began", rec)
         return rec
 
     def _log_capture(self, what: str, rec: CaptureRecord) -> None:
@@ -2025,10 +2058,14 @@ class CachingAllocator:
         if pool is None:
             pool = PrivatePool(pool_id)
             self._pools[pool_id] = pool
-            if self._history is not None:
-                self._history.pool("pool_create", pool)
-            if _enabled(logging.DEBUG):
-                self._log_pool("created", pool)
+            try:
+                if self._history is not None:
+                    self._history.pool("pool_create", pool)
+                if _enabled(logging.DEBUG):
+                    self._log_pool("created", pool)
+            except BaseException:  # a call out raised: the pool, unused, goes as if never made
+                del self._pools[pool_id]
+                raise
         self._freeable.pop(pool_id, None)
         pool.use_count += 1
         self._capture_seq += 1
@@ -2529,7 +2566,3 @@ class CachingAllocator:
 
         check_invariants(self)
 
-
-# The plain-Python build's hand-off points (policy/interrupts.py, ``handoff``): after the lock is
-# released, until the caller holds the allocation. Compiled, these have no Python code.
-interrupts.handoff(CachingAllocator.malloc, CachingAllocator.malloc_owned, CachingAllocator._malloc)

@@ -31,13 +31,12 @@ handler back before running one).
 
 from __future__ import annotations
 
-import _thread
 import signal
 import sys
 import threading
 import weakref
 from collections.abc import Callable
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 Handler = Callable[[int, FrameType | None], Any]
@@ -86,39 +85,6 @@ def in_critical(frame: FrameType | None = None) -> bool:
     return any(_owned(s.lock) for s in list(_sections))
 
 
-_handoff: set[CodeType] = set()
-"""Code of the functions that hand an allocation to its owner (``handoff``)."""
-
-
-def handoff(*fns: object) -> None:
-    """Declare the functions that pass an allocation between the allocator and its owner after
-    (or before) the lock is held: ``gp.alloc`` between ``malloc_owned`` and the DeviceBuffer it
-    makes, a buffer's ``free`` between marking itself freed and the allocator's free. In the
-    plain-Python build their bytecodes are points where a handler that raises would lose the
-    allocation (allocated, with no owner); a guarded handler whose signal lands in one of their
-    frames with no lock held runs once that frame has returned instead (``_bounce``).
-    Compiled functions (no Python code, so no such points) are skipped."""
-    for fn in fns:
-        code = getattr(fn, "__code__", None)
-        if isinstance(code, CodeType):
-            _handoff.add(code)
-
-
-def _in_handoff(frame: FrameType | None) -> bool:
-    """Whether ``frame`` or a frame it was called from is one of a ``handoff`` function."""
-    while frame is not None:
-        if frame.f_code in _handoff:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _bounce(signum: int) -> None:
-    """Deliver ``signum`` again at Python's next check for signals (``_thread.interrupt_main``
-    trips it as the C handler would): the guard asks again there, until the hand-off is over."""
-    _thread.interrupt_main(signal.Signals(signum))
-
-
 class GuardedHandler:
     """A signal handler that waits while the interrupted code is inside an allocator's critical
     section, and then runs (``guard``). ``handler`` is the handler it wraps."""
@@ -137,9 +103,6 @@ class GuardedHandler:
         if in_critical(frame):
             if all(s != signum for _, s, _ in pending):  # a signal is not queued twice
                 pending.append((self.handler, signum, frame))
-            return None
-        if _handoff and _in_handoff(frame):
-            _bounce(signum)
             return None
         return self.handler(signum, frame)
 
