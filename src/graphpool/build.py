@@ -32,10 +32,9 @@ def compiled() -> bool:
     """True when the allocator's hot path runs compiled by mypyc, else plain Python.
 
     Both builds behave the same, interrupts included, so plain Python is no reason for a
-    warning: compiled, a malloc or free runs no signal handler half-way; plain, graphpool
-    guards the default SIGINT handler so that a KeyboardInterrupt waits until the call's
-    update is complete (``guard_signal_handler``, docs/behaviour.rst "Interrupts"). Plain
-    Python is 3.5-4x slower per allocation.
+    warning: in both, graphpool guards the default SIGINT handler so that a KeyboardInterrupt
+    waits until the call's update is complete (``guard_signal_handler``, docs/behaviour.rst
+    "Interrupts"). Plain Python is 3.5-4x slower per allocation.
     """
     from graphpool.policy import allocator
 

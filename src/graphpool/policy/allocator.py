@@ -27,10 +27,13 @@ re-enters on the same thread (user code run by garbage collection inside a call)
 see half-updated state. ``free`` then queues the pointer; anything else raises.
 
 Signals: a call holding the lock is a critical section for a guarded signal handler
-(policy/interrupts.py): in the plain-Python build a handler whose signal lands there runs
-right after the lock is released (each locked call tests ``_signals`` then), never with the
-lock held. Out-of-memory observers and the OOM log line run after the release too
-(``_after_oom``).
+(policy/interrupts.py, both builds): a handler whose signal lands there runs right after the
+lock is released (each locked call tests ``_signals`` then), never with the lock held.
+Out-of-memory observers and the OOM log line run after the release too (``_after_oom``).
+Every call out to Python code in the middle of an update (the device, the history, logging)
+finds the state consistent or rolls its update back if it raises: an unguarded handler's
+exception there, the only place one can land compiled, breaks no invariant
+(docs/behaviour.rst, "Interrupts", states what a device call that raised may have cost).
 """
 
 from __future__ import annotations
