@@ -206,3 +206,24 @@ def test_refused_on_the_simulator(cp: Any) -> None:
     finally:
         gp.set_backend("cuda")
         gcupy.install()
+
+
+def test_per_thread_default_stream_is_refused(cp: Any) -> None:
+    """CuPy's ``Stream.ptds`` (handle 2) names a different stream on each thread: refused, as by
+    every entry point, rather than filing every thread's blocks under one handle."""
+    import graphpool.cupy as gcupy
+
+    if not hasattr(cp.cuda.Stream, "ptds"):
+        pytest.skip("this CuPy has no Stream.ptds")
+    gc.collect()
+    base = gp.memory_allocated()
+    with cp.cuda.Stream.ptds:
+        assert cp.cuda.get_current_stream().ptr == 2
+        with pytest.raises(ValueError, match="per-thread default stream"):
+            gcupy.malloc(4096)
+        with pytest.raises(ValueError, match="per-thread default stream"):
+            cp.ones(1 << 10, dtype=cp.float32)
+    assert gp.memory_allocated() == base
+    a = cp.ones(16, dtype=cp.float32)  # the null stream again: served
+    assert float(a.sum()) == 16.0
+    del a

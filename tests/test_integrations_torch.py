@@ -232,3 +232,18 @@ def test_pytorch_allocates_through_graphpool() -> None:
     assert out.get("graph") is None, out.get("graph")
     assert out["graph_overwritten"] == 0 and out["graph_result_ok"]
     assert out["graph_private_segments"] >= 1 and out["graph_pool_segments_after_del"] == 0
+
+
+def test_hooks_refuse_the_per_thread_default_stream(sim: Any) -> None:
+    """A PyTorch stream on handle 2 (cudaStreamPerThread) names a different stream on each
+    thread: refused as by every entry point; handle 1 (cudaStreamLegacy) is the legacy stream."""
+    import graphpool.torch as gtorch
+
+    malloc, free = gtorch.hooks()
+    with pytest.raises(ValueError, match=r"graphpool\.torch: PyTorch's current stream is CUDA's per-thread"):
+        malloc(512, 0, 2)
+    p = malloc(512, 0, 1)
+    block = runtime.allocator(0).lookup(p)
+    assert block is not None and block.stream == 0
+    free(p, 512, 0, 1)
+    assert gp.memory_allocated() == 0

@@ -299,3 +299,30 @@ def test_a_set_backend_during_the_first_call_on_a_stream_is_not_cached_over(
         gcupy.malloc(16)  # the kept stream belongs to a replaced world: checked again
     del raced
     gc.collect()
+
+
+def test_per_thread_default_stream_is_refused(cp: Any) -> None:
+    """CuPy's per-thread default stream (handle 2: ``Stream.ptds``, or the default stream under
+    CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1) names a different stream on each thread: refused
+    with gp.alloc's error, never filed under one shared handle."""
+    base = gp.memory_allocated()
+    with cp.cuda.Stream.ptds:
+        refused = r"graphpool\.cupy\.malloc: CuPy's current stream is CUDA's per-thread"
+        with pytest.raises(ValueError, match=refused):
+            gcupy.malloc(4096)
+        with pytest.raises(ValueError, match="per-thread default stream"):
+            cp.ones(16, dtype=np.float32)  # the same through CuPy's own array creation
+        with pytest.raises(ValueError, match="per-thread default stream"):
+            gcupy.malloc(4096)  # refused every time: the refusal is never cached as a stream
+    assert gp.memory_allocated() == base
+    assert all(key[1] != 2 for key in gcupy._gp_streams)
+    a = cp.ones(16, dtype=np.float32)  # the null stream again: served
+    assert a.data.mem._owner.stream.handle == 0
+    del a
+
+
+def test_cuda_legacy_handle_is_the_legacy_stream(cp: Any) -> None:
+    with cp.cuda.ExternalStream(1):  # cudaStreamLegacy
+        m = gcupy.malloc(4096)
+    assert m.mem._owner.stream.handle == 0  # filed with the null stream's blocks
+    del m

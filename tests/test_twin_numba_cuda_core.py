@@ -259,3 +259,12 @@ def test_invalid_device_refused(core: Any) -> None:
     with pytest.raises(ValueError, match="invalid device 5"):
         gcore.GraphpoolMemoryResource(5)
     assert repr(gcore.GraphpoolMemoryResource(1)) == "<graphpool.cuda_core.GraphpoolMemoryResource device=1>"
+
+
+def test_per_thread_default_stream_is_refused(core: Any) -> None:
+    mr = gcore.GraphpoolMemoryResource(0)
+    with pytest.raises(ValueError, match=r"GraphpoolMemoryResource\.allocate: int is CUDA's per-thread"):
+        mr.allocate(512, stream=2)
+    buf = mr.allocate(512, stream=1)  # cudaStreamLegacy: the legacy stream
+    assert _segment_of(int(buf.handle))["stream"] == 0
+    buf.close()

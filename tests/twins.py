@@ -11,7 +11,7 @@ the simulated device, fake cuda.core streams are simulated streams.
 What each fake reproduces (and the integration relies on):
 
 * CuPy: ``cuda.runtime.getDevice``, ``cuda.Device`` (context manager), per-thread current
-  stream per device (``get_current_stream``, ``Stream.use``, ``Stream.null``,
+  stream per device (``get_current_stream``, ``Stream.use``, ``Stream.null``, ``Stream.ptds``,
   ``ExternalStream``, ``is_capturing``), ``set_allocator``/``get_allocator`` with a default
   pool of CuPy's own (caching, not graphpool's), ``UnownedMemory`` holding its owner,
   ``MemoryPointer``; 1-D arrays allocating through the current allocator and launching
@@ -97,6 +97,7 @@ def make_cupy() -> types.ModuleType:
 
     class Stream:
         null: Stream
+        ptds: Stream
 
         def __init__(self, null: bool = False, non_blocking: bool = False, ptr: int | None = None) -> None:
             if ptr is not None:
@@ -150,6 +151,8 @@ def make_cupy() -> types.ModuleType:
             return hash(self.ptr)
 
     Stream.null = Stream(null=True)
+    Stream.ptds = Stream(ptr=2)  # CUDA's per-thread default stream (cudaStreamPerThread)
+    Stream.ptds.device_id = -1
 
     class Graph:
         """CuPy's Graph: owns the graph and its executable, destroys both when collected."""

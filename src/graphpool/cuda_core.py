@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from graphpool import _warnings, runtime
 from graphpool.memory import alloc
-from graphpool.streams import Stream, cuda_stream_handle, current_stream
+from graphpool.streams import Stream, cuda_stream_handle, current_stream, resolve_handle
 
 if TYPE_CHECKING:
     from cuda.core import MemoryResource
@@ -72,7 +72,9 @@ def _make_class() -> type[MemoryResource]:
                 return current_stream(self._device_id)
             if isinstance(stream, Stream):
                 return stream
-            return Stream._wrap(self._device_id, stream_handle(stream))
+            what = "GraphpoolMemoryResource.allocate"
+            handle = resolve_handle(stream_handle(stream), what, type(stream).__name__)
+            return Stream._wrap(self._device_id, handle)
 
         def allocate(self, size: int, stream: Any = None) -> Any:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""

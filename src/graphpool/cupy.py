@@ -28,7 +28,7 @@ from typing import Any
 from graphpool import _warnings, runtime
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.memory import alloc
-from graphpool.streams import Stream, current_stream
+from graphpool.streams import Stream, current_stream, resolve_handle
 
 _cp: Any = None
 """The cupy module, once ``install()`` imported it."""
@@ -101,14 +101,19 @@ def malloc(nbytes: int) -> Any:
 
 
 def _wrapper(device: int, handle: int) -> Stream:
-    """graphpool's Stream for CuPy's stream ``handle`` of ``device``, kept as ``_last``."""
+    """graphpool's Stream for CuPy's stream ``handle`` of ``device``, kept as ``_last``.
+
+    The legacy handle (1) is the legacy stream; the per-thread default stream (2, CuPy's
+    ``Stream.ptds`` or ``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM=1``) is refused (ValueError), as
+    by every entry point (``streams.resolve_handle``); it is never cached, so it never
+    reaches the fast path."""
     global _last
     world = runtime.get().world  # read first: a set_backend from now on marks it replaced
     _require_cuda()
     key = (device, handle)
     s = _gp_streams.get(key)
     if s is None or s._space is not runtime.space():  # (one made before a set_backend)
-        s = Stream._wrap(device, handle)
+        s = Stream._wrap(device, resolve_handle(handle, "graphpool.cupy.malloc", "CuPy's current stream"))
         _gp_streams[key] = s
     _last = (device, handle, s, world)
     return s

@@ -407,6 +407,26 @@ def _is_cupy_stream(obj: object) -> bool:
     return bool(kinds) and isinstance(obj, kinds)
 
 
+def resolve_handle(handle: int, what: str, name: str) -> int:
+    """Another library's stream ``handle`` as graphpool files blocks under it, for the call
+    ``what`` on the stream ``name`` (both for the message).
+
+    CUDA's legacy default stream handle (1) is graphpool's legacy stream. The per-thread
+    default stream (2) is refused with ValueError: its handle names a different stream on
+    each thread, so blocks filed under it would be reused across threads with no ordering.
+    Every entry point that takes a stream handle from another library goes through here.
+    """
+    if handle == CU_STREAM_LEGACY:
+        return LEGACY_STREAM
+    if handle == CU_STREAM_PER_THREAD:
+        raise ValueError(
+            f"{what}: {name} is CUDA's per-thread default stream, which graphpool cannot tell "
+            "apart between threads; use a stream of your own (e.g. gp.Stream()) or the legacy "
+            "default stream"
+        )
+    return handle
+
+
 def as_stream(obj: object, what: str, device: int | None = None) -> Stream:
     """``obj`` as a graphpool Stream, for the call ``what`` (for messages).
 
@@ -426,13 +446,7 @@ def as_stream(obj: object, what: str, device: int | None = None) -> Stream:
         handle = int(obj.ptr)  # type: ignore[attr-defined]
     else:
         raise TypeError(f"{what} takes {ACCEPTED}, not {type(obj).__name__}")
-    if handle == CU_STREAM_LEGACY:
-        handle = LEGACY_STREAM
-    elif handle == CU_STREAM_PER_THREAD:
-        raise ValueError(
-            f"{what}: {type(obj).__name__} is CUDA's per-thread default stream, which graphpool "
-            "cannot tell apart between threads; pass a stream of your own (e.g. gp.Stream())"
-        )
+    handle = resolve_handle(handle, what, type(obj).__name__)
     index = _index(device)
     rt = runtime.get()
     if not rt.device(index).owns_stream(handle):

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from graphpool import runtime
+from graphpool.streams import resolve_handle
 
 MallocHook = Callable[[int, int, int], int]
 """``malloc(size, device, stream handle) -> address``, as the shim calls it."""
@@ -88,6 +89,7 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
             )
         if size == 0:
             return 0
+        stream = resolve_handle(stream, "graphpool.torch", "PyTorch's current stream")
         return bound.allocator(device).malloc(size, stream=stream)
 
     def free(ptr: int, size: int, device: int, stream: int) -> None:

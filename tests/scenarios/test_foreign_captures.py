@@ -298,3 +298,53 @@ def test_a_record_streamed_free_during_a_graphpool_capture_while_its_user_stream
     del out, g
     gp.check_invariants()
     settle()
+
+
+@pytest.mark.parametrize("destroy_graph_first", [False, True])
+def test_kept_block_of_a_foreign_graph_waits_for_its_in_flight_launch(
+    backend: Any, destroy_graph_first: bool
+) -> None:
+    """The graph and its exec are destroyed while a launch is still queued behind a long
+    kernel. CUDA releases the graph's user object only when that launch completes, so the
+    block the graph writes (an eager array dropped inside the capture, kept for the graph)
+    must not reach eager code before: an eager array made on its stream in the meantime keeps
+    its bytes, and the block comes back once the launch is done."""
+    xp = backend.xp
+    settle()
+    dev = runtime.get().device(0)
+    a, s = gp.Stream(), gp.Stream()
+    with gp.stream(a):
+        w = xp.zeros(N, dtype=xp.float32)  # eager on a, made before the capture
+        w_ptr = ptr(w)
+    a.synchronize()
+    with gp.stream(s):
+        dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+        tmp = xp.ones(N, dtype=xp.float32)  # the capture's first allocation: detected
+        w.fill(5.0)  # the graph writes w on every launch
+        out = w + tmp
+        del w, tmp  # freed inside the capture: w is kept for the graph
+        graph = dev.end_capture(s.handle)
+    exe = dev.instantiate(graph)
+    recs = runtime.allocator()._records.values()
+    pool = [r for r in recs if r.foreign and r.stream == s.handle][-1].pool
+    backend.spin(s)
+    dev.launch(exe, s.handle)  # in flight behind the spin
+    if destroy_graph_first:
+        dev.destroy_graph(graph)
+        dev.destroy_graph_exec(exe)
+    else:
+        dev.destroy_graph_exec(exe)
+        dev.destroy_graph(graph)
+    gp.memory_stats()  # the allocator asks the device for released graphs
+    with gp.stream(a):
+        y = xp.full(N, 7.0, dtype=xp.float32)  # eager on w's stream while the launch is queued
+    gp.synchronize()
+    assert total(y) == 7.0 * N  # the in-flight launch wrote none of y
+    assert total(out) == 6.0 * N
+    assert wait_released(pool)  # released once the launch completed
+    with gp.stream(a):
+        z = xp.full(N, 1.0, dtype=xp.float32)
+        assert ptr(z) == w_ptr  # and w's block is back in the ordinary pool
+    del out, y, z
+    settle()
+    gp.check_invariants()

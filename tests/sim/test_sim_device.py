@@ -475,6 +475,71 @@ def test_graph_launched_into_a_capture_is_recorded(dev: SimDevice) -> None:
     assert dev.graph_node_count(dev.end_capture(s)) == 3 and dev.pending_ops() == 0
 
 
+# -- graph user objects ---------------------------------------------------------------
+def _graph_with_user_object(dev: SimDevice, s: int, token: int) -> tuple[int, int]:
+    """A one-kernel graph captured on ``s`` holding user object ``token``; (graph, exec)."""
+    dev.begin_capture(s, RELAXED)
+    dev.launch_kernel(s, lambda: None)
+    dev.attach_release(s, token)
+    graph = dev.end_capture(s)
+    return graph, dev.instantiate(graph)
+
+
+def test_user_object_released_when_graph_and_execs_are_destroyed(dev: SimDevice) -> None:
+    s = dev.create_stream()
+    graph, exe = _graph_with_user_object(dev, s, 11)
+    second = dev.instantiate(graph)
+    dev.destroy_graph(graph)
+    dev.destroy_graph_exec(exe)
+    assert dev.take_released() == []  # ``second`` still holds it
+    dev.destroy_graph_exec(second)
+    assert dev.take_released() == [11] and dev.take_released() == []
+
+
+@pytest.mark.parametrize("graph_first", [True, False])
+@pytest.mark.parametrize("complete", ["stream_synchronize", "event_synchronize", "device_synchronize"])
+def test_queued_launch_keeps_user_objects_until_it_completes(
+    dev: SimDevice, graph_first: bool, complete: str
+) -> None:
+    """CUDA retains a launch's reference to the graph's user objects until the launch
+    finishes: destroying the exec and its graph with launches queued releases nothing yet."""
+    s, other = dev.create_stream(), dev.create_stream()
+    graph, exe = _graph_with_user_object(dev, s, 12)
+    dev.launch_sleep(s, rounds=5)
+    dev.launch(exe, s)
+    dev.launch(exe, other)  # the later launch waits for the first: the last to complete
+    event = dev.create_event()
+    dev.record_event(event, other)
+    if graph_first:
+        dev.destroy_graph(graph)
+        dev.destroy_graph_exec(exe)
+    else:
+        dev.destroy_graph_exec(exe)
+        dev.destroy_graph(graph)
+    assert dev.take_released() == []
+    dev.stream_synchronize(s)  # the first launch completes; the second is still queued
+    assert dev.take_released() == []
+    {
+        "stream_synchronize": lambda: dev.stream_synchronize(other),
+        "event_synchronize": lambda: dev.event_synchronize(event),
+        "device_synchronize": dev.device_synchronize,
+    }[complete]()
+    assert dev.take_released() == [12]
+
+
+def test_launch_into_a_capture_takes_no_reference(dev: SimDevice) -> None:
+    """A launch recorded into another capture is no queued launch: nothing waits to run it."""
+    s = dev.create_stream()
+    graph, exe = _graph_with_user_object(dev, s, 13)
+    dev.begin_capture(s, RELAXED)
+    dev.launch(exe, s)
+    outer = dev.end_capture(s)
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    assert dev.take_released() == [13]
+    dev.destroy_graph(outer)
+
+
 # -- capture: unsafe calls and modes ---------------------------------------------------
 def _unsafe_calls(dev: SimDevice, s: int) -> dict[str, Callable[[], object]]:
     """One of each call CUDA may prohibit during capture, none touching capturing stream ``s``."""

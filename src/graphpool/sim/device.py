@@ -64,9 +64,13 @@ class _CaptureMark:
 
 
 class _Op:
-    """One queued op: a kernel, a sleep, an event record or an event wait."""
+    """One queued op: a kernel, a sleep, an event record or an event wait.
 
-    __slots__ = ("fn", "marker", "name", "rounds")
+    A record that ends a graph launch carries the user objects the launch retained
+    (``tokens``): they are dropped when it runs, that is when the launch completes.
+    """
+
+    __slots__ = ("fn", "marker", "name", "rounds", "tokens")
 
     def __init__(
         self,
@@ -74,11 +78,13 @@ class _Op:
         fn: Callable[[], None] | None = None,
         rounds: int = 0,
         marker: _Marker | None = None,
+        tokens: tuple[int, ...] = (),
     ) -> None:
         self.name = name
         self.fn = fn
         self.rounds = rounds
         self.marker = marker
+        self.tokens = tokens
 
 
 @dataclass
@@ -476,7 +482,8 @@ class SimDevice:
                 self._token_refs[t] += 1
 
     def _drop(self, tokens: tuple[int, ...] | list[int]) -> None:
-        """Drop one reference to each token; a token no graph or exec holds is released."""
+        """Drop one reference to each token; a token no graph, exec or queued launch holds is
+        released."""
         for t in tokens:
             n = self._token_refs[t] - 1
             if n:
@@ -562,7 +569,9 @@ class SimDevice:
     def launch(self, graph_exec: int, stream: int) -> None:
         """Queue one replay: each node becomes its own op, so replays of different graphs on two
         streams interleave. Launches of one exec run in launch order, whatever their streams,
-        as in CUDA: a launch waits for the end of the previous one."""
+        as in CUDA: a launch waits for the end of the previous one. Each launch holds a
+        reference to the exec's user objects until it completes, as CUDA's does, so destroying
+        the exec (and its graph) with launches queued releases them only after the last one."""
         call = "cudaGraphLaunch"
         with self._lock:
             nodes = self._execs.get(graph_exec)
@@ -579,7 +588,10 @@ class SimDevice:
             for node in nodes:
                 st.queue.append(_Op(node.name, node.fn, node.rounds))
             end = _Marker()
-            st.queue.append(_Op("record", marker=end))
+            tokens = self._holders.get(graph_exec, ())
+            for t in tokens:
+                self._token_refs[t] += 1
+            st.queue.append(_Op("record", marker=end, tokens=tokens))
             self._last_launch[graph_exec] = end
 
     def destroy_graph(self, graph: int) -> None:
@@ -692,6 +704,8 @@ class SimDevice:
                     return False
             else:
                 op.marker.done = True
+                if op.tokens:  # the end of a graph launch: its user objects' references go
+                    self._drop(op.tokens)
             st.queue.popleft()
             return True
         if op.fn is None:  # sleep
