@@ -227,3 +227,73 @@ def test_per_thread_default_stream_is_refused(cp: Any) -> None:
     a = cp.ones(16, dtype=cp.float32)  # the null stream again: served
     assert float(a.sum()) == 16.0
     del a
+
+
+def test_an_array_made_on_another_stream_during_a_hooked_capture_is_kept(cp: Any) -> None:
+    """Issue 24 through CuPy's own capture API (registered by graphpool's hook): an array made
+    on another stream while the capture is underway, written by the captured kernels and
+    dropped before the capture ends, is kept for the graph; the eager array made on that
+    stream after the capture gets other memory, which a launch leaves intact."""
+    n = 1 << 16
+    x = cp.ones(n, dtype=np.float32)
+    (x * 3.0).sum()  # the kernels loaded before the capture
+    other = cp.cuda.Stream(non_blocking=True)
+    s = cp.cuda.Stream(non_blocking=True)
+    gp.synchronize()
+    with s:
+        s.begin_capture()
+        with other:
+            w = cp.zeros(n, dtype=np.float32)  # ordinary memory, on a stream outside the capture
+        other.synchronize()
+        w_ptr = int(w.data.ptr)
+        w.fill(5.0)  # captured on s: the graph writes w
+        out = w + 1.0
+        del w
+        g = s.end_capture()
+    with other:
+        y = cp.full(n, 7.0, dtype=np.float32)
+        other.synchronize()
+    assert int(y.data.ptr) != w_ptr
+    g.launch(s)
+    s.synchronize()
+    assert float(y.sum().item()) == 7.0 * n
+    assert float(out.sum().item()) == 6.0 * n
+    del g, y, out, x
+    gc.collect()
+
+
+def test_a_graph_released_while_a_blocking_stream_captures_unseen_records_nothing_on_the_legacy_stream(
+    cp: Any,
+) -> None:
+    """A graph replayed on the legacy stream keeps a block (freed during its capture on another
+    stream); it is released while a blocking CuPy stream captures in a capture graphpool has
+    not seen. CUDA refuses the legacy stream then (cudaErrorStreamCaptureImplicit): recording
+    the release's event there failed, and the device synchronize that stood in for it broke
+    the capture. The release asks the legacy stream's status first and records the event
+    after the capture ends."""
+    from graphpool.device.protocol import CAPTURE_MODE_RELAXED
+
+    dev = runtime.get().device(0)
+    n = 1 << 20
+    s = gp.Stream()
+    x = gp.alloc(n, stream=s)
+    s.synchronize()
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        out = gp.alloc(n)
+        dev.memcpy(out.ptr, x.ptr, n, gp.current_stream().handle)
+        x.free()  # kept for g
+    g.replay()  # on the legacy stream
+    gp.synchronize()
+    blocking = cp.cuda.Stream()  # CuPy's default: a blocking stream
+    dev.begin_capture(blocking.ptr, CAPTURE_MODE_RELAXED)
+    g.reset()  # the kept block's event is due on the legacy stream
+    graph = dev.end_capture(blocking.ptr)  # not invalidated
+    dev.destroy_graph(graph)
+    for _ in range(3):
+        gp.alloc(4096).free()  # the event is recorded now
+    gp.synchronize()
+    gp.empty_cache()
+    gp.check_invariants()
+    assert gp.memory_stats()["active_bytes.all.current"] == gp.memory_stats()["allocated_bytes.all.current"]
+    del out, g

@@ -326,3 +326,35 @@ def test_cuda_legacy_handle_is_the_legacy_stream(cp: Any) -> None:
         m = gcupy.malloc(4096)
     assert m.mem._owner.stream.handle == 0  # filed with the null stream's blocks
     del m
+
+
+def test_an_array_made_on_another_stream_during_a_hooked_capture_is_kept(cp: Any) -> None:
+    """Issue 24 through CuPy's own capture API (registered by graphpool's hook): an array made
+    on another stream while the capture is underway, written by the captured kernels and
+    dropped before the capture ends, is kept for the graph; the eager array made on that
+    stream after the capture gets other memory, which a launch leaves intact."""
+    n = 1 << 16
+    x = cp.ones(n, dtype=np.float32)
+    (x * 3.0).sum()  # the kernels loaded before the capture
+    other = cp.cuda.Stream(non_blocking=True)
+    s = cp.cuda.Stream(non_blocking=True)
+    gp.synchronize()
+    with s:
+        s.begin_capture()
+        with other:
+            w = cp.zeros(n, dtype=np.float32)  # ordinary memory, on a stream outside the capture
+        other.synchronize()
+        w_ptr = int(w.data.ptr)
+        w.fill(5.0)  # captured on s: the graph writes w
+        out = w + 1.0
+        del w
+        g = s.end_capture()
+    with other:
+        y = cp.full(n, 7.0, dtype=np.float32)
+        other.synchronize()
+    assert int(y.data.ptr) != w_ptr
+    g.launch(s)
+    s.synchronize()
+    assert float(y.sum().item()) == 7.0 * n
+    assert float(out.sum().item()) == 6.0 * n
+    del g, y, out, x

@@ -518,7 +518,12 @@ def _note_replay(g: CUDAGraph, s: Stream) -> None:
     g._last_stream = s
     if g._done_event is None:
         g._done_event = Event(s.device)
-    runtime.get().device(s.device).record_event(g._done_event.handle, s.handle)
+    dev = runtime.get().device(s.device)
+    # A replay launched into a capture runs nothing now; an event recorded there would become
+    # part of the capture, and CUDA refuses to query it afterwards (the checker would raise at
+    # every later replay of a pool mate). The event keeps marking the last eager replay.
+    if s.handle == LEGACY_STREAM or not dev.capture_id(s.handle):
+        dev.record_event(g._done_event.handle, s.handle)
 
 
 # The checker hears about event records and waits from streams.py (which never imports us).

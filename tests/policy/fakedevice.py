@@ -12,7 +12,11 @@ Events, two ways:
   before the record is done. An event recorded on an idle stream is complete at once, so
   an event recorded on the wrong stream shows.
 
-``recorded`` logs every ``(event, stream)`` record in order.
+``recorded`` logs every ``(event, stream)`` record in order. An event recorded on a capturing
+stream becomes part of the capture, as in CUDA: querying or synchronizing it raises
+cudaErrorCapturedEvent until it is recorded again outside a capture (``captured`` holds them).
+While ``implicit`` is set (a blocking stream captures, in CUDA's terms), the legacy stream (0)
+is unusable: its capture status and an event record on it raise cudaErrorStreamCaptureImplicit.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class FakeDevice:
         self.targets: dict[int, tuple[int, int]] = {}  # event -> (stream, work it waits for)
         self.recorded: list[tuple[int, int]] = []
         self.event_stream: dict[int, int] = {}  # event -> the stream it was last recorded on
+        self.captured: set[int] = set()  # events last recorded on a capturing stream
+        self.implicit = False  # a blocking stream captures: the legacy stream refuses use
         self.destroyed: set[int] = set()  # streams destroyed by the test: record_event fails
         self.refuse_end: set[int] = set()  # streams whose end_capture fails (thread-bound, thread gone)
         self.refused = 0  # driver allocations refused (out of memory)
@@ -143,10 +149,16 @@ class FakeDevice:
 
     def record_event(self, event: int, stream: int) -> None:
         self.calls.append("record")
+        if stream == 0 and self.implicit:
+            raise CUDAError("cudaEventRecord", 906, "cudaErrorStreamCaptureImplicit")
         if stream in self.destroyed:
             raise CUDAError("cudaEventRecord", 400, "cudaErrorInvalidResourceHandle")
         self.recorded.append((event, stream))
         self.event_stream[event] = stream
+        if self.capturing.get(stream):
+            self.captured.add(event)  # a node of the capture now, not a mark on the stream
+            return
+        self.captured.discard(event)
         if self.streams:
             target = self.queued.get(stream, 0)
             self.targets[event] = (stream, target)
@@ -160,14 +172,20 @@ class FakeDevice:
             if s == stream:
                 self.events[ev] = True
 
+    def _check_captured(self, call: str, event: int) -> None:
+        if event in self.captured:
+            raise CUDAError(call, 907, "cudaErrorCapturedEvent")
+
     def query_event(self, event: int) -> bool:
         self.calls.append("query")
+        self._check_captured("cudaEventQuery", event)
         self._refresh(event)
         return self.events[event]
 
     def event_synchronize(self, event: int) -> None:
         """Wait for the event: its stream's work queued before the record finishes."""
         self.calls.append("sync")
+        self._check_captured("cudaEventSynchronize", event)
         if event in self.targets:
             stream, target = self.targets[event]
             self.done[stream] = max(self.done.get(stream, 0), target)
@@ -208,6 +226,8 @@ class FakeDevice:
 
     # capture
     def capture_info(self, stream: int) -> tuple[int, int]:
+        if stream == 0 and self.implicit:
+            raise CUDAError("cudaStreamIsCapturing", 906, "cudaErrorStreamCaptureImplicit")
         cid = self.capturing.get(stream, 0)
         return (CAPTURE_STATUS_ACTIVE if cid else CAPTURE_STATUS_NONE), cid
 

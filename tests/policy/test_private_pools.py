@@ -7,6 +7,7 @@ reset is ``release_capture(rec)``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -1030,11 +1031,12 @@ def test_record_streamed_free_inside_a_detected_capture_is_kept() -> None:
     assert a._capturing == 1 and x not in [b.ptr for b in a._small]
     a.free(t)
     dev.end(S1)
-    for _ in range(SWEEP_EVERY - 1):  # allocations elsewhere ask only every SWEEP_EVERY-th time
-        a.free(a.malloc(1000, stream=S3))
-    assert a._capturing == 1
-    a.free(a.malloc(1000, stream=S3))  # this one asks (one query per such capture)
+    held = [a.malloc(1000, stream=S3) for _ in range(SWEEP_EVERY - 1)]
+    assert a._capturing == 1  # allocations elsewhere ask only every SWEEP_EVERY-th time
+    a.free(held.pop())  # a free that would keep its block asks first (one query per such capture)
     assert a._capturing == 0
+    for p in held:
+        a.free(p)
     assert a.malloc(1000, stream=S1) != x  # still kept: its graph is alive
     (token,) = dev.attached
     dev.release(token)  # the graph and its execs are destroyed
@@ -1181,4 +1183,204 @@ def test_a_queued_record_streamed_free_adopting_a_capture_still_counts_as_made_d
     assert x in [b.ptr for b in first.kept] and any(
         x in [b.ptr for b in r.kept] for r in a._captures.values()
     )
+    ok(a)
+
+
+# ---------------------------------------------------------------- frees during a capture
+# Issue 24: an ordinary block allocated during a capture on a stream outside it went back
+# to its free list at once (the eager rule); a released graph recorded its replay-stream
+# events into a capture not seen yet; a free after a detected capture ended was kept for it.
+
+
+def _capture(a: CachingAllocator, dev: FakeDevice, kind: str) -> CaptureRecord:
+    """A capture on S1 underway, begun the way ``kind`` says."""
+    if kind == "graphpool":
+        return begin(a, dev, P, S1)
+    dev.begin(S1)
+    if kind == "adopted":  # a framework's hook registers it at its beginning
+        return a.adopt_capture(S1)
+    a.free(a.malloc(1000, stream=S1))  # detected at its first allocation
+    (rec,) = a._captures.values()
+    return rec
+
+
+def _release(a: CachingAllocator, dev: FakeDevice, rec: CaptureRecord) -> None:
+    """The capture ended and its graph is gone."""
+    if rec.foreign:
+        dev.end(S1)
+        dev.release(rec.token)
+        a.memory_stats()  # notices the release
+    else:
+        end(a, dev, rec)
+        a.release_capture(rec)
+    assert rec.released
+
+
+@pytest.mark.parametrize("kind", ["graphpool", "adopted", "detected"])
+@pytest.mark.parametrize("nbytes", [1000, 3 * MiB])
+@pytest.mark.parametrize("expandable", [False, True])
+@pytest.mark.parametrize("queued", [False, True])
+def test_an_ordinary_block_made_during_a_capture_and_freed_in_it_is_kept(
+    kind: str, nbytes: int, expandable: bool, queued: bool
+) -> None:
+    """Made during the capture on another stream (S2, which it never allocates on: the old
+    rule's "eager memory of eager code"), freed before it ends: graphpool cannot see whether
+    a captured kernel uses it, so it is kept for the graph until the graph goes. Small and
+    large pools, fixed and expandable segments, every kind of capture, a free made at once
+    or queued by a finalizer."""
+    dev, a = make(sizes=dataclasses.replace(DEFAULT, expandable_segments=expandable))
+    rec = _capture(a, dev, kind)
+    x = a.malloc(nbytes, stream=S2)  # ordinary memory, allocated during the capture
+    assert owner(a, x) is None
+    if queued:
+        a.defer_free(x)
+        a.memory_stats()
+    else:
+        a.free(x)
+    assert [b.ptr for b in rec.kept] == [x]
+    y = a.malloc(nbytes, stream=S2)
+    assert y != x  # not handed out while the graph may write it
+    ok(a)
+    _release(a, dev, rec)
+    z = a.malloc(nbytes, stream=S2)
+    assert z == x  # back in S2's free list with the graph gone
+    a.free(y)
+    a.free(z)
+    ok(a)
+
+
+def test_only_a_block_of_an_underway_captures_own_pool_goes_back_at_once() -> None:
+    """Two captures underway: a block of one's pool goes back to that pool (pool sharing); a
+    block of a pool no underway capture allocates from is kept for both."""
+    dev, a = make()
+    old = begin(a, dev, Q, S3)
+    out = a.malloc(1000, stream=S3)  # an earlier graph's output, in pool Q
+    end(a, dev, old)
+    r1, r2 = begin(a, dev, P, S1), begin(a, dev, H, S2)
+    t = a.malloc(1000, stream=S1)
+    a.free(t)
+    assert a.malloc(1000, stream=S1) == t  # reused by its own capture at once
+    a.free(out)  # consumed by the captures: kept for both
+    assert [b.ptr for b in r1.kept] == [out] and [b.ptr for b in r2.kept] == [out]
+    ok(a)
+    for r in (r1, r2):
+        end(a, dev, r)
+        a.release_capture(r)
+    a.release_capture(old)
+    ok(a)
+
+
+def test_a_graph_released_while_its_replay_stream_captures_unseen_records_no_event_into_it() -> None:
+    """A graph's kept block waits for an event on each stream the graph replayed on. When it
+    is released while one of them captures, in a capture begun outside graphpool and not seen
+    yet, the event would go into that capture (every later query of it fails: allocations
+    and empty_cache raise cudaErrorCapturedEvent for good). The release asks first: it
+    adopts that capture and records the event once the capture has ended."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    g = begin(a, dev, P, S3)
+    a.free(x)  # kept for g
+    end(a, dev, g)
+    g.replay_streams.add(S2)  # g replayed on S2
+    dev.begin(S2)  # a library's capture on S2, no allocation in it yet
+    a.release_capture(g)
+    assert not dev.captured and a._capturing == 1  # adopted, nothing recorded into it
+    ok(a)
+    dev.end(S2)
+    a.memory_stats()  # its end noticed: the event is recorded now, on a stream that is not capturing
+    assert [s for _, s in dev.recorded] == [S2] and not dev.captured
+    dev.complete_all()
+    assert a.malloc(1000, stream=S1) == x  # back once the event completed
+    a.empty_cache()  # nothing raises
+    ok(a)
+
+
+def test_a_queued_release_carried_out_by_an_unseen_captures_first_allocation_records_nothing_in_it() -> None:
+    """The graph is collected (its release queued) and the first allocation inside a capture
+    on its replay stream carries the release out: it asks the device about its stream
+    first, so the capture is adopted before the release's event is due."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    g = begin(a, dev, P, S3)
+    a.free(x)
+    end(a, dev, g)
+    g.replay_streams.add(S2)
+    dev.begin(S2)
+    a.defer_release(g)
+    t = a.malloc(1000, stream=S2)  # detected, then the queue drained
+    assert owner(a, t) is not None and g.released and not dev.recorded
+    a.free(t)
+    dev.end(S2)
+    (token,) = dev.attached
+    dev.release(token)
+    a.memory_stats()
+    assert not dev.captured and [s for _, s in dev.recorded] == [S2]
+    dev.complete_all()
+    a.empty_cache()
+    ok(a)
+
+
+def test_a_queued_free_drained_by_the_first_allocation_of_an_unseen_capture_is_kept_for_it() -> None:
+    """An eager block dropped (queued) during a capture begun outside graphpool, before the
+    capture's first allocation: the allocation detects the capture before it carries the
+    free out, so the block is kept for the graph (its kernels may have used it)."""
+    dev, a = make()
+    a.free(a.malloc(1000, stream=S2))  # S2's cache warm
+    x = a.malloc(1000, stream=S2)
+    dev.begin(S1)
+    a.defer_free(x)
+    a.malloc(1000, stream=S1)  # detected, then the queued free
+    (rec,) = a._captures.values()
+    assert [b.ptr for b in rec.kept] == [x]
+    ok(a)
+
+
+@pytest.mark.parametrize("why", ["dead", "legacy"])
+def test_an_event_waits_while_its_stream_captures_in_a_capture_that_cannot_be_adopted(why: str) -> None:
+    """A stream in a capture graphpool cannot register (one whose thread died, so it never
+    ends), or the legacy stream while CUDA refuses to say (a blocking stream captures):
+    the block waits with its streams and no event is recorded; an allocation with no
+    capture underway asks again, and records once the stream is free."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    g = begin(a, dev, P, S3)
+    a.free(x)
+    end(a, dev, g)
+    user = 0 if why == "legacy" else S2
+    g.replay_streams.add(user)
+    if why == "legacy":
+        dev.implicit = True
+    else:
+        a._dead.add(dev.begin(S2))
+    a.release_capture(g)
+    assert not dev.recorded and a._capturing == 0
+    assert a.memory_stats()["active_bytes.all.current"] == 1024  # x waits
+    a.free(a.malloc(1000, stream=S4))  # asks again: still capturing
+    assert not dev.recorded
+    ok(a)
+    dev.implicit = False
+    dev.end(S2)
+    a.free(a.malloc(1000, stream=S4))  # asks again: the event is recorded now
+    assert [s for _, s in dev.recorded] == [user] and not dev.captured
+    dev.complete_all()
+    a.free(a.malloc(1000, stream=S4))
+    assert a.memory_stats()["active_bytes.all.current"] == 0
+    ok(a)
+
+
+def test_an_eager_free_after_a_detected_capture_ended_is_not_kept_for_its_graph() -> None:
+    """A capture begun outside graphpool ended; no allocation has swept since (SWEEP_EVERY).
+    A free made now of a block the capture could have used, had it been freed during it,
+    asks the device first: the capture is over, so the block goes back at once. A free
+    queued by a finalizer is kept all the same: it may have been queued during the capture."""
+    dev, a = make()
+    x, y = a.malloc(1000, stream=S2), a.malloc(1000, stream=S2)
+    dev.begin(S1)
+    a.free(a.malloc(1000, stream=S1))  # detected
+    (rec,) = a._captures.values()
+    dev.end(S1)  # not noticed yet
+    a.defer_free(y)  # a finalizer's free, of unknown moment
+    a.free(x)  # drains y first (kept), then asks: ended, so x goes back
+    assert a._capturing == 0 and [b.ptr for b in rec.kept] == [y]
+    assert a.malloc(1000, stream=S2) == x
     ok(a)

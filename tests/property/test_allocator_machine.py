@@ -192,7 +192,6 @@ class Cap:
     token: int = 0  # adopted: the release token given to the device
     released: bool = False
     failed: bool = False  # aborted, or abandoned mid-capture: its graph never existed
-    streams: set[int] = field(default_factory=set)  # the streams it allocated on
 
 
 @dataclass(eq=False)
@@ -501,7 +500,6 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert got is None, "eager request served from a private pool"
         else:
             assert got == cap.pid, f"capture into {cap.pid} served from {got}"
-            cap.streams.add(stream)
         lo, hi = ptr, ptr + blk.size
         assert ptr not in side.live
         assert not overlaps(lo, hi, [(p, p + v.size) for p, v in side.live.items()]), (
@@ -579,8 +577,6 @@ class AllocatorMachine(RuleBasedStateMachine):
         caps = list(side.active.values())
         if v.pool is not None and any(c.pid == v.pool for c in caps):
             return []  # a block of a pool being captured into goes back to that pool
-        if v.pool is None and all(v.seq > c.begun_at and v.stream not in c.streams for c in caps):
-            return []  # eager memory made after they began, on a stream none of them used
         return caps  # anything else may be touched by every underway capture
 
     @staticmethod

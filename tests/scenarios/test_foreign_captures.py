@@ -6,6 +6,7 @@ object); with detection off the cupy#9655 hazard is back, which shows the tests 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ import graphpool as gp
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODES
 from graphpool.errors import GraphpoolError
+from graphpool.policy.allocator import SWEEP_EVERY
 
 N = 1 << 18  # 1 MiB of float32
 
@@ -348,3 +350,152 @@ def test_kept_block_of_a_foreign_graph_waits_for_its_in_flight_launch(
     del out, y, z
     settle()
     gp.check_invariants()
+
+
+# issue 24 -------------------------------------------------------------------------------
+def test_a_buffer_made_on_another_stream_and_freed_during_a_detected_capture_is_kept(backend: Any) -> None:
+    """During a capture begun outside graphpool, a buffer made on stream W (not capturing),
+    written by a captured memset and freed before the capture ends, is kept for the graph:
+    the eager allocation on W after the capture gets other memory, which a replay leaves
+    intact, and the buffer's block is W's again once the graph is destroyed."""
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    s, w = gp.Stream(), gp.Stream()
+    n = 1 << 20
+    dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+    out = gp.alloc(n, stream=s)  # detected
+    tmp = gp.alloc(n, stream=w)
+    dev.memset(tmp.ptr, 0x55, n, s.handle)
+    dev.memcpy(out.ptr, tmp.ptr, n, s.handle)
+    tmp_ptr = tmp.ptr
+    tmp.free()
+    graph = dev.end_capture(s.handle)
+    exe = dev.instantiate(graph)
+    y = gp.alloc(n, stream=w)
+    assert y.ptr != tmp_ptr
+    dev.memset(y.ptr, 7, n, w.handle)
+    w.synchronize()
+    dev.launch(exe, s.handle)
+    s.synchronize()
+    assert dev.read(y.ptr, n, w.handle) == bytes([7]) * n
+    pool = [r for r in runtime.allocator()._records.values() if r.foreign][-1].pool
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    assert wait_released(pool)
+    again = gp.alloc(n, stream=w)
+    assert again.ptr == tmp_ptr
+    del y, again, out
+    settle()
+
+
+def _replayed_on(r: gp.Stream) -> tuple[gp.CUDAGraph, Any]:
+    """A graph that kept an eager block (freed during its capture) and was replayed on ``r``:
+    its release waits for an event on ``r``."""
+    dev = runtime.get().device(gp.current_device())
+    x = gp.alloc(1 << 20)
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        out = gp.alloc(1 << 20)
+        dev.memcpy(out.ptr, x.ptr, 1 << 20, gp.current_stream().handle)
+        x.free()  # kept for g
+    with gp.stream(r):
+        g.replay()
+    r.synchronize()
+    return g, out
+
+
+@pytest.mark.parametrize("how", ["reset", "collect"])
+def test_a_graph_released_while_its_replay_stream_captures_unseen_wedges_nothing(
+    backend: Any, how: str
+) -> None:
+    """Issue 24's wedge: a graph replayed on stream R is released (reset, or collected and its
+    queued release carried out by the first allocation inside the capture) while R captures
+    in a capture begun outside graphpool that has made no allocation yet. The release's
+    event on R went into that capture, and from its end every allocation and empty_cache
+    raised cudaErrorCapturedEvent. The release asks R first: the capture is adopted and the
+    event recorded after it ends."""
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    r = gp.Stream()
+    g, out = _replayed_on(r)
+    dev.begin_capture(r.handle, CAPTURE_MODES["relaxed"])  # a library's own capture on R
+    if how == "reset":
+        g.reset()
+    else:
+        del g
+        gc.collect()  # its release is queued
+        t = gp.alloc(4096, stream=r)  # the capture's first allocation carries it out
+        dev.memset(t.ptr, 1, 4096, r.handle)
+        t.free()
+    graph = dev.end_capture(r.handle)  # not invalidated
+    exe = dev.instantiate(graph)
+    for _ in range(SWEEP_EVERY + 1):  # the end is noticed, the event recorded and queried
+        gp.alloc(4096).free()
+    gp.synchronize()
+    gp.empty_cache()
+    gp.check_invariants()
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    del out
+    settle()
+
+
+def test_a_buffer_dropped_in_a_detected_capture_before_its_first_allocation_is_kept(backend: Any) -> None:
+    """The captured kernels write an eager array, which is dropped (its free queued) before
+    the capture allocates anything. The first allocation detects the capture before it
+    carries the queued free out, so the array's block is kept for the graph (it was carried
+    out first, as a free with no capture underway, and handed to the next eager array)."""
+    xp = backend.xp
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    s = gp.Stream()
+    with gp.stream(s):
+        w = xp.zeros(N, dtype=xp.float32)
+        z = xp.ones(N, dtype=xp.float32)
+        w_ptr = ptr(w)
+        s.synchronize()
+        dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+        w.fill(5.0)  # the graph writes w
+        del w  # queued: no allocator call since
+        t = z + 1.0  # the capture's first allocation
+        graph = dev.end_capture(s.handle)
+        exe = dev.instantiate(graph)
+        y = xp.full(N, 7.0, dtype=xp.float32)
+        assert ptr(y) != w_ptr
+        dev.launch(exe, s.handle)
+        s.synchronize()
+        assert total(y) == 7.0 * N
+        dev.destroy_graph_exec(exe)
+        dev.destroy_graph(graph)
+    del y, z, t
+    settle()
+
+
+def test_eager_frees_after_a_detected_capture_ended_are_not_kept_for_its_graph(backend: Any) -> None:
+    """Issue 24's window: a capture begun outside graphpool ended, and graphpool notices only
+    at the SWEEP_EVERY-th allocation or a statistics call. Buffers freed in between, made
+    before the capture and never touched by it, were kept for its graph while it lived. A
+    free that would keep a block asks the device whether such captures are still underway."""
+    settle()
+    dev = runtime.get().device(gp.current_device())
+    n = 8 << 20
+    eager = [gp.alloc(n) for _ in range(4)]
+    r = gp.Stream()
+    dev.begin_capture(r.handle, CAPTURE_MODES["relaxed"])
+    t = gp.alloc(4096, stream=r)  # detected
+    dev.memset(t.ptr, 1, 4096, r.handle)
+    graph = dev.end_capture(r.handle)
+    exe = dev.instantiate(graph)  # the library keeps its graph to replay
+    a = runtime.allocator()
+    assert a._capturing == 1  # not noticed yet
+    for b in eager:
+        b.free()
+    assert a._capturing == 0
+    st = gp.memory_stats()
+    assert st["active_bytes.all.current"] == st["allocated_bytes.all.current"]  # nothing kept
+    gp.empty_cache()
+    assert gp.memory_stats()["reserved_bytes.large_pool.current"] == 0  # all given back
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    del t
+    settle()

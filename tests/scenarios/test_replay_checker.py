@@ -156,3 +156,31 @@ def test_every_pool_mate_that_replayed_after_is_checked(backend: Any) -> None:
     gp.synchronize()
     del out, p, q, g, p_graph, q_graph
     settle()
+
+
+def test_a_replay_into_another_capture_leaves_the_checker_working(sim: Any) -> None:
+    """With the checker on, a replay records an event on its stream to tell when it is done.
+    A replay launched into another capture (its graph nested in that graph) put that event
+    into the capture: CUDA cannot query it after, so the next replay of a pool mate on
+    another stream raised cudaErrorCapturedEvent. No event goes on a capturing stream.
+    (The simulator only: not every CUDA version takes a graph launch into a capture.)"""
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s = gp.Stream()
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, pool=pool, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    with gp.graph(g1, pool=pool, stream=s):
+        b = xp.ones(N, dtype=xp.float32) + 2
+    outer = gp.CUDAGraph()
+    with gp.graph(outer):
+        g0.replay()  # into outer's capture
+    with gp.stream(gp.Stream()):
+        g1.replay()  # asks whether g0's last replay is done
+    gp.synchronize()
+    assert float(b.sum().item()) == 3.0 * N
+    del a, b, g0, g1, outer
+    settle()

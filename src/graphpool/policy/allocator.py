@@ -9,10 +9,13 @@ Captures: while one is underway on this device (``_capturing`` > 0), requests on
 stream that belongs to a registered capture are served from that capture's private
 pool. Captures begun outside graphpool (CuPy's ``Stream.begin_capture``, a raw
 ``cudaStreamBeginCapture``) are *detected*: with detection on (the default) every
-malloc, and every free with no capture registered, asks the device for the stream's
-capture id (one cheap query, from C on the CUDA backend) and adopts an unknown capture
-into a private pool of its own, released when the device reports the graph and all its
-executable instances destroyed (a CUDA user object, see ``Device.attach_release``).
+malloc asks the device for its stream's capture id (one cheap query, from C on the CUDA
+backend) and adopts an unknown capture into a private pool of its own, released when the
+device reports the graph and all its executable instances destroyed (a CUDA user object,
+see ``Device.attach_release``). During a capture only a block of an underway capture's own
+pool goes back at once; every other free is kept for the graphs (``_captures_for_free``).
+No event is ever recorded into a capture (``_insert_events``, the one place events are
+recorded, asks the device first).
 
 CUDA's capture rules are process-wide, so the captures of every allocator of a runtime
 are counted in one shared ``CaptureWorld``. While any is underway the allocator never
@@ -47,7 +50,12 @@ from collections.abc import Callable
 from typing import Any, Final, NoReturn, SupportsIndex, TypeVar, cast
 
 from graphpool import _warnings
-from graphpool.device.protocol import CAPTURE_MODE_RELAXED, CAPTURE_STATUS_ACTIVE, Device
+from graphpool.device.protocol import (
+    CAPTURE_MODE_RELAXED,
+    CAPTURE_STATUS_ACTIVE,
+    CAPTURE_STATUS_NONE,
+    Device,
+)
 from graphpool.errors import (
     CaptureError,
     DoubleFreeError,
@@ -247,16 +255,14 @@ class CachingAllocator:
         self._world = world if world is not None else CaptureWorld()
         self._capturing = 0
         self._captures: dict[int, CaptureRecord] = {}  # capture id -> record, while underway
-        # What an eager free asks of the underway captures (_captures_for_free), kept by
-        # _recount and _join: the newest ``first_serial`` of them, the streams they allocated on.
-        self._eager_after = 0
-        self._cap_streams: list[int] = []
         self._records: dict[int, CaptureRecord] = {}  # sequence -> record, until released
         self._foreign: dict[int, CaptureRecord] = {}  # stream -> underway capture begun outside
         self._tokens: dict[int, CaptureRecord] = {}  # release token -> record (Device.attach_release)
         self._dead: set[int] = set()  # ids of captures that can never end (their thread died)
         self._deferred: list[Block] = []  # record_stream frees waiting for all captures to end
-        self._orphans: list[Block] = []  # frees whose user stream vanished: a device sync, later
+        # frees whose user stream vanished (a device sync, later), or whose user streams take part
+        # in a capture that is not registered (their events wait until it ends; _insert_events)
+        self._orphans: list[Block] = []
         self._pools: dict[PoolId, PrivatePool] = {}
         self._freeable: dict[PoolId, PrivatePool] = {}
         self._capture_seq = 0
@@ -394,8 +400,6 @@ class CachingAllocator:
                     _reentered("malloc")
                 self._busy = True
                 try:
-                    if self._pending:
-                        self._drain()
                     rec = None
                     # the legacy stream (0) never captures: no query for it (CuPy's default)
                     if self._capturing or (self._detect and stream != _LEGACY):
@@ -412,6 +416,13 @@ class CachingAllocator:
                             rec = self._route(stream, key)
                         elif self._query(key):
                             rec = self._adopt_found(stream)
+                    if self._pending:
+                        # After the query: a release or free queued before this allocation finds
+                        # the capture it detected registered (events wait for it, frees are kept
+                        # for its graph: they may have been queued during it).
+                        self._drain()
+                        if rec is not None and not rec.active:  # the drain ended it
+                            rec = None
                     if rec is None and (self._waiting or self._orphans) and not self._world.active:
                         self._process_events()
                     if rec is None:
@@ -505,9 +516,6 @@ class CachingAllocator:
                             w = rec.written
                             if w is not None:  # the replay checker's footprint (gp.graph)
                                 w.add(ptr, block.size)
-                            joined = rec.streams
-                            if not joined or joined[0] != stream:  # its first stream: no search
-                                self._join(rec, stream)
                     if self._history is not None or self._debug:
                         self._after_malloc(out, ptr, requested, stream, owner)
                 finally:
@@ -1312,9 +1320,9 @@ class CachingAllocator:
         """Queue ``release_capture(rec)`` for the next allocator call. Lock-free: for finalizers."""
         self._pending.append(rec)
 
-    def _free(self, ptr: object) -> None:
+    def _free(self, ptr: object, queued: bool = False) -> None:
         """Free the allocation at ``ptr``: the one body of ``free`` and of a free queued by a
-        finalizer (whose thread is unknown; no capture query is needed, see _free_held)."""
+        finalizer (``queued``: whose thread and moment are unknown, see _free_held)."""
         # The lookup takes the caller's int object as it came: compiled, ``ptr`` narrowed to int
         # is unboxed, and boxing it again allocates (addresses are large ints; entry 24).
         key: object = ptr
@@ -1331,9 +1339,9 @@ class CachingAllocator:
         if self._history is not None or self._capturing or block.stream_uses:
             try:
                 if self._history is not None:
-                    self._free_traced(block)
+                    self._free_traced(block, queued)
                 else:
-                    self._free_held(block)
+                    self._free_held(block, queued)
             except BaseException:
                 if block.allocated:  # raised before the block was filed: see _requeue
                     self._requeue(block, key)
@@ -1352,7 +1360,7 @@ class CachingAllocator:
             cast("dict[object, Block]", self._active)[key] = block
         self._pending.append(key)
 
-    def _free_traced(self, block: Block) -> None:
+    def _free_traced(self, block: Block, queued: bool) -> None:
         """A free while the history records: ``free_requested`` now, ``free_completed`` when
         the block is back in its pool (now, or in ``_unhold`` when its last hold ends)."""
         h = self._history
@@ -1362,21 +1370,26 @@ class CachingAllocator:
         frames = h.free_requested(ptr, requested, stream, owner)
         block.allocated = False
         if self._capturing or block.stream_uses:
-            if self._free_held(block):
+            if self._free_held(block, queued):
                 h.free_completed(ptr, requested, stream, owner, frames)
         else:
             self._free_block(block, True)
             h.free_completed(ptr, requested, stream, owner, frames)
 
-    def _free_held(self, block: Block) -> bool:
+    def _free_held(self, block: Block, queued: bool = False) -> bool:
         """A free that may keep the block back: during a capture, or with extra stream users.
         True when the block went straight back to its pool, False when it is held.
 
-        Whichever thread frees, and whenever a queued free is carried out, the same rules
-        decide (``_captures_for_free``); a capture begun outside graphpool that ended is
-        noticed by an allocation (``_route``) or a statistics call (``_settle``), not here: a
-        free queued during a capture and carried out after it ended still counts as made
-        during it (its graph may write the block).
+        During a capture ``_captures_for_free`` decides, whichever thread frees: a block of an
+        underway capture's own pool goes back to that pool, any other block is kept for the
+        graph of every capture underway. Before keeping one for captures begun outside
+        graphpool, a free made now asks the device whether they are still underway
+        (``_sweep``, one query each): an allocation notices their end only at its
+        SWEEP_EVERY-th sweep (``_route``), and a block freed after the end must not be kept
+        for the ended capture's graph. A ``queued`` free (a finalizer's, carried out later)
+        does not ask: it may have been queued during the capture, and then it counts as made
+        during it (its graph may use the block), so it is kept for every capture still
+        registered.
 
         An extra user stream (``record_stream``) that is capturing, in a capture begun
         outside graphpool and not yet seen, is asked about here (its events cannot be
@@ -1410,14 +1423,15 @@ class CachingAllocator:
                     self._touch(block, rec)
                 self._free_block(block, True)
                 return True
-        recs = _NO_CAPTURES
-        if self._capturing:
-            recs = self._captures_for_free(block)
-            if not recs and not block.stream_uses:
-                # Eager memory of eager code (see _captures_for_free): back at once, with the
-                # one statistics update of a free made with no capture underway.
-                self._free_block(block, True)
-                return True
+        if self._capturing and self._foreign and not queued:
+            # Which captures begun outside are still underway (the sweep may carry out queued
+            # frees and releases: this block counts as allocated meanwhile, as above).
+            block.allocated = True
+            try:
+                self._sweep()
+            finally:
+                block.allocated = False
+        recs = self._captures_for_free(block) if self._capturing else _NO_CAPTURES
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
@@ -1456,33 +1470,59 @@ class CachingAllocator:
         still counts as made during it. A stream with such a capture registered is not asked
         (it is known; if it ended and the stream captures anew, the next sweep or allocation
         on it finds that)."""
-        foreign = self._foreign
-        for s in sorted(block.stream_uses or ()):
-            if s in foreign:
+        self._streams_capturing(block.stream_uses or set())
+
+    def _streams_capturing(self, streams: set[int]) -> bool:
+        """Whether any of ``streams`` takes part in a capture, asked of the device: what must be
+        known before an event is recorded on them (``_insert_events``). An event recorded into
+        a capture cannot be queried once the capture ends, so every later allocation and
+        ``empty_cache`` would raise cudaErrorCapturedEvent.
+
+        An active capture that is not registered (begun outside graphpool, not seen yet) is
+        adopted here: its graph then keeps what is freed during it, and the events wait until
+        no capture is underway. True also for a capture that cannot be adopted (invalidated,
+        or dead with its thread), and when the device cannot tell: CUDA refuses the legacy
+        stream's status while a blocking stream captures, and recording on the legacy
+        stream then fails. A stream registered for a capture begun outside is not asked. A
+        stream that is gone fails the query and counts as not capturing: its event record
+        fails the same way, and a device synchronize stands in for it. One capture-id query
+        per stream; the full status only for a capturing stream, and for the legacy stream
+        (whose id the device may give without asking the driver: it never captures)."""
+        capturing = False
+        for s in sorted(streams):
+            if s in self._foreign:
+                capturing = True
                 continue
             try:
-                cid = self._query(s)
+                if s != _LEGACY and not self._query(s):
+                    continue
+                status, cid = self.device.capture_info(s)
             except GraphpoolError:
+                if s == _LEGACY:
+                    capturing = True
                 continue
-            if cid and cid not in self._captures:
-                self._adopt_found(s, sweep=False)
+            if status == CAPTURE_STATUS_NONE:
+                continue
+            capturing = True
+            if status == CAPTURE_STATUS_ACTIVE and cid not in self._captures and cid not in self._dead:
+                self._register_foreign(s, cid, None, "", False)
+        return capturing
 
     def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
         return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
 
     def _captures_for_free(self, block: Block) -> tuple[CaptureRecord, ...]:
-        """The captures a free made now belongs to. O(underway captures).
+        """The captures a free made now keeps ``block`` for. O(underway captures).
 
         A block of a pool that an underway capture allocates from goes back to that pool
-        (reusing it is what pool sharing is for). An ordinary block allocated after every
-        underway capture began, on a stream none of them allocated on, is eager memory of
-        eager code (another thread's, or this thread's on another stream): it goes back at
-        once. No driver query: the block's stream may have been destroyed since (a query of
-        a destroyed stream crashes the driver).
-        Any other block may have been read or written by any underway capture, whoever drops
-        it (a worker thread, a garbage-collection pass): it is kept for all of them (the
-        cupy#9655 rule).
+        (the latest such capture's): it is handed out again only to captures into that pool,
+        and reusing it is what pool sharing is for. Nothing else is provably out of reach of
+        the underway captures: graphpool cannot see which addresses a captured kernel
+        touches, and any live block's address may be handed to one, whichever stream or
+        thread allocated it and whenever (before the capture began or during it). So every
+        other block, whoever drops it (a worker thread, a garbage-collection pass), is kept
+        for the graph of every underway capture (the cupy#9655 rule).
         """
         owner = block.pool.owner
         caps = self._captures
@@ -1491,37 +1531,9 @@ class CachingAllocator:
             for r in caps.values():
                 if r.pool is owner:
                     found = r  # the latest begun
-            return (found,) if found is not None else tuple(caps.values())
-        if block.serial <= self._eager_after:  # made before some underway capture began
-            return tuple(caps.values())
-        stream = block.stream
-        for s in self._cap_streams:  # a short list: compiled, no int object made (entry 31)
-            if s == stream:  # beside a capture, on a stream it allocated on (issue 7)
-                return tuple(caps.values())
-        return _NO_CAPTURES
-
-    def _join(self, rec: CaptureRecord, stream: int) -> None:
-        """Note that capture ``rec`` allocated on ``stream`` (once per stream)."""
-        for s in rec.streams:
-            if s == stream:
-                return
-        rec.streams.append(stream)
-        for s in self._cap_streams:
-            if s == stream:
-                return
-        self._cap_streams.append(stream)
-
-    def _recount(self) -> None:
-        """Recompute ``_eager_after`` and ``_cap_streams`` after a capture came or went."""
-        newest = 0
-        streams: list[int] = []
-        for r in self._captures.values():
-            newest = max(newest, r.first_serial)
-            for s in r.streams:
-                if s not in streams:
-                    streams.append(s)
-        self._eager_after = newest
-        self._cap_streams = streams
+            if found is not None:
+                return (found,)
+        return tuple(caps.values())
 
     @staticmethod
     def _set_creator(head: Block, rec: CaptureRecord | None) -> None:
@@ -1704,13 +1716,30 @@ class CachingAllocator:
             block.stream_uses.add(stream)
 
     def _insert_events(self, block: Block) -> None:
-        """Record an event on each extra user stream; each holds the block until it completes.
+        """Record an event on each extra user stream of ``block``; each holds the block until it
+        completes. The one place the allocator records events: a free after ``record_stream``,
+        the frees deferred during a capture, and the blocks a released graph kept (which wait
+        for the streams it replayed on) all come here.
+
+        No event goes into a capture: none is recorded while a capture is registered on this
+        device, nor on a stream that the device says takes part in one (``_streams_capturing``,
+        which adopts a capture begun outside graphpool and not seen yet). The block then waits
+        with its user streams: in ``_deferred`` until no capture is underway (``_stop_routing``
+        calls this again), or, when the capture cannot be registered, in ``_orphans`` until an
+        allocation with no capture underway asks again (``_release_orphans``).
 
         The caller holds the block across this call and drops its own hold after. A stream
         that no longer exists (destroyed since record_stream) takes no event: its queued
         work may still run, so the device is synchronized once instead.
         """
         uses = block.stream_uses or set()
+        if self._capturing or self._streams_capturing(uses):
+            self._hold(block)  # the wait's own hold
+            if self._capturing:
+                self._deferred.append(block)
+            else:
+                self._orphans.append(block)
+            return
         block.stream_uses = None
         try:
             for s in sorted(uses):
@@ -1778,12 +1807,25 @@ class CachingAllocator:
             self.device.exchange_capture_mode(prev)
 
     def _release_orphans(self) -> None:
-        """Blocks whose user stream vanished while a capture was underway: one device
-        synchronize covers whatever work that stream still had."""
-        self._synchronize_device()
-        orphans = self._orphans
-        while orphans:  # one at a time: an exception out of a call (the history) loses none
-            self._unhold(orphans.pop())
+        """Blocks whose events could not be recorded yet. Those whose user stream vanished
+        while a capture was underway: one device synchronize covers whatever work that stream
+        still had. Those whose user streams took part in a capture that is not registered
+        (their ``stream_uses`` are kept): ``_insert_events`` asks again, and they wait on while
+        one still captures. One block at a time, each the orphan hold's own: an exception out
+        of a call (a signal handler in the device or the history) loses none."""
+        orphans, self._orphans = self._orphans, []
+        try:
+            if any(not b.stream_uses for b in orphans):
+                self._synchronize_device()
+            while orphans:
+                block = orphans.pop()
+                try:
+                    if block.stream_uses:
+                        self._insert_events(block)  # or it waits on, with a hold of its own
+                finally:
+                    self._unhold(block)
+        finally:
+            self._orphans.extend(orphans)
 
     def _synchronize_events(self) -> None:
         """Wait for every pending event and free its block (empty_cache and OOM only)."""
@@ -1933,7 +1975,7 @@ class CachingAllocator:
                 item = pending.popleft()
                 try:
                     if type(item) is int or type(item) is Block:
-                        self._free(item)
+                        self._free(item, True)
                     elif type(item) is tuple:  # a free after a use on another stream
                         block = self._live_block(item[0])
                         if block is not None and item[1] != block.stream:
@@ -1941,7 +1983,7 @@ class CachingAllocator:
                                 block.stream_uses = {item[1]}
                             else:
                                 block.stream_uses.add(item[1])
-                        self._free(item[0])
+                        self._free(item[0], True)
                     elif self._release_later(item):
                         # only the capturing thread can end its capture
                         if later is None:
@@ -2031,7 +2073,6 @@ class CachingAllocator:
             self._drop_use(rec.pool)
             raise
         self._captures[cid] = rec
-        self._recount()
         self._records[rec.sequence] = rec
         return rec
 
@@ -2074,7 +2115,6 @@ class CachingAllocator:
         self._capture_seq += 1
         rec = CaptureRecord(pool, label, threading.get_ident(), self._capture_seq)
         rec.stream = stream
-        rec.first_serial = self._serial
         rec.inputs = [
             (b.ptr, b.size, r, b, serial)
             for r in self._records.values()
@@ -2131,6 +2171,9 @@ class CachingAllocator:
             self._sweep()
         if self._tokens:
             self._poll_released()
+        found = self._captures.get(cid)
+        if found is not None:  # adopted meanwhile: a graph released above asked about ``stream``
+            return found
         rec = self._new_record(pool if pool is not None else new_graph_pool_id(), stream, "")
         rec.label = label or f"capture {cid} on stream 0x{stream:x}"
         rec.foreign = True
@@ -2156,7 +2199,6 @@ class CachingAllocator:
             rec.token = token
             self._tokens[token] = rec
         self._captures[cid] = rec
-        self._recount()
         self._records[rec.sequence] = rec
         self._foreign[stream] = rec
         self._capturing += 1
@@ -2260,7 +2302,6 @@ class CachingAllocator:
             return
         rec.active = False
         del self._captures[rec.capture_id]
-        self._recount()
         if rec.foreign and self._foreign.get(rec.stream) is rec:
             del self._foreign[rec.stream]
         self._capturing -= 1
@@ -2316,13 +2357,10 @@ class CachingAllocator:
                         else:
                             block.stream_uses = set(uses)
                             self._hold(block)
-                            if self._capturing:
-                                self._deferred.append(block)
-                            else:
-                                try:
-                                    self._insert_events(block)
-                                finally:
-                                    self._unhold(block)
+                            try:
+                                self._insert_events(block)  # or it waits, while a capture is underway
+                            finally:
+                                self._unhold(block)
                 finally:
                     self._unhold(block)  # the graph's own hold
         except BaseException:
@@ -2568,4 +2606,3 @@ class CachingAllocator:
         from graphpool.policy.check import check_invariants
 
         check_invariants(self)
-

@@ -174,9 +174,7 @@ class CaptureRecord:
         "foreign",
         "token",
         "created",
-        "first_serial",
         "fresh",
-        "streams",
     )
 
     def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
@@ -198,9 +196,7 @@ class CaptureRecord:
         self.foreign = False  # begun outside graphpool
         self.token = 0  # its release token, when foreign
         self.created: list[Block] = []  # segment heads it made, until it succeeds
-        self.first_serial = 0  # allocations with a higher serial were made after it began
         self.fresh = 0  # segments whose creator it is (Block.creator)
-        self.streams: list[int] = []  # the streams it allocated on (its own and joined ones)
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"
