@@ -1848,13 +1848,20 @@ class CachingAllocator:
 
     def _flush_deferred(self) -> None:
         """Once no capture is underway: record the events of frees deferred during capture."""
-        deferred = self._deferred
-        while deferred:  # one at a time: an exception out of a call loses none
-            block = deferred.pop(0)
-            try:
-                self._insert_events(block)
-            finally:
-                self._unhold(block)  # the deferral's own hold
+        # Taken off first: a block whose user streams capture again goes back on the list with a
+        # hold of its own (_insert_events). One at a time: an exception out of a call (a signal
+        # handler in the device or the history) loses none, the rest wait on.
+        deferred, self._deferred = self._deferred, []
+        try:
+            while deferred:
+                block = deferred.pop(0)
+                try:
+                    self._insert_events(block)
+                finally:
+                    self._unhold(block)  # the deferral's own hold
+        finally:
+            if deferred:
+                self._deferred[:0] = deferred
 
     # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
