@@ -223,6 +223,7 @@ class CachingAllocator:
         # the lock itself. Tests that swap ``_lock`` for a hooked lock swap this too.
         self._held: _Held = _Held(self._lock) if _COMPILED else cast(_Held, self._lock)
         self._busy = False  # a locked call is running (see the module docstring)
+        self._queued = False  # the free being carried out was queued by a finalizer (_drain)
         # Signal handlers deferred until a critical section ends (policy/interrupts.py): the
         # shared list, tested after each section (a native attribute read, compiled).
         self._signals = interrupts.pending
@@ -1320,9 +1321,9 @@ class CachingAllocator:
         """Queue ``release_capture(rec)`` for the next allocator call. Lock-free: for finalizers."""
         self._pending.append(rec)
 
-    def _free(self, ptr: object, queued: bool = False) -> None:
+    def _free(self, ptr: object) -> None:
         """Free the allocation at ``ptr``: the one body of ``free`` and of a free queued by a
-        finalizer (``queued``: whose thread and moment are unknown, see _free_held)."""
+        finalizer (whose thread and moment are unknown: ``_queued``, see _free_held)."""
         # The lookup takes the caller's int object as it came: compiled, ``ptr`` narrowed to int
         # is unboxed, and boxing it again allocates (addresses are large ints; entry 24).
         key: object = ptr
@@ -1339,9 +1340,9 @@ class CachingAllocator:
         if self._history is not None or self._capturing or block.stream_uses:
             try:
                 if self._history is not None:
-                    self._free_traced(block, queued)
+                    self._free_traced(block)
                 else:
-                    self._free_held(block, queued)
+                    self._free_held(block)
             except BaseException:
                 if block.allocated:  # raised before the block was filed: see _requeue
                     self._requeue(block, key)
@@ -1360,7 +1361,17 @@ class CachingAllocator:
             cast("dict[object, Block]", self._active)[key] = block
         self._pending.append(key)
 
-    def _free_traced(self, block: Block, queued: bool) -> None:
+    def _free_queued(self, ptr: object) -> None:
+        """``_free`` for a free a finalizer queued (``_drain``): marked ``_queued`` meanwhile, so
+        that ``_free_held`` counts it as possibly made during a capture that has ended since."""
+        was = self._queued
+        self._queued = True
+        try:
+            self._free(ptr)
+        finally:
+            self._queued = was
+
+    def _free_traced(self, block: Block) -> None:
         """A free while the history records: ``free_requested`` now, ``free_completed`` when
         the block is back in its pool (now, or in ``_unhold`` when its last hold ends)."""
         h = self._history
@@ -1370,13 +1381,13 @@ class CachingAllocator:
         frames = h.free_requested(ptr, requested, stream, owner)
         block.allocated = False
         if self._capturing or block.stream_uses:
-            if self._free_held(block, queued):
+            if self._free_held(block):
                 h.free_completed(ptr, requested, stream, owner, frames)
         else:
             self._free_block(block, True)
             h.free_completed(ptr, requested, stream, owner, frames)
 
-    def _free_held(self, block: Block, queued: bool = False) -> bool:
+    def _free_held(self, block: Block) -> bool:
         """A free that may keep the block back: during a capture, or with extra stream users.
         True when the block went straight back to its pool, False when it is held.
 
@@ -1386,10 +1397,10 @@ class CachingAllocator:
         graphpool, a free made now asks the device whether they are still underway
         (``_sweep``, one query each): an allocation notices their end only at its
         SWEEP_EVERY-th sweep (``_route``), and a block freed after the end must not be kept
-        for the ended capture's graph. A ``queued`` free (a finalizer's, carried out later)
-        does not ask: it may have been queued during the capture, and then it counts as made
-        during it (its graph may use the block), so it is kept for every capture still
-        registered.
+        for the ended capture's graph. A queued free (a finalizer's, carried out later by
+        ``_drain``, which sets ``_queued``) does not ask: it may have been queued during the
+        capture, and then it counts as made during it (its graph may use the block), so it
+        is kept for every capture still registered.
 
         An extra user stream (``record_stream``) that is capturing, in a capture begun
         outside graphpool and not yet seen, is asked about here (its events cannot be
@@ -1423,14 +1434,12 @@ class CachingAllocator:
                     self._touch(block, rec)
                 self._free_block(block, True)
                 return True
-        if self._capturing and self._foreign and not queued:
+        if self._capturing and self._foreign and not self._queued:
             # Which captures begun outside are still underway (the sweep may carry out queued
             # frees and releases: this block counts as allocated meanwhile, as above).
             block.allocated = True
-            try:
-                self._sweep()
-            finally:
-                block.allocated = False
+            self._sweep()  # raising, the block stays marked allocated: _free queues it again
+            block.allocated = False
         recs = self._captures_for_free(block) if self._capturing else _NO_CAPTURES
         self.stats.on_free(fl.is_small, size)
         if owner is not None:
@@ -1982,7 +1991,7 @@ class CachingAllocator:
                 item = pending.popleft()
                 try:
                     if type(item) is int or type(item) is Block:
-                        self._free(item, True)
+                        self._free_queued(item)
                     elif type(item) is tuple:  # a free after a use on another stream
                         block = self._live_block(item[0])
                         if block is not None and item[1] != block.stream:
@@ -1990,7 +1999,7 @@ class CachingAllocator:
                                 block.stream_uses = {item[1]}
                             else:
                                 block.stream_uses.add(item[1])
-                        self._free(item[0], True)
+                        self._free_queued(item[0])
                     elif self._release_later(item):
                         # only the capturing thread can end its capture
                         if later is None:
