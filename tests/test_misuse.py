@@ -540,3 +540,53 @@ def test_set_backend_is_refused_during_a_capture(sim: Any) -> None:
     gc.collect()
     gp.empty_cache()
     assert gp.memory_reserved() == 0
+
+
+# ------------------------------------------------------------------ 9. inputs read once, identity fixed
+MiB = 1 << 20
+
+
+class _Flaky:
+    """A size that answers 1 MiB the first time it is read and 512 after."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __index__(self) -> int:
+        self.calls += 1
+        return MiB if self.calls == 1 else 512
+
+
+@pytest.mark.parametrize("where", ["current stream", "current stream again", "a Stream", "a Stream again"])
+def test_alloc_reads_a_size_object_once(backend: Any, where: str) -> None:
+    """Read twice, the buffer claimed 1 MiB of a 512-byte block: its exports then covered
+    the next allocation's memory."""
+    s = gp.Stream() if "Stream" in where else None
+    if where.endswith("again"):
+        gp.alloc(64, stream=s).free()  # the fast paths (a cached stream and allocator)
+    size = _Flaky()
+    buf = gp.alloc(size, stream=s)
+    assert size.calls == 1
+    assert buf.nbytes == MiB and buf.__cuda_array_interface__["shape"] == (MiB,)
+    block = buf._block
+    assert block is not None and block.size >= MiB
+    nxt = gp.alloc(512, stream=s)
+    assert not buf.ptr <= nxt.ptr < buf.ptr + buf.nbytes
+    buf.free()
+    nxt.free()
+    gp.check_invariants()
+
+
+def test_a_buffers_identity_is_read_only(backend: Any) -> None:
+    """Writable, ``nbytes`` could make ``__cuda_array_interface__`` and DLPack describe memory
+    the buffer does not own (both builds: properties over private fields)."""
+    buf = gp.alloc(256)
+    other = gp.Stream()
+    for name, value in (("nbytes", 1 << 30), ("ptr", 0x1234), ("stream", other)):
+        with pytest.raises(AttributeError):
+            setattr(buf, name, value)
+    with pytest.raises(AttributeError):
+        del buf.nbytes
+    assert buf.nbytes == 256 and buf.stream is gp.current_stream() and buf.ptr == buf._block.ptr
+    assert buf.__cuda_array_interface__["shape"] == (256,)
+    buf.free()

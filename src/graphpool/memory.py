@@ -151,9 +151,15 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
     the call still reaches the allocator's own size check (a bool is refused, a numpy
     integer accepted).
     """
-    # The size as an int, for the buffer and the zero test; ``nbytes`` itself goes to malloc,
-    # which validates it (and needs no boxing of a fresh int when compiled).
-    n = nbytes if type(nbytes) is int else _size(nbytes)
+    # The size as an int, for the buffer and the zero test. An int goes to malloc as it is
+    # (compiled, that boxes no fresh int); any other size object is read once, here, and its
+    # int goes to malloc: a second read could answer differently (the buffer would then claim
+    # memory its block does not have). malloc validates the value.
+    if type(nbytes) is int:
+        n = nbytes
+    else:
+        n = _size(nbytes)
+        nbytes = n
     if stream is None:
         ident = _get_ident()
         cur = _last.cur
@@ -289,7 +295,7 @@ def check_invariants(device: object = None) -> None:
 
 
 # ------------------------------------------------------------ limits and observers
-_limits_lock = threading.Lock()  # one setter at a time swaps an allocator's MemoryLimits
+_limits_lock = runtime.limits_lock  # one setter at a time swaps an allocator's MemoryLimits
 
 
 def set_per_process_memory_fraction(fraction: SupportsFloat, device: object = None) -> None:
