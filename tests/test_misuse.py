@@ -503,7 +503,13 @@ def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: py
 
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for name, value in (("_cp_streams", {}), ("_gp_streams", {}), ("_installed", False), ("_cp", None)):
+    for name, value in (
+        ("_cp_streams", {}),
+        ("_gp_streams", {}),
+        ("_installed", False),
+        ("_cp", None),
+        ("_calls", gcupy._calls),  # install() binds the fake's: restored after
+    ):
         monkeypatch.setattr(gcupy, name, value)
     monkeypatch.setattr(runtime, "stream_listeners", [])
     runtime.set_backend("cuda", backend=FakeCuda())
@@ -590,3 +596,98 @@ def test_a_buffers_identity_is_read_only(backend: Any) -> None:
     assert buf.nbytes == 256 and buf.stream is gp.current_stream() and buf.ptr == buf._block.ptr
     assert buf.__cuda_array_interface__["shape"] == (256,)
     buf.free()
+
+
+# ------------------------------------------------------------------ 10. small lies
+def test_cudagraph_keep_graph_has_pytorchs_meaning(backend: Any) -> None:
+    """PyTorch's CUDAGraph(keep_graph=True): capture_end() does not instantiate; instantiate()
+    does (the first replay too), and raw_cuda_graph() gives the captured graph."""
+    xp = backend.xp
+    a = xp.ones(64)
+    g = gp.CUDAGraph(keep_graph=True)
+    assert g.keep_graph
+    with gp.graph(g):
+        b = a + 1
+    assert g._exec is None and repr(g).endswith("captured>")
+    assert isinstance(g.raw_cuda_graph(), int) and g.raw_cuda_graph() == g._graph
+    a.fill(5)
+    g.replay()  # instantiates first
+    first = g._exec
+    assert first is not None and float(b.sum().item()) == 64 * 6
+    g.instantiate()  # anew: the old executable is destroyed
+    assert g._exec is not None
+    a.fill(1)
+    g.replay()
+    assert float(b.sum().item()) == 64 * 2
+    with pytest.raises(gp.CaptureError, match="reset"):
+        g.capture_begin()
+    g.reset()
+    with pytest.raises(gp.CaptureError, match="capture first"):
+        g.raw_cuda_graph()
+    with pytest.raises(gp.CaptureError, match="capture first"):
+        g.instantiate()
+    h = gp.CUDAGraph()  # keep_graph=False: capture_end() instantiated it
+    with gp.graph(h):
+        c = a + 2
+    assert h._exec is not None
+    with pytest.raises(gp.CaptureError, match="keep_graph=True"):
+        h.instantiate()
+    with pytest.raises(gp.CaptureError, match="keep_graph=True"):
+        h.raw_cuda_graph()
+    with pytest.raises(TypeError, match="keep_graph"):
+        gp.CUDAGraph(keep_graph="yes")  # type: ignore[arg-type]
+    del b, c
+    h.reset()
+    gp.check_invariants()
+
+
+def test_a_cudagraph_refusing_its_arguments_leaves_a_quiet_finalizer(
+    sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its __del__ read attributes __init__ never set: AttributeError '_rec', on stderr."""
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    for kwargs in ({"keep_graph": 1}, {"capture_error_mode": "global"}):
+        with pytest.raises(TypeError):
+            gp.CUDAGraph(**kwargs)
+        gc.collect()
+    assert seen == []
+
+
+def test_reset_inside_a_graph_block_is_refused(backend: Any) -> None:
+    """It abandoned the capture silently; leaving the block then said capture_end() had no
+    capture_begin(). The block owns its capture: reset() there is a CaptureError (which,
+    raised in the body, discards the capture), and works after the block."""
+    xp = backend.xp
+    gc.collect()
+    base = gp.memory_allocated()
+    g = gp.CUDAGraph()
+    with pytest.raises(gp.CaptureError, match=r"reset\(\) inside"):
+        with gp.graph(g):
+            x = xp.ones(1 << 10) + 1
+            g.reset()
+    assert not gp.is_current_stream_capturing() and g._rec is None
+    del x
+    gc.collect()
+    assert gp.memory_allocated() == base
+    with gp.graph(g):  # the same graph captures again
+        y = xp.ones(8) + 1
+    g.replay()
+    assert float(y.sum().item()) == 16
+    g.reset()  # after the block: fine
+    s = gp.Stream()
+    with gp.stream(s):  # a capture begun by hand is still abandoned by reset()
+        g.capture_begin()
+        g.reset()
+        assert not gp.is_current_stream_capturing()
+    del y
+    gp.check_invariants()
+
+
+def test_cupy_malloc_before_install_names_install() -> None:
+    import graphpool.cupy as gcupy
+
+    if gcupy.is_installed() or gcupy._calls[0] is not gcupy._not_installed:
+        pytest.skip("graphpool.cupy was installed in this process")
+    with pytest.raises(RuntimeError, match=r"install\(\) first"):
+        gcupy.malloc(64)
