@@ -527,3 +527,59 @@ def test_jax_views_the_buffer(cuda_backend: Any) -> None:
     assert y.shape == (1024,) and int(y[0]) == 0x05050505
     del x, y, buf
     gc.collect()
+
+
+def _consumer(name: str) -> tuple[Any, Any]:
+    """(from_dlpack, data pointer of what it made or None) of a framework with a GPU, or skip."""
+    if name == "numpy":
+        import numpy
+
+        return numpy.from_dlpack, None
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("optional framework missing: torch (built without CUDA)")
+        return torch.from_dlpack, lambda t: t.data_ptr()
+    if name == "cupy":
+        cupy = pytest.importorskip("cupy")
+        return cupy.from_dlpack, lambda a: a.data.ptr
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    try:
+        if not jax.devices("gpu"):
+            raise RuntimeError
+    except RuntimeError:
+        pytest.skip("optional framework missing: jax (no GPU backend)")
+    return jnp.from_dlpack, None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["numpy", "torch", "cupy", "jax"])
+def test_consumers_accepting_and_refusing_leave_nothing_behind(cuda_backend: Any, name: str) -> None:
+    """Each consumer, on the GPU: what it accepts views the buffer (and keeps it alive until
+    its own object goes); what it refuses (NumPy: device memory; the others: a float128 view)
+    raises the consumer's own error, never a SystemError, and leaves no export behind."""
+    from_dlpack, data_ptr = _consumer(name)
+    base = _settled()
+    buf = gp.alloc(1 << 16)
+    ptr = buf.ptr
+    if name != "numpy":
+        for source in (buf, dlpack.as_tensor(buf, "float32", (1 << 14,))):
+            got = from_dlpack(source)
+            if data_ptr is not None:
+                assert data_ptr(got) == ptr
+            del source
+            assert dlpack.live_exports() == base[1] + 1  # the consumer's view holds it
+            if name == "jax":
+                got.delete()  # JAX frees its buffers when told, or at its own pace
+            del got
+            gc.collect()
+            gp.synchronize()
+            assert dlpack.live_exports() == base[1]
+    refused = buf if name == "numpy" else dlpack.as_tensor(buf, "float128", (16,))
+    with pytest.raises(Exception) as info:  # the consumer's own error, whichever it is
+        from_dlpack(refused)
+    assert not isinstance(info.value, SystemError | AttributeError), repr(info.value)
+    del buf, refused, info
+    assert _settled() == base

@@ -217,12 +217,16 @@ class DeviceBuffer:
     def __dlpack__(
         self,
         *,
-        stream: int | None = None,
-        max_version: tuple[int, int] | None = None,
-        dl_device: tuple[int, int] | None = None,
-        copy: bool | None = None,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Any = None,
+        copy: Any = None,
     ) -> Any:
-        """Export as a DLPack capsule of ``nbytes`` uint8 values (zero-copy)."""
+        """Export as a DLPack capsule of ``nbytes`` uint8 values (zero-copy).
+
+        The array API's arguments: ``stream`` an int or None, ``max_version`` and
+        ``dl_device`` tuples of two ints or None, ``copy`` a bool or None. Typed Any so that,
+        compiled, a wrong one gets graphpool.dlpack's TypeError naming it, not mypyc's."""
         from graphpool import dlpack
 
         self._check_backend()
