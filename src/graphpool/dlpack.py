@@ -34,13 +34,15 @@ import gc
 import math
 import operator
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from graphpool.buffer import DeviceBuffer
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.errors import DoubleFreeError
+
+if TYPE_CHECKING:
+    from graphpool.buffer import DeviceBuffer
 
 KDL_CUDA = 2
 """DLPack's device type for CUDA device memory."""
@@ -194,11 +196,15 @@ gc.callbacks.append(_after_collection)
 # -- export ---------------------------------------------------------------------------
 def _buffer(buf: Any, what: str) -> DeviceBuffer:
     """``buf`` if it is a live DeviceBuffer: TypeError for another object, DoubleFreeError if freed."""
-    if not isinstance(buf, DeviceBuffer):
+    # graphpool.buffer imports this module (in __dlpack__): its class is looked up, not
+    # imported. A DeviceBuffer cannot exist unless graphpool.buffer was loaded.
+    buffer = sys.modules.get("graphpool.buffer")
+    if buffer is None or not isinstance(buf, buffer.DeviceBuffer):
         raise TypeError(f"{what} needs a graphpool DeviceBuffer (from gp.alloc), not {type(buf).__name__}")
     if buf.freed:
         raise DoubleFreeError(f"buffer at 0x{buf.ptr:x} was freed")
-    return buf
+    checked: DeviceBuffer = buf
+    return checked
 
 
 def _view_dtype(dtype: Any) -> tuple[np.dtype[Any], DLDataType]:
