@@ -128,6 +128,38 @@ def test_set_allocator_config_applies_to_an_allocator_made_but_unused(sim: None)
         assert gp.memory_stats()["reserved_bytes.all.current"] == 80 * MiB
 
 
+def test_set_allocator_config_keeps_the_limits_it_does_not_name(sim: None) -> None:
+    """The README's order: the fraction and the limit first, then the options."""
+    gp.set_per_process_memory_fraction(0.5)
+    gp.set_memory_limit(300 * MiB)
+    gp.set_allocator_config("max_split_size_mb:512,roundup_power2_divisions:4")
+    assert (gp.get_per_process_memory_fraction(), gp.get_memory_limit()) == (0.5, 300 * MiB)
+    gp.set_allocator_config("memory_limit:100MiB")  # names the limit: only the limit changes
+    assert (gp.get_per_process_memory_fraction(), gp.get_memory_limit()) == (0.5, 100 * MiB)
+    gp.set_allocator_config("per_process_memory_fraction:0.25")
+    assert (gp.get_per_process_memory_fraction(), gp.get_memory_limit()) == (0.25, 100 * MiB)
+    gp.set_allocator_config("")  # forgets the options' keys; the limits set stay
+    assert (gp.get_per_process_memory_fraction(), gp.get_memory_limit()) == (0.25, 100 * MiB)
+    with pytest.raises(gp.OutOfMemoryError, match="memory limit"):
+        gp.alloc(150 * MiB)
+
+
+def test_set_allocator_config_keeps_the_keys_of_earlier_calls(sim: None) -> None:
+    gp.set_allocator_config("roundup_power2_divisions:4")
+    gp.set_allocator_config("max_split_size_mb:40")  # the rounding stays
+    with gp.alloc(4200):
+        assert gp.memory_stats()["allocated_bytes.all.current"] == 5120
+    gp.set_backend("sim")
+    gp.set_allocator_config("roundup_power2_divisions:1")  # a later value of a key wins
+    with gp.alloc(4200):
+        assert gp.memory_stats()["allocated_bytes.all.current"] == 4608
+    gp.set_backend("sim")
+    gp.set_allocator_config("")  # forgets both keys
+    gp.alloc(50 * MiB).free()
+    with gp.alloc(30 * MiB):  # no max_split_size any more: the cached block is split
+        assert gp.memory_stats()["reserved_bytes.all.current"] == 50 * MiB
+
+
 def test_set_allocator_config_keys_win_over_the_variable(sim: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRAPHPOOL_ALLOC_CONF", "roundup_power2_divisions:4")
     gp.set_allocator_config("roundup_power2_divisions:1")

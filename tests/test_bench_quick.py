@@ -90,6 +90,9 @@ def test_table(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
     )
     assert any(line.strip().startswith("synthetic-0: peak live") and line.endswith(" MiB") for line in lines)
     assert "{" not in table  # not JSON
+    # what the raw launch is, in words: once read "raw launch is  raw launch (simulated device)"
+    row = next(line for line in lines if line.strip().startswith("raw launch calls"))
+    assert row.split("raw launch calls", 1)[1].strip() == "the simulated device's own launch (no graphpool)"
 
 
 def test_progress_on_stderr(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
@@ -129,7 +132,7 @@ def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> No
         r["routing"]["capture on another stream (us)"] / r["routing"]["no capture (us)"]
     )
     rep = r["replay"]
-    assert rep["raw launch is"] == "raw launch (simulated device)"
+    assert rep["raw launch is"] == "the simulated device's own launch (no graphpool)"
     assert rep["CUDAGraph.replay, checker off (us)"] == rep["CUDAGraph.replay (us)"]
     assert rep["replay (checker on)/raw launch time"] == pytest.approx(
         rep["CUDAGraph.replay, checker on (us)"] / rep["raw launch (us)"]

@@ -295,6 +295,22 @@ def test_bad_arguments_are_refused() -> None:
         gp.record_memory_history(True, stacks="python")  # type: ignore[arg-type]
 
 
+def test_max_entries_is_bounded_at_the_call(rec: Any) -> None:
+    """2**63 was accepted, then every allocation raised OverflowError (the ring buffer's
+    length is a C ssize_t) until history was turned off."""
+    gp.record_memory_history(False)
+    for bad in (sys.maxsize + 1, 2**63, 10**30):
+        with pytest.raises(ValueError, match="at most"):
+            gp.record_memory_history(True, max_entries=bad)
+    gp.alloc(1024).free()  # nothing changed: history stays off, allocations work
+    gp.memory_stats()
+    gp.check_invariants()
+    assert events() == []
+    gp.record_memory_history(True, max_entries=sys.maxsize, stacks=False)  # the largest is taken
+    gp.alloc(1024).free()
+    assert len(events()) >= 2
+
+
 # ----------------------------------------------------------------------- stacks
 def _allocate_here(n: int) -> gp.DeviceBuffer:
     return gp.alloc(n)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import ctypes
 import gc
 import os
+import sys
+import weakref
 from typing import Any
 
 import pytest
@@ -232,6 +234,202 @@ def test_typed_view(sim_backend: Any) -> None:
         dlpack.as_tensor(buf, "float64", (1000,))
 
 
+# -- consumers that refuse -------------------------------------------------------------
+
+
+def _settled() -> tuple[int, int]:
+    gc.collect()
+    return gp.memory_allocated(), dlpack.live_exports()
+
+
+@pytest.mark.parametrize("view", ["buffer", "versioned", "typed", "too many dimensions"])
+def test_numpy_refusing_a_device_buffer_leaves_nothing_behind(sim_backend: Any, view: str) -> None:
+    """NumPy refuses device memory: it sets its error and then drops the capsule. Its own
+    error must reach the caller (not a SystemError), and the export must be released."""
+    np = pytest.importorskip("numpy")
+    base = _settled()
+    buf = gp.alloc(1 << 20)
+    source: Any = {
+        "buffer": buf,
+        "versioned": buf,
+        "typed": dlpack.as_tensor(buf, "float32", (16, 4)),
+        "too many dimensions": dlpack.as_tensor(buf, "uint8", (1,) * 70),  # refused before the device
+    }[view]
+    with pytest.raises((RuntimeError, BufferError, ValueError, TypeError)) as info:
+        np.from_dlpack(source)
+    assert not isinstance(info.value, SystemError), info.value
+    assert str(info.value)
+    del buf, source
+    assert dlpack.live_exports() == base[1]  # nothing left behind, even before a collection
+    assert _settled() == base
+
+
+def test_an_unconsumed_capsule_is_released_once_nobody_holds_it(sim_backend: Any) -> None:
+    base = _settled()
+    gc.disable()  # released without a collection too: at the next export
+    try:
+        buf = gp.alloc(4096)
+        cap = buf.__dlpack__()
+        kept = [buf.__dlpack__()]  # still held: must not be released
+        del cap
+        other = buf.__dlpack__()
+        assert dlpack.live_exports() == base[1] + 2  # kept and other
+        address, m = _consume(kept[0])  # a consumer takes it later: the struct is still valid
+        assert m.dl_tensor.data == buf.ptr
+        del kept, other
+        assert dlpack.live_exports() == base[1] + 1  # the consumed one waits for its deleter
+        _call_deleter(m, address)
+        assert dlpack.live_exports() == base[1]
+        del buf
+    finally:
+        gc.enable()
+    assert _settled() == base
+
+
+def test_the_deleter_releases_when_its_caller_has_an_error_pending(
+    sim_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A consumer may call the deleter from C with its own error pending. Made here by giving
+    NumPy a capsule whose destructor is graphpool's deleter: NumPy refuses the device, sets
+    its error, drops the capsule. The deleter must still release what it keeps, and report
+    the consumer's error (ctypes cannot hand it back; NumPy then raises a SystemError)."""
+    np = pytest.importorskip("numpy")
+
+    class Kept:
+        pass
+
+    managed = _Managed()
+    dims = (ctypes.c_int64 * 1)(16)
+    managed.dl_tensor.device = _Device(2, 0)
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = _DType(1, 8, 1)
+    managed.dl_tensor.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
+    capsule = dlpack._PyCapsule_New(
+        ctypes.addressof(managed), b"dltensor", ctypes.cast(dlpack._deleter, ctypes.c_void_p)
+    )
+    key = id(capsule)  # what the destructor (the deleter here) is given
+    kept = Kept()
+    gone = weakref.ref(kept)
+    dlpack._live[key] = (kept,)
+    del kept
+    handed = [capsule]
+    del capsule
+
+    class Producer:
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            return handed.pop()
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return (2, 0)
+
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    with pytest.raises(SystemError):
+        np.from_dlpack(Producer())
+    assert key not in dlpack._live and gone() is None  # released
+    assert [type(u.exc_value) for u in seen] == [RuntimeError], seen
+    assert "Unsupported device" in str(seen[0].exc_value)  # NumPy's own error, reported
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda b: dlpack.as_tensor("buf", "float32"), TypeError, "DeviceBuffer"),
+        (lambda b: dlpack.as_tensor(None, "float32", 4), TypeError, "DeviceBuffer"),
+        (lambda b: dlpack.export(b"x"), TypeError, "DeviceBuffer"),
+        (lambda b: dlpack.TensorView(3, "uint8", (1,)), TypeError, "DeviceBuffer"),
+        (lambda b: dlpack.as_tensor(b, []), TypeError, "no DLPack type"),
+        (lambda b: dlpack.as_tensor(b, "nonsense"), TypeError, "not a NumPy dtype"),
+        (lambda b: dlpack.as_tensor(b, object), TypeError, "no DLPack type"),
+        (lambda b: dlpack.as_tensor(b, "complex256"), TypeError, "DLPack type|NumPy dtype"),  # 256 bits
+        (lambda b: dlpack.as_tensor(b, "float32", "x"), TypeError, "shape"),
+        (lambda b: dlpack.as_tensor(b, "float32", 2.0), TypeError, "shape"),
+        (lambda b: dlpack.as_tensor(b, "float32", (2, "3")), TypeError, "dimension"),
+        (lambda b: dlpack.as_tensor(b, "float32", (True,)), TypeError, "dimension"),
+        (lambda b: dlpack.as_tensor(b, "float32", (-1,)), ValueError, "negative"),
+        (lambda b: dlpack.as_tensor(b, "float32", (-4, -4)), ValueError, "negative"),
+        (lambda b: dlpack.as_tensor(b, "uint8", None, 2**64), ValueError, "byte_offset"),
+        (lambda b: dlpack.as_tensor(b, "uint8", (0,), 2**64), ValueError, "byte_offset"),
+        (lambda b: dlpack.as_tensor(b, "uint8", None, -1), ValueError, "byte_offset"),
+        (lambda b: dlpack.as_tensor(b, "uint8", None, "0"), TypeError, "byte_offset"),
+        (lambda b: dlpack.as_tensor(b, "float64", (1000,)), ValueError, "does not fit"),
+        (lambda b: b.__dlpack__(max_version="a"), TypeError, "max_version"),
+        (lambda b: b.__dlpack__(max_version=5), TypeError, "max_version"),
+        (lambda b: b.__dlpack__(max_version=(1, "0")), TypeError, "max_version"),
+        (lambda b: b.__dlpack__(dl_device="cuda"), TypeError, "dl_device"),
+        (lambda b: b.__dlpack__(dl_device=7), TypeError, "dl_device"),
+        (lambda b: b.__dlpack__(copy="no"), TypeError, "copy"),
+        (lambda b: b.__dlpack__(stream=True), TypeError, "stream"),
+        (lambda b: b.__dlpack__(stream=2**64), ValueError, "stream"),
+        (lambda b: dlpack.export(b, dtype="float32", shape=(-2,)), ValueError, "negative"),
+        (lambda b: dlpack.export(b, byte_offset=2**64), ValueError, "byte_offset"),
+    ],
+    ids=[
+        "as_tensor-str",
+        "as_tensor-None",
+        "export-bytes",
+        "TensorView-int",
+        "dtype-list",
+        "dtype-unknown",
+        "dtype-object",
+        "dtype-256-bits",
+        "shape-str",
+        "shape-float",
+        "shape-str-dim",
+        "shape-bool-dim",
+        "shape-negative",
+        "shape-negatives",
+        "offset-2**64",
+        "offset-2**64-empty",
+        "offset-negative",
+        "offset-str",
+        "too-big",
+        "max_version-str",
+        "max_version-int",
+        "max_version-str-minor",
+        "dl_device-str",
+        "dl_device-int",
+        "copy-str",
+        "stream-bool",
+        "stream-2**64",
+        "export-negative",
+        "export-offset-2**64",
+    ],
+)
+def test_wrong_arguments_are_typed_errors_that_name_them(
+    sim_backend: Any, call: Any, error: type[Exception], match: str
+) -> None:
+    buf = gp.alloc(4096)
+    live = dlpack.live_exports()
+    with pytest.raises(error, match=match):
+        call(buf)
+    assert dlpack.live_exports() == live  # nothing made
+
+
+def test_a_freed_buffer_cannot_be_viewed(sim_backend: Any) -> None:
+    buf = gp.alloc(64)
+    buf.free()
+    with pytest.raises(gp.DoubleFreeError):
+        dlpack.as_tensor(buf, "uint8")
+    with pytest.raises(gp.DoubleFreeError):
+        dlpack.export(buf)
+
+
+def test_jax_without_a_gpu_refuses_and_leaves_nothing_behind(sim_backend: Any) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("jax has a GPU here: see test_jax_views_the_buffer")
+    base = _settled()
+    buf = gp.alloc(4096)
+    for source in (buf, dlpack.as_tensor(buf, "int32", (1024,))):
+        with pytest.raises(Exception) as info:  # JAX's own error, whichever it is
+            jnp.from_dlpack(source)
+        assert not isinstance(info.value, SystemError | AttributeError), info.value
+    del buf, source, info  # (its traceback holds JAX's frames, which hold the buffer)
+    assert _settled() == base
+
+
 # -- GPU -------------------------------------------------------------------------------
 
 
@@ -329,3 +527,59 @@ def test_jax_views_the_buffer(cuda_backend: Any) -> None:
     assert y.shape == (1024,) and int(y[0]) == 0x05050505
     del x, y, buf
     gc.collect()
+
+
+def _consumer(name: str) -> tuple[Any, Any]:
+    """(from_dlpack, data pointer of what it made or None) of a framework with a GPU, or skip."""
+    if name == "numpy":
+        import numpy
+
+        return numpy.from_dlpack, None
+    if name == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("optional framework missing: torch (built without CUDA)")
+        return torch.from_dlpack, lambda t: t.data_ptr()
+    if name == "cupy":
+        cupy = pytest.importorskip("cupy")
+        return cupy.from_dlpack, lambda a: a.data.ptr
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    try:
+        if not jax.devices("gpu"):
+            raise RuntimeError
+    except RuntimeError:
+        pytest.skip("optional framework missing: jax (no GPU backend)")
+    return jnp.from_dlpack, None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["numpy", "torch", "cupy", "jax"])
+def test_consumers_accepting_and_refusing_leave_nothing_behind(cuda_backend: Any, name: str) -> None:
+    """Each consumer, on the GPU: what it accepts views the buffer (and keeps it alive until
+    its own object goes); what it refuses (NumPy: device memory; the others: a float128 view)
+    raises the consumer's own error, never a SystemError, and leaves no export behind."""
+    from_dlpack, data_ptr = _consumer(name)
+    base = _settled()
+    buf = gp.alloc(1 << 16)
+    ptr = buf.ptr
+    if name != "numpy":
+        for source in (buf, dlpack.as_tensor(buf, "float32", (1 << 14,))):
+            got = from_dlpack(source)
+            if data_ptr is not None:
+                assert data_ptr(got) == ptr
+            del source
+            assert dlpack.live_exports() == base[1] + 1  # the consumer's view holds it
+            if name == "jax":
+                got.delete()  # JAX frees its buffers when told, or at its own pace
+            del got
+            gc.collect()
+            gp.synchronize()
+            assert dlpack.live_exports() == base[1]
+    refused = buf if name == "numpy" else dlpack.as_tensor(buf, "float128", (16,))
+    with pytest.raises(Exception) as info:  # the consumer's own error, whichever it is
+        from_dlpack(refused)
+    assert not isinstance(info.value, SystemError | AttributeError), repr(info.value)
+    del buf, refused, info
+    assert _settled() == base

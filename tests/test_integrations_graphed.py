@@ -142,6 +142,40 @@ def test_top_level_takes_warmup_and_pool(backend: Any) -> None:
         gp.make_graphed_callable(fn, (xp.ones(N, dtype=xp.float32),), warmup=-1)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"warmup": 10**18}, ValueError, "warmup is a count of eager runs from 0 to 1000"),
+        ({"warmup": 1001}, ValueError, "warmup"),
+        ({"warmup": "3"}, TypeError, "warmup .*not str"),
+        ({"warmup": 3.0}, TypeError, "warmup"),
+        ({"warmup": True}, TypeError, "warmup"),
+        ({"num_warmup_iters": 10**6}, ValueError, "num_warmup_iters"),
+        ({"num_warmup_iters": None, "warmup": -1}, ValueError, "warmup"),
+    ],
+)
+def test_warmup_counts_are_bounded_and_checked_first(
+    backend: Any, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    """warmup=10**18 ran (for ever) before anything was checked; PyTorch's own count is 3."""
+    xp = backend.xp
+    calls: list[int] = []
+
+    def fn(a: Any) -> Any:
+        calls.append(1)
+        return a + 1
+
+    with pytest.raises(error, match=match):
+        gp.make_graphed_callables(fn, (xp.ones(N, dtype=xp.float32),), **kwargs)
+    if "num_warmup_iters" not in kwargs:
+        with pytest.raises(error, match=match):
+            gp.make_graphed_callable(fn, (xp.ones(N, dtype=xp.float32),), **kwargs)
+    assert calls == []  # refused before any run
+    graphed = gp.make_graphed_callable(fn, (xp.ones(N, dtype=xp.float32),), warmup=1000)
+    assert len(calls) == 1001  # the largest count is taken: 1000 runs and the capture
+    del graphed
+
+
 def test_top_level_signature_matches_graphed() -> None:
     import inspect
 

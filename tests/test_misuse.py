@@ -503,7 +503,13 @@ def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: py
 
     fake = _FakeCupy()
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    for name, value in (("_cp_streams", {}), ("_gp_streams", {}), ("_installed", False), ("_cp", None)):
+    for name, value in (
+        ("_cp_streams", {}),
+        ("_gp_streams", {}),
+        ("_installed", False),
+        ("_cp", None),
+        ("_calls", gcupy._calls),  # install() binds the fake's: restored after
+    ):
         monkeypatch.setattr(gcupy, name, value)
     monkeypatch.setattr(runtime, "stream_listeners", [])
     runtime.set_backend("cuda", backend=FakeCuda())
@@ -540,3 +546,148 @@ def test_set_backend_is_refused_during_a_capture(sim: Any) -> None:
     gc.collect()
     gp.empty_cache()
     assert gp.memory_reserved() == 0
+
+
+# ------------------------------------------------------------------ 9. inputs read once, identity fixed
+MiB = 1 << 20
+
+
+class _Flaky:
+    """A size that answers 1 MiB the first time it is read and 512 after."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __index__(self) -> int:
+        self.calls += 1
+        return MiB if self.calls == 1 else 512
+
+
+@pytest.mark.parametrize("where", ["current stream", "current stream again", "a Stream", "a Stream again"])
+def test_alloc_reads_a_size_object_once(backend: Any, where: str) -> None:
+    """Read twice, the buffer claimed 1 MiB of a 512-byte block: its exports then covered
+    the next allocation's memory."""
+    s = gp.Stream() if "Stream" in where else None
+    if where.endswith("again"):
+        gp.alloc(64, stream=s).free()  # the fast paths (a cached stream and allocator)
+    size = _Flaky()
+    buf = gp.alloc(size, stream=s)
+    assert size.calls == 1
+    assert buf.nbytes == MiB and buf.__cuda_array_interface__["shape"] == (MiB,)
+    block = buf._block
+    assert block is not None and block.size >= MiB
+    nxt = gp.alloc(512, stream=s)
+    assert not buf.ptr <= nxt.ptr < buf.ptr + buf.nbytes
+    buf.free()
+    nxt.free()
+    gp.check_invariants()
+
+
+def test_a_buffers_identity_is_read_only(backend: Any) -> None:
+    """Writable, ``nbytes`` could make ``__cuda_array_interface__`` and DLPack describe memory
+    the buffer does not own (both builds: properties over private fields)."""
+    buf = gp.alloc(256)
+    other = gp.Stream()
+    for name, value in (("nbytes", 1 << 30), ("ptr", 0x1234), ("stream", other)):
+        with pytest.raises(AttributeError):
+            setattr(buf, name, value)
+    with pytest.raises(AttributeError):
+        del buf.nbytes
+    assert buf.nbytes == 256 and buf.stream is gp.current_stream() and buf.ptr == buf._block.ptr
+    assert buf.__cuda_array_interface__["shape"] == (256,)
+    buf.free()
+
+
+# ------------------------------------------------------------------ 10. small lies
+def test_cudagraph_keep_graph_has_pytorchs_meaning(backend: Any) -> None:
+    """PyTorch's CUDAGraph(keep_graph=True): capture_end() does not instantiate; instantiate()
+    does (the first replay too), and raw_cuda_graph() gives the captured graph."""
+    xp = backend.xp
+    a = xp.ones(64)
+    g = gp.CUDAGraph(keep_graph=True)
+    assert g.keep_graph
+    with gp.graph(g):
+        b = a + 1
+    assert g._exec is None and repr(g).endswith("captured>")
+    assert isinstance(g.raw_cuda_graph(), int) and g.raw_cuda_graph() == g._graph
+    a.fill(5)
+    g.replay()  # instantiates first
+    first = g._exec
+    assert first is not None and float(b.sum().item()) == 64 * 6
+    g.instantiate()  # anew: the old executable is destroyed
+    assert g._exec is not None
+    a.fill(1)
+    g.replay()
+    assert float(b.sum().item()) == 64 * 2
+    with pytest.raises(gp.CaptureError, match="reset"):
+        g.capture_begin()
+    g.reset()
+    with pytest.raises(gp.CaptureError, match="capture first"):
+        g.raw_cuda_graph()
+    with pytest.raises(gp.CaptureError, match="capture first"):
+        g.instantiate()
+    h = gp.CUDAGraph()  # keep_graph=False: capture_end() instantiated it
+    with gp.graph(h):
+        c = a + 2
+    assert h._exec is not None
+    with pytest.raises(gp.CaptureError, match="keep_graph=True"):
+        h.instantiate()
+    with pytest.raises(gp.CaptureError, match="keep_graph=True"):
+        h.raw_cuda_graph()
+    with pytest.raises(TypeError, match="keep_graph"):
+        gp.CUDAGraph(keep_graph="yes")  # type: ignore[arg-type]
+    del b, c
+    h.reset()
+    gp.check_invariants()
+
+
+def test_a_cudagraph_refusing_its_arguments_leaves_a_quiet_finalizer(
+    sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its __del__ read attributes __init__ never set: AttributeError '_rec', on stderr."""
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    for kwargs in ({"keep_graph": 1}, {"capture_error_mode": "global"}):
+        with pytest.raises(TypeError):
+            gp.CUDAGraph(**kwargs)
+        gc.collect()
+    assert seen == []
+
+
+def test_reset_inside_a_graph_block_is_refused(backend: Any) -> None:
+    """It abandoned the capture silently; leaving the block then said capture_end() had no
+    capture_begin(). The block owns its capture: reset() there is a CaptureError (which,
+    raised in the body, discards the capture), and works after the block."""
+    xp = backend.xp
+    gc.collect()
+    base = gp.memory_allocated()
+    g = gp.CUDAGraph()
+    with pytest.raises(gp.CaptureError, match=r"reset\(\) inside"):
+        with gp.graph(g):
+            x = xp.ones(1 << 10) + 1
+            g.reset()
+    assert not gp.is_current_stream_capturing() and g._rec is None
+    del x
+    gc.collect()
+    assert gp.memory_allocated() == base
+    with gp.graph(g):  # the same graph captures again
+        y = xp.ones(8) + 1
+    g.replay()
+    assert float(y.sum().item()) == 16
+    g.reset()  # after the block: fine
+    s = gp.Stream()
+    with gp.stream(s):  # a capture begun by hand is still abandoned by reset()
+        g.capture_begin()
+        g.reset()
+        assert not gp.is_current_stream_capturing()
+    del y
+    gp.check_invariants()
+
+
+def test_cupy_malloc_before_install_names_install() -> None:
+    import graphpool.cupy as gcupy
+
+    if gcupy.is_installed() or gcupy._calls[0] is not gcupy._not_installed:
+        pytest.skip("graphpool.cupy was installed in this process")
+    with pytest.raises(RuntimeError, match=r"install\(\) first"):
+        gcupy.malloc(64)

@@ -12,14 +12,29 @@ arrays, streams, events, captures, replays) with misuse:
   querying events and reading arrays during a capture, ``empty_cache`` during a capture;
 * wrong thread: ending another thread's capture, capturing in two threads at once;
 * wrong backend: ``set_backend`` with objects of the old backend still in use, and
-  ``set_backend("cuda")`` on a machine without a GPU.
+  ``set_backend("cuda")`` on a machine without a GPU;
+* ``graphpool.dlpack`` and ``graphpool.traces`` given objects of the wrong type and bad
+  values (shapes, offsets, dtypes, versions, devices, counts, names, paths, snapshots), and
+  NumPy refusing a device buffer (``np.from_dlpack``);
+* the entries issue 25 bounded or made honest: ``record_memory_history(max_entries=...)``,
+  ``make_graphed_callable(s)``'s warm-up counts, ``CUDAGraph(keep_graph=...)`` with
+  ``instantiate``/``raw_cuda_graph``, ``reset()`` inside a graph block, ``graphpool.cupy.malloc``
+  before ``install()``, the limit setters and ``set_allocator_config``, and a size object whose
+  ``__index__`` answers differently each time.
 
 Every call must return or raise a ``TypeError``, ``ValueError``, ``BufferError`` or
-``GraphpoolError`` (which covers ``OutOfMemoryError``) with a message; any other
-exception (``AttributeError``, ``IndexError``, ``AssertionError``, ``KeyError``,
-``SystemError``, a bare ``RuntimeError`` ...) is a finding. After each call
+``GraphpoolError`` (which covers ``OutOfMemoryError``) with a message, or a kind the call
+documents (NumPy's own refusal, an OSError for a file that is not there, the RuntimeError
+of ``graphpool.cupy.malloc`` before ``install()``); any other exception (``AttributeError``,
+``IndexError``, ``AssertionError``, ``KeyError``, ``ZeroDivisionError``, ``OverflowError``,
+``SystemError`` always, a bare ``RuntimeError`` ...) is a finding. After each call
 ``check_invariants()`` must hold; after each sequence, once everything is dropped and
-``empty_cache()`` ran, every allocator of every backend the sequence made must reserve 0.
+``empty_cache()`` ran, every allocator of every backend the sequence made must reserve 0 and
+no DLPack export may be left.
+
+``test_cli_misuse_is_one_line`` runs ``python -m graphpool`` with bad command lines (options,
+values, commands, output paths; the global option before or after the command): each must
+exit non-zero with one line on stderr and no traceback.
 
 Sequences run in child interpreters, in batches (a worker runs many sequences): a crash
 (a segfault, an abort) kills only its batch, which is then rerun one sequence per
@@ -110,12 +125,15 @@ class Sequence:
         s = self.pick(self.streams)
         return s if s is not None and self.rng.random() < 0.8 else self.gp.current_stream()
 
-    def call(self, name: str, fn: Callable[[], Any]) -> None:
-        """Run one call; classify what it raised."""
+    def call(self, name: str, fn: Callable[[], Any], also: tuple[type[Exception], ...] = ()) -> None:
+        """Run one call; classify what it raised. ``also``: the error kinds this call documents
+        beyond the common ones (a consumer's own refusal, an OSError for a file that is not)."""
         self.done += 1
         try:
             fn()
-        except self.allowed as exc:
+        except self.allowed + also as exc:
+            if isinstance(exc, SystemError):  # never a documented kind
+                raise
             self.raised += 1
             key = f"{name}: {type(exc).__name__}"
             self.kinds[key] = self.kinds.get(key, 0) + 1
@@ -396,6 +414,152 @@ class Sequence:
         ]
         self.call(name, self.pick(calls))
 
+    def a_dlpack(self, name: str) -> None:
+        """graphpool.dlpack's entries with wrong types and values, and a consumer that refuses."""
+        import numpy as np
+
+        from graphpool import dlpack
+
+        b = self.pick(self.bufs + self.freed)
+        bad = self.pick(
+            [None, "x", [], -1, 2**64, 2**63, (1, 2, 3), 1.5, True, (-1,), {}, object(), "complex256", b"u1"]
+        )
+        calls: list[Callable[[], Any]] = [
+            lambda: dlpack.as_tensor(bad, "uint8"),
+            lambda: dlpack.export(bad),
+            lambda: dlpack.TensorView(bad, "uint8", (1,)),
+        ]
+        if b is not None:
+            calls += [
+                lambda: dlpack.as_tensor(b, bad),
+                lambda: dlpack.as_tensor(b, "uint8", bad),
+                lambda: dlpack.as_tensor(b, "uint8", None, bad),
+                lambda: dlpack.as_tensor(b, "float32", (bad,)),
+                lambda: dlpack.as_tensor(b, []),
+                lambda: dlpack.export(b, dtype="float32", shape=(-1,)),
+                lambda: b.__dlpack__(max_version=bad),
+                lambda: b.__dlpack__(dl_device=bad),
+                lambda: b.__dlpack__(copy=bad),
+                lambda: b.__dlpack__(stream=bad),
+            ]
+        self.call(name, self.pick(calls))
+        if b is None:
+            return
+        # NumPy refuses device memory: its own error, nothing left behind (checked at cleanup)
+        source: Any = b
+        if not b.freed and b.nbytes >= 4 and self.rng.random() < 0.5:
+            source = dlpack.TensorView.__new__(dlpack.TensorView)  # a view made without checks:
+            source.buffer, source.dtype, source.shape, source.byte_offset = (  # export checks it
+                b,
+                np.dtype("float32"),
+                self.pick([(b.nbytes // 4,), (-1,), (2**40,)]),
+                self.pick([0, -4, 2**64]),
+            )
+        self.call("np.from_dlpack", lambda: np.from_dlpack(source), also=(RuntimeError,))
+
+    def a_traces(self, name: str) -> None:
+        """graphpool.traces' entries with wrong types and values."""
+        from graphpool import traces
+
+        t = traces.synthetic(self.rng.randrange(50), 30)
+        bad = self.pick([None, 5, "small", "../x", [], {"name": "x"}, b"x", t.events, 1.5, True, -3, (7,), t])
+        snap = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 8, "stream": 0}]]}
+        calls: list[tuple[Callable[[], Any], tuple[type[Exception], ...]]] = [
+            (lambda: traces.validate(bad), ()),
+            (lambda: traces.summary(bad), ()),
+            (lambda: traces.peak_live_bytes(bad), ()),
+            (lambda: traces.truncated(bad, 3), ()),
+            (lambda: traces.truncated(t, bad), ()),
+            (lambda: traces.save(bad, os.devnull), (OSError,)),
+            (lambda: traces.save(t, 5 if isinstance(bad, str) else bad), ()),  # writes no file
+            (lambda: traces.read(bad), (OSError,)),  # a str names a file that is not there
+            (lambda: traces.load(bad), ()),
+            (lambda: traces.synthetic(bad, 30), ()),
+            (lambda: traces.synthetic(0, bad), ()),
+            (lambda: traces.synthetic(0, 30, streams=bad), ()),
+            (lambda: traces.synthetic(0, 30, name=bad), ()),
+            (lambda: traces.from_torch_snapshot(bad), ()),
+            (lambda: traces.from_torch_snapshot(snap, bad), ()),
+            (lambda: traces.from_torch_snapshot({"device_traces": [[bad]]}), ()),
+            (lambda: traces.from_torch_snapshot({"device_traces": [[{"action": "alloc", "addr": bad}]]}), ()),
+            (lambda: traces.from_torch_snapshot(snap, name=bad), ()),
+            (lambda: traces.Trace(bad, "", []), ()),
+            (lambda: traces.Trace("t", "", bad), ()),
+            (lambda: traces.validate(traces.Trace("t", "", [bad])), ()),
+        ]
+        fn, also = self.pick(calls)
+        self.call(name, fn, also=also)
+
+    def a_new_entries(self, name: str) -> None:
+        """The entries issue 25 bounded or made honest, with wrong and absurd arguments."""
+        gp, xp = self.gp, self.xp
+        bad = self.pick([2**63, 10**18, 10**30, 0, -1, "3", 1.5, True, None, 1001, float("nan")])
+
+        def history() -> None:
+            try:
+                gp.record_memory_history(True, max_entries=bad, stacks=False)
+            finally:
+                gp.record_memory_history(False)
+
+        def reset_in_block() -> None:
+            g = gp.CUDAGraph()
+            with gp.graph(g):
+                xp.ones(4)
+                g.reset()
+
+        def keep_graph() -> None:
+            g = gp.CUDAGraph(keep_graph=True)
+            with gp.graph(g):
+                out = xp.ones(16) + 1
+            self.pick([g.raw_cuda_graph, g.instantiate, g.replay, g.capture_begin])()
+            self.graphs.append((g, out))
+
+        class Flaky:
+            calls = 0
+
+            def __index__(self) -> int:
+                Flaky.calls += 1
+                return 4096 if Flaky.calls == 1 else 64
+
+        def flaky_alloc() -> None:
+            buf = gp.alloc(Flaky())
+            self.bufs.append(buf)
+            block = buf._block
+            if block is None or block.size < buf.nbytes:
+                raise AssertionError(f"a buffer of {buf.nbytes} bytes on a block of {block}")
+
+        graph = self.pick(self.graphs)
+        calls: list[tuple[Callable[[], Any], tuple[type[Exception], ...]]] = [
+            (history, ()),
+            (lambda: gp.make_graphed_callable(lambda x: x + 1, (xp.ones(4),), warmup=bad), ()),
+            (lambda: gp.make_graphed_callables(lambda x: x + 1, (xp.ones(4),), num_warmup_iters=bad), ()),
+            (lambda: gp.CUDAGraph(keep_graph=bad), ()),
+            (keep_graph, ()),
+            (lambda: graph[0].instantiate() if graph else gp.CUDAGraph().instantiate(), ()),
+            (lambda: graph[0].raw_cuda_graph() if graph else gp.CUDAGraph(True).raw_cuda_graph(), ()),
+            (reset_in_block, ()),
+            (lambda: __import__("graphpool.cupy", fromlist=["malloc"]).malloc(64), (RuntimeError,)),
+            (
+                lambda: gp.set_allocator_config(
+                    self.pick(
+                        [
+                            "memory_limit:-1",
+                            "per_process_memory_fraction:2",
+                            "nonsense:1",
+                            "max_split_size_mb:10",
+                            bad,
+                        ]
+                    )
+                ),
+                (),
+            ),
+            (lambda: gp.set_memory_limit(bad), ()),
+            (lambda: gp.set_per_process_memory_fraction(bad if bad != 0 else 2.5), ()),
+            (flaky_alloc, ()),
+        ]
+        fn, also = self.pick(calls)
+        self.call(name, fn, also=also)
+
     def a_copy_pickle(self, name: str) -> None:
         import copy
         import pickle
@@ -574,8 +738,12 @@ class Sequence:
         self.streams.clear()
         gc.collect()
         try:
+            from graphpool import dlpack
+
             if gp.is_current_stream_capturing():
                 raise AssertionError("a capture is still underway after the sequence")
+            if dlpack.live_exports():
+                raise AssertionError(f"{dlpack.live_exports()} DLPack exports still live after the sequence")
             for rt in self.runtimes:
                 for index in range(rt.count):
                     rt.device(index).device_synchronize()
@@ -684,6 +852,77 @@ def test_misuse_fuzz(record_property: Any) -> None:
     assert not totals["crashes"], totals["crashes"][:5]
     assert not totals["findings"], json.dumps(totals["findings"][:10], indent=1)
     assert totals["sequences"] >= min(SEQUENCES, MIN_SEQUENCES), "too few sequences ran in the time limit"
+
+
+# =============================================================================== the CLI
+CLI_CASES = 12
+"""Command lines per run of the CLI fuzz test (each a process that exits at its first check)."""
+
+
+CLI_KINDS = ("option", "value", "command", "path", "extra")
+
+
+def _cli_argv(rng: random.Random, kind: str) -> list[str]:
+    """A command line that must fail, of ``kind``: an unknown option, a bad or missing value, an
+    unknown command, an output path that cannot be written, a stray argument; the global
+    option before or after the command."""
+    command = rng.choice(["bench", "snapshot"] if kind == "path" else ["demo", "bench", "snapshot"])
+    if kind == "command":
+        return [
+            rng.choice(["nosuch", "-", "démo", "Demo"]),
+            *rng.choice([[], ["--backend", "sim"], ["--bogus"]]),
+        ]
+    if kind == "option":
+        wrong = [
+            rng.choice(["--bogus", "-x", "--json=3" if command == "demo" else "--quick=1", "--backend="])
+        ]
+    elif kind == "value":
+        wrong = rng.choice([["--backend"], ["--backend", rng.choice(["gpu", "", "SIM", "0"])]])
+    elif kind == "path":
+        bad = rng.choice(["/proc/graphpool-fuzz/x", "/dev/null/x", "/", ""])
+        wrong = ["--out", bad] if command == "snapshot" else ["--json", bad]
+    else:
+        wrong = [rng.choice(["extra", "1", "--", "sim"])]
+    backend = ["--backend", "sim"] if rng.random() < 0.7 else []
+    return [*backend, command, *wrong] if rng.random() < 0.5 else [command, *wrong, *backend]
+
+
+def test_cli_misuse_is_one_line() -> None:
+    """Bad command lines (options, values, commands, output paths): a non-zero exit and one line
+    on stderr, never a traceback; output paths are refused before any work."""
+    import graphpool
+
+    rng = random.Random(BASE_SEED)
+    env = dict(
+        os.environ, PYTHONPATH=str(Path(graphpool.__file__).resolve().parents[1]), GRAPHPOOL_BACKEND="sim"
+    )
+    argvs = [_cli_argv(rng, CLI_KINDS[i % len(CLI_KINDS)]) for i in range(CLI_CASES)]
+    bad: list[dict[str, Any]] = []
+    for start in range(0, len(argvs), WORKERS):
+        procs = [
+            (
+                argv,
+                subprocess.Popen(
+                    [sys.executable, "-m", "graphpool", *argv],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+            for argv in argvs[start : start + WORKERS]
+        ]
+        for argv, p in procs:
+            out, err = p.communicate(timeout=60)
+            lines = err.strip().splitlines()
+            if (
+                p.returncode == 0
+                or "Traceback" in err
+                or len(lines) != 1
+                or not lines[0].startswith("python -m graphpool")
+            ):
+                bad.append({"argv": argv, "exit": p.returncode, "stderr": err[-800:], "stdout": out[-200:]})
+    assert not bad, json.dumps(bad, indent=1)
 
 
 if __name__ == "__main__":

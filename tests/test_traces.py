@@ -113,6 +113,73 @@ def test_validate_names_the_first_bad_event(events: list[Any], message: str) -> 
         traces.validate(Trace("t", "", events))
 
 
+_SNAPSHOT = {"device_traces": [[{"action": "alloc", "addr": 1, "size": 8, "stream": 0}]]}
+BAD_CALLS: dict[str, tuple[Any, type[Exception], str]] = {
+    # wrong object types: each raised AttributeError (177 of 2,243 fuzzed misuse cases)
+    "validate-str": (lambda: traces.validate("small"), TypeError, r"traces\.validate needs a Trace"),
+    "validate-dict": (lambda: traces.validate({"name": "x"}), TypeError, "needs a Trace"),
+    "summary-None": (lambda: traces.summary(None), TypeError, r"traces\.summary needs a Trace"),
+    "summary-bad-event": (lambda: traces.summary(Trace("t", "", [(7,)])), ValueError, "event 0"),
+    "peak-list": (lambda: traces.peak_live_bytes([]), TypeError, "needs a Trace"),
+    "truncated-int": (lambda: traces.truncated(5, 1), TypeError, "needs a Trace"),
+    "truncated-str-count": (lambda: traces.truncated(_small(), "3"), TypeError, "max_events"),
+    "truncated-bool-count": (lambda: traces.truncated(_small(), True), TypeError, "max_events"),
+    "save-str": (lambda: traces.save("small", "x.json.gz"), TypeError, "needs a Trace"),
+    "save-bad-path": (lambda: traces.save(_small(), 5), TypeError, "file path"),
+    "read-bad-path": (lambda: traces.read(None), TypeError, "file path"),
+    "load-int": (lambda: traces.load(3), TypeError, "trace name must be a str"),
+    "load-bad-name": (lambda: traces.load("../etc"), ValueError, "trace name"),
+    "Trace-name": (lambda: Trace(5, "", []), TypeError, "Trace.name"),
+    "Trace-events": (lambda: Trace("t", "", 5), TypeError, "Trace.events"),
+    "Trace-info": (lambda: Trace("t", "", [], {"a": 1}), TypeError, "Trace.info"),
+    "synthetic-seed": (lambda: traces.synthetic("0"), TypeError, "seed"),
+    "synthetic-n_ops": (lambda: traces.synthetic(0, n_ops="5"), TypeError, "n_ops"),
+    "synthetic-n_ops-negative": (lambda: traces.synthetic(0, n_ops=-1), ValueError, "n_ops"),
+    "synthetic-streams": (lambda: traces.synthetic(0, 10, streams=True), TypeError, "streams"),
+    "synthetic-streams-3": (lambda: traces.synthetic(0, 10, streams=3), ValueError, "streams"),
+    "synthetic-name": (lambda: traces.synthetic(0, 10, name=5), TypeError, "name"),
+    "torch-list": (lambda: traces.from_torch_snapshot([]), TypeError, "_snapshot"),
+    "torch-device-str": (lambda: traces.from_torch_snapshot(_SNAPSHOT, "0"), TypeError, "device"),
+    "torch-device-range": (lambda: traces.from_torch_snapshot(_SNAPSHOT, 3), ValueError, "device 3"),
+    "torch-entry-int": (
+        lambda: traces.from_torch_snapshot({"device_traces": [[5]]}),
+        ValueError,
+        r"device_traces\[0\]\[0\]",
+    ),
+    "torch-entry-no-addr": (
+        lambda: traces.from_torch_snapshot({"device_traces": [[{"action": "alloc", "size": 8}]]}),
+        ValueError,
+        "'addr'",
+    ),
+    "torch-name": (lambda: traces.from_torch_snapshot(_SNAPSHOT, name=None), TypeError, "name"),
+    "torch-info": (lambda: traces.from_torch_snapshot(_SNAPSHOT, info=[1]), TypeError, "info"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CALLS))
+def test_wrong_arguments_are_typed_errors_that_name_them(name: str) -> None:
+    call, error, match = BAD_CALLS[name]
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ({"format": "graphpool-trace", "version": 1, "events": []}, '"name"'),
+        ({"format": "graphpool-trace", "version": 1, "name": "t", "events": 5}, '"events"'),
+        ({"format": "graphpool-trace", "version": 1, "name": "t", "events": [5]}, '"events"'),
+        ({"format": "graphpool-trace", "version": 1, "name": "t", "events": [], "info": [1]}, '"info"'),
+        ({"format": "graphpool-trace", "version": 1, "name": 7, "events": []}, '"name"'),
+    ],
+)
+def test_a_malformed_trace_file_is_a_value_error(tmp_path: Path, doc: dict[str, Any], match: str) -> None:
+    path = tmp_path / "bad.json.gz"
+    path.write_bytes(gzip.compress(json.dumps(doc).encode()))
+    with pytest.raises(ValueError, match=match):
+        traces.read(path)
+
+
 def test_validate_accepts_id_reuse_after_free_and_leftovers() -> None:
     traces.validate(_small())  # id 0 reused after its free; ids 0 and 2 left live
     traces.validate(Trace("empty", "", []))

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
+from typing import NoReturn
 
 from graphpool.errors import BackendUnavailableError
 
@@ -14,11 +17,23 @@ device on the CPU.
 """
 
 EPILOG = """\
-Every command takes --backend cuda or --backend sim; without it graphpool uses the GPU
-when one is usable and the simulator otherwise (the GRAPHPOOL_BACKEND environment
-variable sets the default too). Run 'python -m graphpool COMMAND --help' for a
-command's options.
+Every command takes --backend cuda or --backend sim, before or after the command's name;
+without it graphpool uses the GPU when one is usable and the simulator otherwise (the
+GRAPHPOOL_BACKEND environment variable sets the default too). Run
+'python -m graphpool COMMAND --help' for a command's options.
 """
+
+PROG = "python -m graphpool"
+BACKEND_HELP = (
+    "where to run: cuda (a GPU) or sim (the simulated device); default: cuda when a GPU is usable, else sim"
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a wrong argument is one line on stderr (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see '{self.prog} --help')\n")
 
 
 def version() -> str:
@@ -36,13 +51,14 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``python -m graphpool`` (separate so tests can read its help)."""
-    parser = argparse.ArgumentParser(
-        prog="python -m graphpool",
+    parser = _Parser(
+        prog=PROG,
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"graphpool {version()}")
+    parser.add_argument("--backend", choices=("cuda", "sim"), default=None, help=BACKEND_HELP)
     sub = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     for name, text in (
         ("demo", "run the example scenarios and print what each one measured"),
@@ -50,13 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("snapshot", "print the memory snapshot and summary of a small workload, or write it for viewers"),
     ):
         p = sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
-        p.add_argument(
-            "--backend",
-            choices=("cuda", "sim"),
-            default=None,
-            help="where to run: cuda (a GPU) or sim (the simulated device); "
-            "default: cuda when a GPU is usable, else sim",
-        )
+        # SUPPRESS: given only before the command's name, the top level's value stays
+        p.add_argument("--backend", choices=("cuda", "sim"), default=argparse.SUPPRESS, help=BACKEND_HELP)
         if name == "bench":
             p.add_argument("--quick", action="store_true", help="small iteration counts (CI smoke test)")
             p.add_argument(
@@ -66,11 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
                 default=None,
                 metavar="PATH",
                 help="print the results as JSON instead of a table; with PATH, write the JSON "
-                "there and print the table",
+                "there and print the table (PATH is checked before the bench runs)",
             )
             p.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
         if name == "snapshot":
-            p.add_argument("--json", action="store_true", help="print the snapshot as JSON instead of text")
+            p.add_argument(
+                "--json",
+                action="store_true",
+                help="print the snapshot as JSON instead of text; with --out, also write "
+                "DIR/snapshot.json and print the list of files written as JSON",
+            )
             p.add_argument(
                 "--out",
                 metavar="DIR",
@@ -115,6 +131,8 @@ def snapshot(backend: str | None, as_json: bool = False, out: str | None = None,
     import graphpool as gp
     from graphpool.snapshot import render_snapshot
 
+    if out is not None:
+        writable_dir(out, "snapshot --out")  # before any work
     if backend is not None:
         gp.set_backend(backend)
     if out is not None:
@@ -135,7 +153,7 @@ def snapshot(backend: str | None, as_json: bool = False, out: str | None = None,
                 print()
                 print(gp.memory_summary())
         else:
-            _write_snapshot(out)
+            _write_snapshot(out, as_json)
         del keep
     finally:
         if out is not None:
@@ -143,31 +161,59 @@ def snapshot(backend: str | None, as_json: bool = False, out: str | None = None,
     return 0
 
 
-def _write_snapshot(out: str) -> None:
-    """Write snapshot.pickle, snapshot.html and (with matplotlib) snapshot.png into ``out``."""
-    import os
+def writable_dir(path: str, option: str) -> None:
+    """Make the folder ``path`` if needed and check that a file can be written there; OSError
+    (naming ``option`` and the path) otherwise."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise OSError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None
+
+
+def _write_snapshot(out: str, as_json: bool = False) -> None:
+    """Write snapshot.pickle, snapshot.html and (with matplotlib) snapshot.png into ``out``
+    (with ``as_json`` snapshot.json too); say what was written, in words or as JSON."""
+    import json
 
     import graphpool as gp
     from graphpool import viz
-    from graphpool.snapshot import dump
+    from graphpool.snapshot import dump, render_snapshot
 
-    os.makedirs(out, exist_ok=True)
     snap = gp.torch_snapshot()
     events = sum(len(t) for t in snap["device_traces"])
+    written: dict[str, str | None] = {}
+    lines: list[str] = []
     pickle_path = os.path.join(out, "snapshot.pickle")
     dump(snap, pickle_path)
-    print(f"{pickle_path}: {len(snap['segments'])} segments, {events} events (PyTorch's snapshot layout)")
-    print(
+    written["pickle"] = pickle_path
+    lines.append(
+        f"{pickle_path}: {len(snap['segments'])} segments, {events} events (PyTorch's snapshot layout)"
+    )
+    lines.append(
         f"  open it at pytorch.org/memory_viz or: python -m torch.cuda._memory_viz trace_plot {pickle_path}"
     )
     html_path = os.path.join(out, "snapshot.html")
     viz.write_html(snap, html_path)
-    print(f"{html_path}: segments by pool and stream, and memory over time (self-contained)")
+    written["html"] = html_path
+    lines.append(f"{html_path}: segments by pool and stream, and memory over time (self-contained)")
     png_path = os.path.join(out, "snapshot.png")
     if viz.write_png(snap, png_path):
-        print(f"{png_path}: the same as a picture")
+        written["png"] = png_path
+        lines.append(f"{png_path}: the same as a picture")
     else:
-        print("no snapshot.png: matplotlib is not installed (pip install matplotlib)")
+        written["png"] = None
+        lines.append("no snapshot.png: matplotlib is not installed (pip install matplotlib)")
+    if as_json:
+        json_path = os.path.join(out, "snapshot.json")
+        with open(json_path, "w") as fh:
+            fh.write(render_snapshot(gp.memory_snapshot(), True) + "\n")
+        written["json"] = json_path
+        summary = {"files": written, "segments": len(snap["segments"]), "events": events}
+        print(json.dumps(summary, indent=2))
+    else:
+        print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except BackendUnavailableError as exc:  # no GPU here: one line that says so, no traceback
-        print(f"python -m graphpool: {exc}", file=sys.stderr)
+        print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # an output path that cannot be written: one line, no traceback
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -26,9 +26,11 @@ only mean something on a real GPU.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gc
 import itertools
 import json
+import os
 import statistics
 import sys
 import threading
@@ -307,12 +309,12 @@ def _raw_launch(dev: Any, exe: int, stream: gp.Stream) -> tuple[str, Callable[[]
         def raw() -> None:
             launch(exe, handle)
 
-        return "raw cudaGraphLaunch (cuda.bindings)", raw
+        return "cudaGraphLaunch through cuda.bindings (no graphpool)", raw
 
     def sim_raw() -> None:
         dev.launch(exe, stream.handle)
 
-    return "raw launch (simulated device)", sim_raw
+    return "the simulated device's own launch (no graphpool)", sim_raw
 
 
 def bench_replay(number: int, repeat: int) -> dict[str, Any]:
@@ -964,7 +966,7 @@ def _fmt_value(key: str, value: Any) -> tuple[str, str]:
 # under a label that says what it is (a ratio's direction, the checker's mode).
 _LEGACY_PREFIXES = ("ratio ",)
 _LEGACY_KEYS = ("speedup", "CUDAGraph.replay (us)")
-_LABELS = {"bare launch": "bare launch (graphpool's device wrapper)"}
+_LABELS = {"bare launch": "bare launch (graphpool's device wrapper)", "raw launch is": "raw launch calls"}
 
 
 def _shown(key: str) -> bool:
@@ -1058,9 +1060,12 @@ def run(
 ) -> int:
     """Run the benchmarks for this backend; print a table (or, ``as_json``, the JSON).
 
-    ``json_path``: also write the JSON there.
+    ``json_path``: also write the JSON there; checked first (OSError before anything runs if
+    it cannot be written).
     """
     global _progress
+    if json_path:
+        writable_file(json_path, "bench --json")
     _progress = Progress(progress)
     if backend is not None:
         gp.set_backend(backend)
@@ -1100,6 +1105,24 @@ def run(
     text = json.dumps(results, indent=2, default=str)
     print(text if as_json else table(results))
     if json_path:
-        with open(json_path, "w") as fh:
-            fh.write(text + "\n")
+        try:
+            with open(json_path, "w") as fh:
+                fh.write(text + "\n")
+        except OSError as exc:
+            raise OSError(f"bench --json {json_path}: cannot write there ({exc.strerror or exc})") from None
     return 0
+
+
+def writable_file(path: str, option: str) -> None:
+    """Check that the file ``path`` can be written (it is left as it was); OSError naming
+    ``option`` and the path otherwise."""
+    existed = os.path.exists(path)
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "a folder, not a file")
+        with open(path, "a"):
+            pass
+        if not existed:
+            os.remove(path)
+    except OSError as exc:
+        raise OSError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None

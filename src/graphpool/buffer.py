@@ -13,6 +13,10 @@ the same stream with the bytes copied there.
 ``gp.alloc(0)`` gives a null buffer (``ptr`` 0, ``nbytes`` 0): it holds no memory, and
 freeing or collecting it does nothing but mark it freed.
 
+``ptr``, ``nbytes`` and ``stream`` are read-only (the allocation's identity: a buffer whose
+``nbytes`` could be changed would export, through ``__cuda_array_interface__`` or DLPack,
+memory it does not own). They are properties over private fields in both builds.
+
 Compiled (setup.py), ``DeviceBuffer`` is a native class and cannot be weakly referenced;
 the plain-Python build declares no ``__weakref__`` either, so both behave alike. Compiled,
 an attribute that ``__init__`` always sets is read without a check, so the finalizer
@@ -50,12 +54,12 @@ class DeviceBuffer:
     Made by ``gp.alloc`` only; calling the class raises TypeError.
     """
 
-    __slots__ = ("ptr", "nbytes", "stream", "_block", "_alloc", "_live")
+    __slots__ = ("_ptr", "_nbytes", "_stream", "_block", "_alloc", "_live")
     __deletable__ = ("_live",)  # compiled: reads of _live check that it is set (module docstring)
 
-    ptr: int
-    nbytes: int
-    stream: Stream
+    _ptr: int
+    _nbytes: int
+    _stream: Stream
 
     def __init__(
         self, block: object, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
@@ -70,19 +74,34 @@ class DeviceBuffer:
             )
         b = cast("Block | None", block)
         if b is None:  # a statement, not a conditional expression: compiled, that boxes
-            self.ptr = 0
+            self._ptr = 0
         else:
-            self.ptr = b.ptr
+            self._ptr = b.ptr
         self._block = b
-        self.nbytes = nbytes
-        self.stream = stream
+        self._nbytes = nbytes
+        self._stream = stream
         self._alloc = alloc
         self._live = True  # last: the finalizer acts only on a fully made buffer
 
     @property
+    def ptr(self) -> int:
+        """The device address of the memory (0 for a null buffer). Read-only."""
+        return self._ptr
+
+    @property
+    def nbytes(self) -> int:
+        """How many bytes the buffer owns (what was asked for). Read-only."""
+        return self._nbytes
+
+    @property
+    def stream(self) -> Stream:
+        """The stream the memory was allocated for. Read-only."""
+        return self._stream
+
+    @property
     def device(self) -> int:
         """Index of the device that holds the memory."""
-        return self.stream.device
+        return self._stream.device
 
     @property
     def freed(self) -> bool:
@@ -95,7 +114,7 @@ class DeviceBuffer:
         Valid even after ``set_backend``: the buffer goes back to the allocator it came from.
         """
         if not self._live:
-            raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
+            raise DoubleFreeError(f"buffer at 0x{self._ptr:x} was already freed")
         self._live = False
         block = self._block
         if block is not None:  # a null buffer (gp.alloc(0)) holds nothing
@@ -105,7 +124,7 @@ class DeviceBuffer:
         """Raise BackendReplacedError if the backend this buffer was made under was replaced."""
         from graphpool import runtime
 
-        made_in = self.stream._space
+        made_in = self._stream._space
         if made_in is not runtime.space():
             raise runtime.replaced(repr(self), made_in)
 
@@ -122,7 +141,7 @@ class DeviceBuffer:
         if s.device != self.device:
             raise ValueError(f"buffer of device {self.device} used by a stream of device {s.device}")
         if not self._live:
-            raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was already freed")
+            raise DoubleFreeError(f"buffer at 0x{self._ptr:x} was already freed")
         if self._block is not None:
             self._alloc.record_stream(self._block, s.handle)
 
@@ -159,12 +178,12 @@ class DeviceBuffer:
     def __deepcopy__(self, memo: dict[int, Any]) -> DeviceBuffer:
         """A new buffer on the same stream holding a copy of the bytes (queued on that stream)."""
         if not self._live:
-            raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was freed; there is nothing to copy")
+            raise DoubleFreeError(f"buffer at 0x{self._ptr:x} was freed; there is nothing to copy")
         self._check_backend()
-        block = self._alloc.malloc_owned(self.nbytes, stream=self.stream.handle) if self.nbytes else None
-        out = DeviceBuffer(block, self.nbytes, self.stream, self._alloc, _KEY)
-        if self.nbytes:
-            self._alloc.device.memcpy(out.ptr, self.ptr, self.nbytes, self.stream.handle)
+        block = self._alloc.malloc_owned(self._nbytes, stream=self._stream.handle) if self._nbytes else None
+        out = DeviceBuffer(block, self._nbytes, self._stream, self._alloc, _KEY)
+        if self._nbytes:
+            self._alloc.device.memcpy(out.ptr, self._ptr, self._nbytes, self._stream.handle)
         memo[id(self)] = out
         return out
 
@@ -182,13 +201,13 @@ class DeviceBuffer:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """Version 3 of Numba's CUDA array interface: a 1-D array of ``nbytes`` bytes."""
         if not self._live:
-            raise DoubleFreeError(f"buffer at 0x{self.ptr:x} was freed")
+            raise DoubleFreeError(f"buffer at 0x{self._ptr:x} was freed")
         self._check_backend()
-        handle = self.stream.handle
+        handle = self._stream.handle
         return {
-            "shape": (self.nbytes,),
+            "shape": (self._nbytes,),
             "typestr": "|u1",
-            "data": (self.ptr, False),
+            "data": (self._ptr, False),
             "version": 3,
             "strides": None,
             # 1 names the legacy default stream in this protocol; 0 is not allowed.
@@ -198,12 +217,16 @@ class DeviceBuffer:
     def __dlpack__(
         self,
         *,
-        stream: int | None = None,
-        max_version: tuple[int, int] | None = None,
-        dl_device: tuple[int, int] | None = None,
-        copy: bool | None = None,
+        stream: Any = None,
+        max_version: Any = None,
+        dl_device: Any = None,
+        copy: Any = None,
     ) -> Any:
-        """Export as a DLPack capsule of ``nbytes`` uint8 values (zero-copy)."""
+        """Export as a DLPack capsule of ``nbytes`` uint8 values (zero-copy).
+
+        The array API's arguments: ``stream`` an int or None, ``max_version`` and
+        ``dl_device`` tuples of two ints or None, ``copy`` a bool or None. Typed Any so that,
+        compiled, a wrong one gets graphpool.dlpack's TypeError naming it, not mypyc's."""
         from graphpool import dlpack
 
         self._check_backend()
@@ -215,4 +238,4 @@ class DeviceBuffer:
 
     def __repr__(self) -> str:
         state = "" if self._live else ", freed"
-        return f"<graphpool.DeviceBuffer 0x{self.ptr:x}, {self.nbytes} bytes, device {self.device}{state}>"
+        return f"<graphpool.DeviceBuffer 0x{self._ptr:x}, {self._nbytes} bytes, device {self.device}{state}>"

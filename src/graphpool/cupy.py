@@ -32,10 +32,20 @@ from graphpool.streams import Stream, current_stream, resolve_handle
 
 _cp: Any = None
 """The cupy module, once ``install()`` imported it."""
-_calls: Any = None
+
+
+def _not_installed(*args: object) -> Any:
+    raise RuntimeError(
+        "graphpool.cupy.malloc serves CuPy only after graphpool.cupy.install() (which binds it "
+        "to CuPy and makes it CuPy's allocator): call install() first"
+    )
+
+
+_calls: Any = (_not_installed,) * 4
 """CuPy's calls ``malloc`` makes, bound by ``install()``: (``runtime.getDevice``,
 ``get_current_stream``, ``UnownedMemory``, ``MemoryPointer``); one global read instead of a
-chain of attribute lookups for each."""
+chain of attribute lookups for each. Before ``install()``, a call that says so (no test on
+``malloc``'s path)."""
 _lock = threading.Lock()
 _installed = False
 _previous: Any = None

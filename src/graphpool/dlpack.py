@@ -5,8 +5,19 @@ and wraps them in a PyCapsule: a legacy ``DLManagedTensor`` ("dltensor"), or, wh
 consumer asks for ``max_version >= (1, 0)``, a ``DLManagedTensorVersioned``
 ("dltensor_versioned"). The exported tensor holds a reference to the DeviceBuffer until
 the consumer calls the tensor's deleter, so the memory stays allocated for as long as
-the consumer's view lives, whatever happens to the Python buffer object. A capsule that
-is never consumed calls the deleter itself when it is collected.
+the consumer's view lives, whatever happens to the Python buffer object.
+
+A capsule nobody consumed (a consumer that refused it, as ``np.from_dlpack`` refuses
+device memory, or one simply dropped) releases its export too, but not from a capsule
+destructor: a consumer that refuses usually sets its error and then drops the capsule, so
+a destructor runs with that error pending, where Python code can neither call the C API
+reliably nor hand the error back (a ctypes callback always clears it, and the consumer
+then fails with a SystemError). Instead graphpool keeps a reference to every capsule it
+hands out and lets go of those that nobody else holds any more at safe points: the next
+export, ``live_exports()`` and every garbage collection (``gc.callbacks``). A consumed
+capsule (renamed "used_dltensor") is let go of as it is; an unconsumed one releases its
+export then. The capsule has no destructor, so no graphpool code runs inside a consumer's
+error path, and the consumer's own error reaches the caller.
 
 ``as_tensor(buf, dtype, shape)`` gives an object whose ``__dlpack__`` exports a typed,
 shaped view of the buffer instead of raw bytes::
@@ -19,7 +30,10 @@ Nothing here imports a framework; ctypes and NumPy (for dtype parsing) only.
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
+import operator
+import sys
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,16 +101,15 @@ class DLManagedTensorVersioned(ctypes.Structure):
 # -- the Python C API, through private prototypes (never touching ctypes.pythonapi's
 #    shared function objects, whose argtypes other code may rely on) -------------------
 _api = ctypes.pythonapi
-_PyCapsule_Destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _PyCapsule_New = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
     ("PyCapsule_New", _api)
 )
-_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+_PyCapsule_IsValid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_IsValid", _api)
 )
-_PyCapsule_GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", _api)
-)
+_PyErr_Occurred = ctypes.PYFUNCTYPE(ctypes.c_void_p)(("PyErr_Occurred", _api))
+"""Called through ctypes' Python-API convention, which raises a pending error into the
+caller: the deleter's way to take an error its C caller left pending (see ``_delete``)."""
 
 _NAME = b"dltensor"
 _NAME_VERSIONED = b"dltensor_versioned"
@@ -104,61 +117,165 @@ _NAME_VERSIONED = b"dltensor_versioned"
 _live: dict[int, tuple[Any, ...]] = {}
 """Exported tensors not yet deleted: address -> (struct, shape array, buffer).
 
-No lock guards it: a single dict insertion or pop is atomic under the GIL, and a lock
-could deadlock when a capsule destructor runs from a garbage collection triggered
-while it is held.
+No lock guards it (nor ``_held``): a single dict insertion or pop is atomic under the GIL,
+and a lock could deadlock when a deleter or a sweep runs from a garbage collection
+triggered while it is held.
 """
+
+_held: dict[int, Any] = {}
+"""The capsules handed out that someone else may still hold: address -> capsule (module
+docstring). ``_sweep`` lets go of those that only this dict holds."""
+
+
+def _refs(holder: dict[int, Any], key: int) -> int:
+    return sys.getrefcount(holder[key])
+
+
+_ONLY_HELD = _refs({0: object()}, 0)
+"""What ``_refs`` counts for an object that only the dict holds (measured, not assumed: the
+count includes the interpreter's own temporary references, which vary between versions)."""
 
 
 def _delete(address: int | None) -> None:
     """The DLPack deleter (for both struct kinds): drop what the export kept alive.
 
-    Dropping the last reference to the DeviceBuffer frees it through its finalizer,
-    which only queues the free: no lock is taken here, whichever thread calls.
+    Consumers call it from C, possibly with an error of theirs pending (a consumer that
+    fails after it took the tensor). Python code cannot run reliably then, so the error is
+    taken first (ctypes raises it here), the export released, and the error raised again
+    at the end: ctypes then reports it as unraisable (it cannot be handed back to the
+    consumer). Dropping the last reference to the DeviceBuffer frees it through its
+    finalizer, which only queues the free: no lock is taken here, whichever thread calls.
     """
+    pending: BaseException | None = None
+    try:
+        _PyErr_Occurred()
+    except BaseException as exc:
+        pending = exc
     if address is None:
         return
     try:
+        _held.pop(address, None)
         kept = _live.pop(address, None)
     except Exception:  # interpreter shutdown: module globals already gone
         return
     del kept
+    if pending is not None:
+        raise pending
 
 
 _deleter = _Deleter(_delete)
 
 
-def _capsule_destructor(capsule: int | None) -> None:
-    """Called when a capsule is collected: delete the tensor if no consumer took it."""
-    if capsule is None:
-        return
-    try:
-        for name in (_NAME, _NAME_VERSIONED):
-            if _PyCapsule_IsValid(capsule, name):
-                _delete(_PyCapsule_GetPointer(capsule, name))
-                return
-    except Exception:  # a destructor never raises
-        pass
+def _sweep() -> None:
+    """Let go of the capsules that nobody else holds; release the exports of the unconsumed
+    ones (a consumer renames a capsule it takes). Runs at safe points only (module docstring)."""
+    for address in list(_held):
+        try:
+            if _refs(_held, address) > _ONLY_HELD:
+                continue  # still held by a consumer or the caller
+            capsule = _held.pop(address)
+        except KeyError:  # another thread let go of it meanwhile
+            continue
+        if _PyCapsule_IsValid(capsule, _NAME) or _PyCapsule_IsValid(capsule, _NAME_VERSIONED):
+            _delete(address)  # never consumed: nobody will call the deleter
+        del capsule
 
 
-_destructor = _PyCapsule_Destructor(_capsule_destructor)
+def _after_collection(phase: str, info: dict[str, int]) -> None:
+    """``gc.callbacks`` entry: a collection is a safe point to let go of dropped capsules."""
+    if phase == "stop" and _held:
+        try:
+            _sweep()
+        except Exception:  # a gc callback never raises (interpreter shutdown, say)
+            pass
+
+
+gc.callbacks.append(_after_collection)
 
 
 # -- export ---------------------------------------------------------------------------
-def _dl_dtype(dtype: Any) -> DLDataType:
-    dt = np.dtype(dtype)
+def _buffer(buf: Any, what: str) -> DeviceBuffer:
+    """``buf`` if it is a live DeviceBuffer: TypeError for another object, DoubleFreeError if freed."""
+    # graphpool.buffer imports this module (in __dlpack__): its class is looked up, not
+    # imported. A DeviceBuffer cannot exist unless graphpool.buffer was loaded.
+    buffer = sys.modules.get("graphpool.buffer")
+    if buffer is None or not isinstance(buf, buffer.DeviceBuffer):
+        raise TypeError(f"{what} needs a graphpool DeviceBuffer (from gp.alloc), not {type(buf).__name__}")
+    if buf.freed:
+        raise DoubleFreeError(f"buffer at 0x{buf.ptr:x} was freed")
+    checked: DeviceBuffer = buf
+    return checked
+
+
+def _view_dtype(dtype: Any) -> tuple[np.dtype[Any], DLDataType]:
+    """``dtype`` as a NumPy dtype and its DLPack type; TypeError if it has none."""
+    try:
+        dt = np.dtype(dtype)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"dtype {dtype!r} is not a NumPy dtype ({exc})") from None
     code = _CODES.get(dt.kind)
-    if code is None or dt.fields is not None or dt.subdtype is not None:
-        raise TypeError(f"no DLPack type code for dtype {dt}")
-    return DLDataType(code, dt.itemsize * 8, 1)
+    # DLDataType.bits is a uint8: a wider dtype (complex256) would wrap around silently
+    if code is None or dt.fields is not None or dt.subdtype is not None or not 0 < dt.itemsize * 8 < 256:
+        raise TypeError(f"dtype {dt} has no DLPack type: use a bool, int, uint, float or complex dtype")
+    return dt, DLDataType(code, dt.itemsize * 8, 1)
+
+
+def _count(value: Any, what: str) -> int:
+    """An int argument (``operator.index``; a bool is refused): TypeError naming ``what``."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    return operator.index(value)
+
+
+def _view(
+    buf: DeviceBuffer, dtype: Any, shape: Any, byte_offset: Any, whole: bool
+) -> tuple[np.dtype[Any], DLDataType, tuple[int, ...], int]:
+    """Check a typed view of ``buf``: (dtype, its DLPack type, shape, byte offset).
+
+    ``shape`` None: as many values as fit after the offset (``whole``: the bytes must hold a
+    whole number of them). TypeError for wrong types, ValueError for a view that does not
+    fit in the buffer, naming the argument.
+    """
+    dt, dl_type = _view_dtype(dtype)
+    offset = _count(byte_offset, "byte_offset")
+    if not 0 <= offset <= buf.nbytes:
+        raise ValueError(f"byte_offset {offset} is outside the buffer's {buf.nbytes} bytes")
+    if shape is None:
+        room = buf.nbytes - offset
+        if whole and room % dt.itemsize:
+            raise ValueError(f"{room} bytes do not hold a whole number of {dt}")
+        dims: tuple[int, ...] = (room // dt.itemsize,)
+    elif isinstance(shape, tuple | list):
+        dims = tuple(_count(n, "each dimension of shape") for n in shape)
+    elif hasattr(shape, "__index__") and not isinstance(shape, bool):
+        dims = (operator.index(shape),)
+    else:
+        raise TypeError(f"shape must be an int or a tuple of ints, not {type(shape).__name__}")
+    if any(n < 0 for n in dims):
+        raise ValueError(f"negative dimension in shape {dims}")
+    if offset + math.prod(dims) * dt.itemsize > buf.nbytes:
+        raise ValueError(
+            f"a view of shape {dims} of {dt} at offset {offset} does not fit in a buffer of "
+            f"{buf.nbytes} bytes"
+        )
+    return dt, dl_type, dims, offset
+
+
+def _pair(value: Any, what: str) -> tuple[int, int]:
+    """A DLPack ``(a, b)`` argument (``max_version``, ``dl_device``): TypeError otherwise."""
+    if not isinstance(value, tuple | list) or len(value) != 2:
+        raise TypeError(f"{what} must be a tuple of two ints, not {value!r}")
+    return _count(value[0], what), _count(value[1], what)
 
 
 def _consumer_stream(stream: Any) -> int | None:
     """The graphpool stream handle named by a DLPack ``stream`` argument (None: no sync)."""
-    if stream is None or stream == 1:
-        return LEGACY_STREAM  # absent or 1: the legacy default stream
-    if not isinstance(stream, int):
+    if stream is None:
+        return LEGACY_STREAM  # absent: the legacy default stream
+    if isinstance(stream, bool) or not isinstance(stream, int):
         raise TypeError(f"DLPack stream must be an int or None, not {type(stream).__name__}")
+    if stream == 1:
+        return LEGACY_STREAM  # 1 names the legacy default stream
     if stream == -1:
         return None  # the consumer asks for no synchronization
     if stream == 0:
@@ -195,34 +312,26 @@ def export(
     ``stream``, ``max_version``, ``dl_device`` and ``copy`` follow the Python array API's
     ``__dlpack__``. ``dtype``, ``shape`` and ``byte_offset`` select a typed C-contiguous
     view inside the buffer. The capsule keeps ``buf`` allocated until the consumer's
-    deleter call (or the capsule's collection, if it was never consumed).
+    deleter call (or, if nobody consumed it, until nobody holds it: module docstring).
+    Every argument is checked before anything is made: TypeError, ValueError or
+    BufferError naming it.
     """
+    _sweep()
+    buf = _buffer(buf, "graphpool.dlpack.export")
+    if copy is not None and not isinstance(copy, bool):
+        raise TypeError(f"copy must be True, False or None, not {copy!r}")
     if copy:
         raise BufferError("graphpool exports device memory zero-copy only (copy=True asked for a copy)")
-    if buf.freed:
-        raise DoubleFreeError(f"buffer at 0x{buf.ptr:x} was freed")
-    if dl_device is not None and tuple(dl_device) != (KDL_CUDA, buf.device):
+    version = None if max_version is None else _pair(max_version, "max_version")
+    if dl_device is not None and _pair(dl_device, "dl_device") != (KDL_CUDA, buf.device):
         raise BufferError(
             f"graphpool buffers live on (kDLCUDA=2, {buf.device}); cannot export to device {dl_device}"
         )
-    dl_type = _dl_dtype(dtype)
-    itemsize = dl_type.bits // 8
-    if shape is None:
-        if (buf.nbytes - byte_offset) % itemsize:
-            raise ValueError(f"{buf.nbytes - byte_offset} bytes do not hold a whole number of {dtype}")
-        shape = ((buf.nbytes - byte_offset) // itemsize,)
-    shape = tuple(int(n) for n in shape)
-    if any(n < 0 for n in shape):
-        raise ValueError(f"negative dimension in shape {shape}")
-    if byte_offset < 0 or byte_offset + math.prod(shape) * itemsize > buf.nbytes:
-        raise ValueError(
-            f"a view of shape {shape} of {np.dtype(dtype)} at offset {byte_offset} does not fit "
-            f"in a buffer of {buf.nbytes} bytes"
-        )
+    _, dl_type, dims, offset = _view(buf, dtype, shape, byte_offset, whole=True)
     consumer = _consumer_stream(stream)
     _synchronize(buf, consumer)
 
-    versioned = max_version is not None and int(max_version[0]) >= 1
+    versioned = version is not None and version[0] >= 1
     managed: DLManagedTensor | DLManagedTensorVersioned
     if versioned:
         managed = DLManagedTensorVersioned()
@@ -232,29 +341,35 @@ def export(
     else:
         managed = DLManagedTensor()
         name = _NAME
-    dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+    shape_array = (ctypes.c_int64 * max(len(dims), 1))(*dims)
     t = managed.dl_tensor
     t.data = buf.ptr
     t.device = DLDevice(KDL_CUDA, buf.device)
-    t.ndim = len(shape)
+    t.ndim = len(dims)
     t.dtype = dl_type
-    t.shape = ctypes.cast(dims, ctypes.POINTER(ctypes.c_int64))
+    t.shape = ctypes.cast(shape_array, ctypes.POINTER(ctypes.c_int64))
     t.strides = None  # compact row-major
-    t.byte_offset = byte_offset
+    t.byte_offset = offset
     managed.manager_ctx = None
     managed.deleter = _deleter
     address = ctypes.addressof(managed)
-    kept = (managed, dims, buf)
+    kept = (managed, shape_array, buf)
     _live[address] = kept
     try:
-        return _PyCapsule_New(address, name, ctypes.cast(_destructor, ctypes.c_void_p))
+        capsule = _PyCapsule_New(address, name, None)  # no destructor (module docstring)
+        _held[address] = capsule
     except BaseException:
         _delete(address)
         raise
+    return capsule
 
 
 def live_exports() -> int:
-    """Number of exported tensors whose deleter has not run yet (for tests and leak hunts)."""
+    """Number of exported tensors whose deleter has not run yet (for tests and leak hunts).
+
+    Lets go of the capsules nobody holds first, so an export nobody took is not counted.
+    """
+    _sweep()
     return len(_live)
 
 
@@ -267,18 +382,11 @@ class TensorView:
 
     __slots__ = ("buffer", "byte_offset", "dtype", "shape")
 
-    def __init__(self, buf: DeviceBuffer, dtype: Any, shape: tuple[int, ...], byte_offset: int = 0) -> None:
-        self.buffer = buf
-        self.dtype = np.dtype(dtype)
-        self.shape = tuple(int(n) for n in shape)
-        self.byte_offset = int(byte_offset)
-        _dl_dtype(self.dtype)
-        end = self.byte_offset + math.prod(self.shape) * self.dtype.itemsize
-        if self.byte_offset < 0 or end > buf.nbytes:
-            raise ValueError(
-                f"a view of shape {self.shape} of {self.dtype} at offset {self.byte_offset} does not fit "
-                f"in a buffer of {buf.nbytes} bytes"
-            )
+    def __init__(
+        self, buf: DeviceBuffer, dtype: Any, shape: int | tuple[int, ...] | None, byte_offset: int = 0
+    ) -> None:
+        self.buffer = _buffer(buf, "graphpool.dlpack.TensorView")
+        self.dtype, _, self.shape, self.byte_offset = _view(buf, dtype, shape, byte_offset, whole=False)
 
     def __dlpack__(
         self,
@@ -311,13 +419,14 @@ class TensorView:
 def as_tensor(
     buf: DeviceBuffer, dtype: Any, shape: int | tuple[int, ...] | None = None, byte_offset: int = 0
 ) -> TensorView:
-    """View ``buf`` as a C-contiguous array of ``dtype`` (default shape: as many as fit)."""
-    dt = np.dtype(dtype)
-    if shape is None:
-        shape = ((buf.nbytes - byte_offset) // dt.itemsize,)
-    elif isinstance(shape, int):
-        shape = (shape,)
-    return TensorView(buf, dt, shape, byte_offset)
+    """View ``buf`` as a C-contiguous array of ``dtype`` (default shape: as many as fit).
+
+    TypeError for a wrong type of argument (not a DeviceBuffer, a dtype without a DLPack
+    type, a shape that is not an int or a tuple of ints), ValueError for a view that does
+    not fit in the buffer (a negative dimension or offset, too many values), each naming
+    the argument; DoubleFreeError for a freed buffer.
+    """
+    return TensorView(_buffer(buf, "graphpool.dlpack.as_tensor"), dtype, shape, byte_offset)
 
 
 __all__ = [

@@ -33,6 +33,24 @@ from graphpool.streams import Stream, current_stream, stream
 WARMUP_ITERATIONS = 3
 """Eager runs before the capture (PyTorch's make_graphed_callables does 3 too)."""
 
+MAX_WARMUP_ITERATIONS = 1000
+"""The most eager runs ``warmup`` asks for. PyTorch's ``num_warmup_iters`` is 3 by default,
+and its documentation asks for 11 under DistributedDataParallel: a warm-up needs a few runs,
+and a count past this one is a mistake (10**18 would run forever), refused up front."""
+
+
+def _check_warmup(value: object, name: str) -> int:
+    """``value`` as a warm-up count: TypeError for a non-int, ValueError outside
+    0..MAX_WARMUP_ITERATIONS, each naming the argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} is a count of eager runs (an int), not {type(value).__name__}")
+    if not 0 <= value <= MAX_WARMUP_ITERATIONS:
+        raise ValueError(
+            f"{name} is a count of eager runs from 0 to {MAX_WARMUP_ITERATIONS} (PyTorch's default is "
+            f"{WARMUP_ITERATIONS}), not {value}"
+        )
+    return value
+
 
 def _is_array(x: Any) -> bool:
     data = getattr(x, "data", None)
@@ -86,8 +104,7 @@ class GraphedCallable:
         warmup: int = WARMUP_ITERATIONS,
         pool: PoolId | tuple[int, int] | None = None,
     ) -> None:
-        if type(warmup) is not int or warmup < 0:
-            raise ValueError(f"warmup is a count of eager runs (an int >= 0), not {warmup!r}")
+        _check_warmup(warmup, "warmup")
         if not callable(fn):
             raise TypeError(f"make_graphed_callable needs a callable, not {type(fn).__name__}")
         args = tuple(sample_args)
@@ -262,7 +279,11 @@ def graph_callables(
     num_warmup_iters: int | None = None,
 ) -> GraphedCallable | tuple[GraphedCallable, ...]:
     """``make_graphed_callables`` without its overloads (for callers that hold the union)."""
-    runs = warmup if num_warmup_iters is None else num_warmup_iters
+    runs = (
+        _check_warmup(warmup, "warmup")
+        if num_warmup_iters is None
+        else _check_warmup(num_warmup_iters, "num_warmup_iters")
+    )
     if not isinstance(callables, tuple):
         return GraphedCallable(callables, sample_args, warmup=runs, pool=pool)
     if not isinstance(sample_args, tuple) or len(sample_args) != len(callables):
@@ -282,4 +303,10 @@ def graph_callables(
     )
 
 
-__all__ = ["GraphedCallable", "WARMUP_ITERATIONS", "make_graphed_callable", "make_graphed_callables"]
+__all__ = [
+    "MAX_WARMUP_ITERATIONS",
+    "WARMUP_ITERATIONS",
+    "GraphedCallable",
+    "make_graphed_callable",
+    "make_graphed_callables",
+]

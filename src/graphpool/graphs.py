@@ -48,15 +48,35 @@ from graphpool.streams import (
 _labels = itertools.count(1)
 
 
+def _instantiate(dev: Device, graph: int) -> int:
+    """``dev.instantiate(graph)`` under the relaxed capture mode: instantiation is "unsafe"
+    while another capture is underway (another thread's in global mode, or an enclosing one
+    on this thread), as in CUDA."""
+    prev = dev.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+    try:
+        return dev.instantiate(graph)
+    finally:
+        dev.exchange_capture_mode(prev)
+
+
 def graph_pool_handle() -> PoolId:
     """A new pool id ``(0, n)`` that several graphs can pass as ``pool=`` to share memory."""
     return new_shared_pool_id()
 
 
 class CUDAGraph:
-    """A captured sequence of device work that replays on the same addresses."""
+    """A captured sequence of device work that replays on the same addresses.
 
-    def __init__(self) -> None:
+    ``keep_graph`` is PyTorch's argument and means what it does there: False (the default),
+    ``capture_end()`` instantiates the graph; True, it does not: ``instantiate()`` does (the
+    first ``replay()`` too, if it was not called), and ``raw_cuda_graph()`` gives the captured
+    graph's handle, to inspect or change it before the instantiation.
+    """
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        if not isinstance(keep_graph, bool):
+            raise TypeError(f"keep_graph must be True or False, not {keep_graph!r}")
+        self.keep_graph = keep_graph
         self.label = f"graph#{next(_labels)}"
         self._rec: CaptureRecord | None = None
         self._alloc: CachingAllocator | None = None
@@ -64,6 +84,7 @@ class CUDAGraph:
         self._graph: int | None = None
         self._exec: int | None = None
         self._capturing = False
+        self._in_block = False  # a `with gp.graph(self)` block owns the capture underway
         self._dev: Device | None = None
         self._replay_streams: set[int] = set()
         # replay-checker state (only touched while checks are on)
@@ -82,7 +103,7 @@ class CUDAGraph:
             raise ValueError(
                 f"capture_error_mode must be one of {', '.join(CAPTURE_MODES)}, not {capture_error_mode!r}"
             )
-        if self._capturing or self._exec is not None:
+        if self._capturing or self._exec is not None or self._graph is not None:
             raise CaptureError(f"{self.label} already holds a capture; call reset() before capturing again")
         s = current_stream()
         if s.handle == LEGACY_STREAM:
@@ -137,17 +158,14 @@ class CUDAGraph:
                 "allowed during capture (synchronize, event query, device allocation) invalidates it; "
                 "capture_error_mode='thread_local' or 'relaxed' allows some of them."
             ) from exc
-        # Under the relaxed mode: instantiation is "unsafe" while another capture is underway
-        # (another thread's in global mode, or an enclosing one on this thread), as in CUDA.
-        prev = dev.exchange_capture_mode(CAPTURE_MODE_RELAXED)
-        try:
-            graph_exec = dev.instantiate(graph)
-        except BaseException:
-            dev.destroy_graph(graph)
-            self._abort()
-            raise
-        finally:
-            dev.exchange_capture_mode(prev)
+        graph_exec = None
+        if not self.keep_graph:
+            try:
+                graph_exec = _instantiate(dev, graph)
+            except BaseException:
+                dev.destroy_graph(graph)
+                self._abort()
+                raise
         self._alloc.end_capture(self._rec)
         self._graph, self._exec = graph, graph_exec
         self._dev = dev
@@ -182,15 +200,47 @@ class CUDAGraph:
             pass  # the capture was invalidated; the stream has left capture mode all the same
         self._abort()
 
+    def instantiate(self) -> None:
+        """Make the captured graph launchable (PyTorch's ``instantiate``): for a graph made
+        with ``keep_graph=True``, after ``capture_end()``; called again, it instantiates the
+        graph anew (after a change through ``raw_cuda_graph()``). ``capture_end()`` does it
+        for the others (CaptureError here)."""
+        graph, dev = self._graph, self._dev
+        if self._capturing or graph is None or dev is None:
+            raise CaptureError(f"{self.label}: instantiate() needs a successful capture first")
+        if not self.keep_graph:
+            raise CaptureError(
+                f"{self.label}: instantiate() is for graphs made with keep_graph=True; capture_end() "
+                "instantiated this one"
+            )
+        old, self._exec = self._exec, None
+        if old is not None:
+            dev.destroy_graph_exec(old)
+        self._exec = _instantiate(dev, graph)
+
+    def raw_cuda_graph(self) -> int:
+        """The captured graph's handle (``cudaGraph_t``; PyTorch's ``raw_cuda_graph``): only
+        for a graph made with ``keep_graph=True``, after ``capture_end()``. graphpool destroys
+        it at ``reset()`` or collection."""
+        if not self.keep_graph:
+            raise CaptureError(f"{self.label}: raw_cuda_graph() needs CUDAGraph(keep_graph=True)")
+        if self._capturing or self._graph is None:
+            raise CaptureError(f"{self.label}: raw_cuda_graph() needs a successful capture first")
+        return self._graph
+
     # ------------------------------------------------------------- replay
     def replay(self) -> None:
         """Launch the graph on the current stream (any stream of its device)."""
         exe = self._exec
         if exe is None:
-            raise CaptureError(
-                f"{self.label}: replay() needs a successful capture first "
-                "(capture_begin()/capture_end() or `with gp.graph(g):`)"
-            )
+            if self.keep_graph and self._graph is not None and not self._capturing:
+                self.instantiate()  # keep_graph=True and not instantiated yet, as PyTorch
+                exe = self._exec
+            if exe is None:
+                raise CaptureError(
+                    f"{self.label}: replay() needs a successful capture first "
+                    "(capture_begin()/capture_end() or `with gp.graph(g):`)"
+                )
         assert self._stream is not None and self._dev is not None
         self._stream._check_backend()  # a graph of a replaced backend: a clear error
         index = self._stream.device
@@ -208,9 +258,17 @@ class CUDAGraph:
         """Forget the capture; the pool's memory becomes reusable once nothing else uses it.
 
         The graph objects are destroyed on the device the graph was captured on, whatever
-        backend is in use now; the allocator gets its record back even if that fails.
+        backend is in use now; the allocator gets its record back even if that fails. During
+        a capture begun with ``capture_begin()`` it ends and discards the capture; inside a
+        ``with gp.graph(g):`` block it is refused (CaptureError): the block ends the capture
+        (raise in its body to discard it), then ``reset()`` may follow.
         """
         if self._capturing:
+            if self._in_block:
+                raise CaptureError(
+                    f"{self.label}: reset() inside `with gp.graph(...)`: the block ends the capture "
+                    "when it is left (raise an exception in its body to discard it); reset() after it"
+                )
             self._abandon()
             return
         rec, alloc = self._rec, self._alloc
@@ -236,7 +294,10 @@ class CUDAGraph:
         return self._rec.pool.id
 
     def __del__(self) -> None:
-        rec, alloc = self._rec, self._alloc
+        try:
+            rec, alloc = self._rec, self._alloc
+        except AttributeError:  # __init__ refused its arguments or never ran: nothing is owned
+            return
         if rec is None or alloc is None:
             return
         try:
@@ -257,7 +318,7 @@ class CUDAGraph:
             pass
 
     def __repr__(self) -> str:
-        state = "capturing" if self._capturing else ("captured" if self._exec is not None else "empty")
+        state = "capturing" if self._capturing else ("captured" if self._graph is not None else "empty")
         return f"<graphpool.CUDAGraph {self.label} {state}>"
 
     def __copy__(self) -> CUDAGraph:
@@ -347,9 +408,11 @@ class graph:
         except BaseException:
             self._ctx.__exit__(None, None, None)
             raise
+        self.cuda_graph._in_block = True
         return self.cuda_graph
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.cuda_graph._in_block = False
         try:
             if exc_type is None:
                 self.cuda_graph.capture_end()

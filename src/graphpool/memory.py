@@ -151,9 +151,17 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
     the call still reaches the allocator's own size check (a bool is refused, a numpy
     integer accepted).
     """
-    # The size as an int, for the buffer and the zero test; ``nbytes`` itself goes to malloc,
-    # which validates it (and needs no boxing of a fresh int when compiled).
-    n = nbytes if type(nbytes) is int else _size(nbytes)
+    # The size as an int, for the buffer and the zero test. An int goes to malloc as it is;
+    # any other size object is read once, here, and its int goes to malloc: a second read
+    # could answer differently (the buffer would then claim memory its block does not have).
+    # malloc validates the value. ``size`` is declared apart from ``nbytes``: compiled, a
+    # variable narrowed to int would be unboxed here and boxed again (a new int) for malloc.
+    size: SupportsIndex = nbytes
+    if type(nbytes) is int:
+        n = nbytes
+    else:
+        n = _size(nbytes)
+        size = n
     if stream is None:
         ident = _get_ident()
         cur = _last.cur
@@ -167,7 +175,7 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
             if n == 0:
                 return DeviceBuffer(None, 0, hot.stream, hot.alloc, _KEY)
             a = hot.alloc
-            block = a.malloc_owned(nbytes, stream=hot.handle)  # validates nbytes
+            block = a.malloc_owned(size, stream=hot.handle)  # validates the size
             return DeviceBuffer(block, n, hot.stream, a, _KEY)
         world = runtime.get().world  # read first: a set_backend from now on makes the entry stale
         s = current_stream()
@@ -190,7 +198,7 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
             if n == 0:
                 return DeviceBuffer(None, 0, s, home.alloc, _KEY)
             a = home.alloc
-            block = a.malloc_owned(nbytes, stream=home.handle)  # validates nbytes
+            block = a.malloc_owned(size, stream=home.handle)  # validates the size
             return DeviceBuffer(block, n, s, a, _KEY)
         rt = runtime._runtime
         index = s.device
@@ -206,7 +214,7 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         a = _stream_allocator(s)
     if n == 0:
         return DeviceBuffer(None, 0, s, a, _KEY)
-    block = a.malloc_owned(nbytes, stream=s.handle)  # validates nbytes
+    block = a.malloc_owned(size, stream=s.handle)  # validates the size
     return DeviceBuffer(block, n, s, a, _KEY)
 
 
@@ -289,7 +297,7 @@ def check_invariants(device: object = None) -> None:
 
 
 # ------------------------------------------------------------ limits and observers
-_limits_lock = threading.Lock()  # one setter at a time swaps an allocator's MemoryLimits
+_limits_lock = runtime.limits_lock  # one setter at a time swaps an allocator's MemoryLimits
 
 
 def set_per_process_memory_fraction(fraction: SupportsFloat, device: object = None) -> None:

@@ -116,6 +116,10 @@ def drop_hot(tls: _ThreadState) -> None:
         listener()
 
 
+limits_lock = threading.Lock()
+"""Held by each setter that swaps an allocator's MemoryLimits (a read, then a write): one at a
+time, so two settings changed at once never erase each other."""
+
 _config_text = ""
 """What ``gp.set_allocator_config`` set: parsed after ``GRAPHPOOL_ALLOC_CONF``, so its keys win."""
 
@@ -144,11 +148,17 @@ def set_allocator_config(text: str) -> None:
     options and graphpool's limits (docs/behaviour.rst, "Configuration"). Its keys win over the
     variable's. Only before the current backend's first allocation (RuntimeError after one);
     ValueError for a bad text or unknown key. Kept for allocators made later, after a
-    ``set_backend`` too; ``""`` clears it."""
+    ``set_backend`` too.
+
+    Each call changes only the keys it names: those of earlier calls stay, and so do the
+    fraction and the limit set by ``set_per_process_memory_fraction`` and
+    ``set_memory_limit`` unless ``text`` names ``per_process_memory_fraction`` or
+    ``memory_limit``. ``""`` forgets the keys of earlier calls (the variable's values apply
+    again to the options; limits already set stay)."""
     global _config_text
     if not isinstance(text, str):
         raise TypeError(f"set_allocator_config takes a str such as 'max_split_size_mb:512', not {text!r}")
-    parse_alloc_conf(text)  # ValueError before anything changes
+    named = parse_alloc_conf(text)  # ValueError before anything changes
     with _lock:
         rt = _runtime
         made = [a for a in rt.allocators if a is not None] if rt is not None else []
@@ -160,15 +170,18 @@ def set_allocator_config(text: str) -> None:
                     "call it first thing)"
                 )
         old = _config_text
-        _config_text = text
+        _config_text = f"{old},{text}" if old and text else text  # a later key wins
         try:
             conf = alloc_conf()
             if rt is not None:
                 for a in made:
                     a.configure(configured_sizes(rt.sizes, conf))
-                    a.limits = a.limits.with_fraction(conf.per_process_memory_fraction).with_bytes(
-                        conf.memory_limit
-                    )
+                with limits_lock:  # only the caps ``text`` names change
+                    for a in made:
+                        if named.per_process_memory_fraction is not None:
+                            a.limits = a.limits.with_fraction(named.per_process_memory_fraction)
+                        if named.memory_limit is not None:
+                            a.limits = a.limits.with_bytes(named.memory_limit)
         except BaseException:
             _config_text = old
             raise

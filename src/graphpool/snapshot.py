@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 from typing import Any
 
 from graphpool import runtime
@@ -200,8 +201,8 @@ def record_memory_history(
         raise ValueError(f"record_memory_history: enabled is True, False, 'all' or None, not {enabled!r}")
     if isinstance(max_entries, bool) or not isinstance(max_entries, int):
         raise TypeError(f"max_entries must be an int, not {type(max_entries).__name__}")
-    if max_entries < 1:
-        raise ValueError(f"max_entries must be at least 1, not {max_entries}")
+    if not 1 <= max_entries <= sys.maxsize:  # the ring buffer's length is a C ssize_t
+        raise ValueError(f"max_entries must be at least 1 and at most {sys.maxsize}, not {max_entries}")
     if not isinstance(stacks, bool):
         raise TypeError(f"stacks must be True or False, not {stacks!r}")
     runtime.set_memory_history(max_entries if enabled else None, stacks)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import os
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -58,6 +59,10 @@ class Trace:
     events: list[Event]
     info: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """The fields' types (TypeError naming the field); ``validate`` checks the events."""
+        _check_fields(self)
+
     @property
     def allocations(self) -> int:
         """How many allocation events the trace has."""
@@ -73,17 +78,61 @@ class Trace:
 
 
 # ----------------------------------------------------------------------------- checks
-def _check_name(name: str) -> None:
-    if not isinstance(name, str) or not _NAME.match(name):
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"a trace name must be a str, not {type(name).__name__}")
+    if not _NAME.match(name):
         raise ValueError(
             f"trace name {name!r}: use letters, digits, '_', '-' and '.', starting with a letter or digit"
         )
 
 
+def _check_fields(trace: Trace) -> None:
+    if not isinstance(trace.name, str):
+        raise TypeError(f"Trace.name must be a str, not {type(trace.name).__name__}")
+    if not isinstance(trace.description, str):
+        raise TypeError(f"Trace.description must be a str, not {type(trace.description).__name__}")
+    if not isinstance(trace.events, list | tuple):
+        raise TypeError(f"Trace.events must be a list of events, not {type(trace.events).__name__}")
+    _check_info(trace.info, "Trace.info")
+
+
+def _check_info(info: object, what: str) -> None:
+    if not isinstance(info, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in info.items()
+    ):
+        raise TypeError(f"{what} must be a dict of str to str, not {info!r:.80}")
+
+
+def _trace(trace: object, call: str) -> Trace:
+    """``trace`` if it is a Trace (TypeError naming ``call`` otherwise), its fields' types checked."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"graphpool.traces.{call} needs a Trace, not {type(trace).__name__}")
+    _check_fields(trace)
+    return trace
+
+
+def _check_count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, not {value}")
+    return value
+
+
+def _check_path(path: object, call: str) -> Path:
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"graphpool.traces.{call} needs a file path (str or os.PathLike), not {type(path).__name__}"
+        )
+    return Path(path)
+
+
 def validate(trace: Trace) -> None:
     """Raise ValueError, naming the first bad event, unless every event is well formed,
     every size and stream index is >= 0, every alloc's id is not live already and every
-    free frees a live allocation."""
+    free frees a live allocation (TypeError if ``trace`` is not a Trace)."""
+    _trace(trace, "validate")
     _check_name(trace.name)
     for _ in _walk(trace.events):
         pass
@@ -122,12 +171,14 @@ def _walk(events: Iterable[Event]) -> Iterator[tuple[int, int]]:
 
 def peak_live_bytes(trace: Trace) -> int:
     """The most bytes requested and not yet freed at any point of the trace (ValueError if invalid)."""
+    _trace(trace, "peak_live_bytes")
     return max((total for _, total in _walk(trace.events)), default=0)
 
 
 def summary(trace: Trace) -> dict[str, Any]:
     """Counts a reader wants first: events, allocations, streams, distinct sizes, peak live
-    bytes, and allocations left live at the end."""
+    bytes, and allocations left live at the end (ValueError if the trace is invalid)."""
+    validate(_trace(trace, "summary"))
     live: set[int] = set()
     sizes: set[int] = set()
     for e in trace.events:
@@ -150,8 +201,8 @@ def summary(trace: Trace) -> dict[str, Any]:
 def truncated(trace: Trace, max_events: int) -> Trace:
     """The trace's first ``max_events`` events (still valid: a prefix frees nothing unknown;
     allocations it cuts off before their free become leftovers)."""
-    if max_events < 0:
-        raise ValueError(f"max_events must be >= 0, not {max_events}")
+    _trace(trace, "truncated")
+    _check_count(max_events, "max_events")
     if len(trace.events) <= max_events:
         return trace
     info = dict(trace.info, truncated=f"first {max_events} of {len(trace.events)} events")
@@ -165,7 +216,8 @@ def save(trace: Trace, path: str | Path) -> None:
     The bytes depend on the trace only (no timestamp in the gzip header), so saving the
     same trace twice gives the same file.
     """
-    validate(trace)
+    validate(_trace(trace, "save"))
+    target = _check_path(path, "save")
     doc = {
         "format": FORMAT,
         "version": VERSION,
@@ -178,12 +230,13 @@ def save(trace: Trace, path: str | Path) -> None:
     buf = io.BytesIO()
     with gzip.GzipFile(filename="", mode="wb", fileobj=buf, compresslevel=9, mtime=0) as gz:
         gz.write(text.encode())
-    Path(path).write_bytes(buf.getvalue())
+    target.write_bytes(buf.getvalue())
 
 
 def read(path: str | Path) -> Trace:
-    """Read a trace that ``save`` wrote (ValueError if it is not one, or not valid)."""
-    return _parse(Path(path).read_bytes(), str(path))
+    """Read a trace that ``save`` wrote (ValueError if it is not one, or not valid; OSError if
+    the file cannot be read)."""
+    return _parse(_check_path(path, "read").read_bytes(), str(path))
 
 
 def _parse(data: bytes, where: str) -> Trace:
@@ -198,15 +251,23 @@ def _parse(data: bytes, where: str) -> Trace:
             f"{where}: trace format version {doc.get('version')!r}, this graphpool reads {VERSION}"
         )
     info = doc.get("info") or {}
-    trace = Trace(
-        name=str(doc["name"]),
-        description=str(doc.get("description", "")),
-        events=[tuple(e) for e in doc["events"]],
-        info={str(k): str(v) for k, v in info.items()},
-    )
+    events = doc.get("events")
+    if not isinstance(events, list) or not all(isinstance(e, list) for e in events):
+        raise ValueError(f'{where}: "events" is not a list of [1, id, nbytes, stream] / [0, id] lists')
+    if not isinstance(info, dict):
+        raise ValueError(f'{where}: "info" is not an object')
+    name = doc.get("name")
+    if not isinstance(name, str):
+        raise ValueError(f'{where}: "name" is not a str')
     try:
+        trace = Trace(
+            name=name,
+            description=str(doc.get("description", "")),
+            events=[tuple(e) for e in events],
+            info={str(k): str(v) for k, v in info.items()},
+        )
         validate(trace)
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     return trace
 
@@ -256,10 +317,15 @@ def synthetic(
     (prefetches, communication buckets) on a second stream, each live for a few layers.
     Allocations live when the trace ends (the weights) have no free.
     """
-    if type(n_ops) is not int or n_ops < 0:
-        raise ValueError(f"n_ops must be an int >= 0, not {n_ops!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, not {type(seed).__name__}")
+    _check_count(n_ops, "n_ops")
+    if isinstance(streams, bool) or not isinstance(streams, int):
+        raise TypeError(f"streams must be an int (1 or 2), not {type(streams).__name__}")
     if streams not in (1, 2):
         raise ValueError(f"streams must be 1 or 2, not {streams!r}")
+    if name is not None:
+        _check_name(name)
     rng = random.Random(seed)
 
     def small() -> int:
@@ -391,36 +457,62 @@ def from_torch_snapshot(
     allocated (history kept only the last ``max_entries`` actions) is dropped, as is an
     action this version does not know; ``info`` counts both.
     """
+    if not isinstance(snapshot, dict):
+        raise TypeError(
+            "from_torch_snapshot needs the dict torch.cuda.memory._snapshot() returns, not "
+            f"{type(snapshot).__name__}"
+        )
+    _check_name(name)
+    if not isinstance(description, str):
+        raise TypeError(f"description must be a str, not {type(description).__name__}")
+    if info is not None:
+        _check_info(info, "info")
     traces = snapshot.get("device_traces")
     if not isinstance(traces, list):
         raise ValueError("not a torch.cuda.memory._snapshot() dict: no 'device_traces' list")
+    if isinstance(device, bool) or not isinstance(device, int):
+        raise TypeError(f"device must be an int, not {type(device).__name__}")
     if not 0 <= device < len(traces):
         raise ValueError(f"device {device}: the snapshot has traces for {len(traces)} device(s)")
+    if not isinstance(traces[device], list):
+        raise ValueError(f"device_traces[{device}] is not a list of actions")
     events: list[Event] = []
     by_addr: dict[int, int] = {}  # address -> id of the allocation live there
     stream_index: dict[int, int] = {}
     dropped_frees = replaced = unknown = next_id = 0
-    for entry in traces[device]:
+    for i, entry in enumerate(traces[device]):
+        if not isinstance(entry, dict):
+            raise ValueError(f"device_traces[{device}][{i}] is not an action dict: {entry!r:.80}")
         action = entry.get("action")
-        if action == "alloc":
+        if action not in ("alloc", "free_requested"):
+            if action not in _TORCH_IGNORED:
+                unknown += 1
+            continue
+        try:
             addr = int(entry["addr"])
+            if action == "alloc":
+                size, handle = int(entry["size"]), int(entry.get("stream", 0))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"device_traces[{device}][{i}]: an {action!r} action needs an int 'addr' (and, to "
+                f"allocate, 'size' and 'stream'): {type(exc).__name__}: {exc}"
+            ) from None
+        if action == "alloc":
             old = by_addr.pop(addr, None)
             if old is not None:  # its free fell out of the history: free it here
                 events.append((FREE, old))
                 replaced += 1
-            stream = stream_index.setdefault(int(entry.get("stream", 0)), len(stream_index))
+            stream = stream_index.setdefault(handle, len(stream_index))
             ident = next_id  # ids count up, never reused
             next_id += 1
             by_addr[addr] = ident
-            events.append((ALLOC, ident, int(entry["size"]), stream))
-        elif action == "free_requested":
-            got = by_addr.pop(int(entry["addr"]), None)
+            events.append((ALLOC, ident, size, stream))
+        else:
+            got = by_addr.pop(addr, None)
             if got is None:
                 dropped_frees += 1
             else:
                 events.append((FREE, got))
-        elif action not in _TORCH_IGNORED:
-            unknown += 1
     facts = {"tool": "torch.cuda.memory._snapshot", "device": str(device)}
     facts.update(info or {})
     if dropped_frees:
