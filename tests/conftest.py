@@ -105,3 +105,20 @@ def sim() -> Any:
     gp.set_backend("sim")
     yield runtime.get()
     _teardown()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection built (modules, strategies, parameters: alive all session
+    anyway) out of the garbage collector's reach. ``gp.graph`` runs ``gc.collect()`` at
+    every capture's start, and each of those walked all of it: 50 ms a capture here."""
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (README's test command), the GPU tests run on one worker, one
+    after another: they share one device, and some measure its free memory."""
+    for item in items:
+        if item.get_closest_marker("gpu") is not None and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group("gpu"))

@@ -315,7 +315,7 @@ def test_capture_cost_does_not_grow_with_history() -> None:
     s = gp.Stream()
     h = gp.graph_pool_handle()
     a = runtime.allocator(0)
-    for _ in range(3000):
+    for _ in range(300):  # the checks below are of what is kept: 300 captures show it as 3000 did
         g = gp.CUDAGraph()
         with gp.graph(g, pool=h, stream=s):
             y = xp.ones(4) + 1
