@@ -28,6 +28,7 @@ COMPILED = [
     "src/graphpool/policy/stats.py",
     "src/graphpool/policy/private_pools.py",
     "src/graphpool/policy/allocator.py",
+    "src/graphpool/routing.py",
     "src/graphpool/memory.py",
     "src/graphpool/buffer.py",
 ]

@@ -1,7 +1,7 @@
-"""gp.alloc's caches in front of the thread's and the stream's state (NOTES entries 36, 37).
+"""gp.alloc's caches in front of the thread's and the stream's state (graphpool.routing).
 
-``memory._last.seen`` keeps the stream ``gp.alloc`` was last given with its home, and
-``memory._last.cur`` the thread that last allocated on its current stream with that
+``routing.routes.seen`` keeps the stream ``gp.alloc`` was last given with its route, and
+``routing.routes.cur`` the thread that last allocated on its current stream with that
 thread's entry. A stale entry would allocate on the wrong stream, or on a replaced backend:
 these tests change streams, threads and backends under them and check where each buffer
 went.
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import memory, runtime
+from graphpool import routing, runtime
 from graphpool.policy.stats import PoolStats
 from graphpool.sim.device import SimBackend
 from threadkit import run_threads
@@ -68,7 +68,7 @@ def test_an_ended_threads_entry_is_dropped(sim: Any) -> None:
     t = threading.Thread(target=work)
     t.start()
     t.join(10)
-    cur = memory._last.cur
+    cur = routing.routes.cur
     # its ident may be reused by the next thread: the entry went with the thread
     assert cur is None or cur.ident != idents[0]
 
@@ -76,11 +76,11 @@ def test_an_ended_threads_entry_is_dropped(sim: Any) -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_starts_without_an_entry(sim: Any) -> None:
     gp.alloc(64).free()
-    assert memory._last.cur is not None
+    assert routing.routes.cur is not None
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report and leave at once
-        os.write(w, b"1" if memory._last.cur is None else b"0")
+        os.write(w, b"1" if routing.routes.cur is None else b"0")
         os._exit(0)
     os.close(w)
     got = os.read(r, 1)
@@ -95,17 +95,18 @@ def test_a_rehomed_stream_replaces_the_kept_entry() -> None:
     b = SimBackend()
     runtime.set_backend("sim", backend=b)
     s = gp.Stream()
-    for _ in range(3):  # the first makes the allocator, the second keeps the stream's home
-        gp.alloc(8, s).free()
-    old = memory._last.seen
-    assert old is not None and old.stream is s
-    runtime.set_backend("sim", backend=b)
-    assert memory._last.seen is None and memory._last.cur is None  # they held the old allocator
     for _ in range(3):
         gp.alloc(8, s).free()
-    seen = memory._last.seen
-    assert seen is not None and seen.stream is s and seen.home is s._home
-    assert not seen.home.world.replaced
+    old = routing.routes.seen
+    assert old is not None and old.stream is s
+    runtime.set_backend("sim", backend=b)
+    assert routing.routes.seen is None and routing.routes.cur is None  # they held the old allocator
+    for _ in range(3):
+        gp.alloc(8, s).free()
+    seen = routing.routes.seen
+    assert seen is not None and seen.stream is s and seen.route is s._home
+    assert seen.route.generation == routing.routes.generation
+    assert seen.route.alloc is runtime.allocator(s.device)
     assert gp.alloc(8, s).stream is s
 
 

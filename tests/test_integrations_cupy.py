@@ -10,7 +10,7 @@ import pytest
 
 import graphpool as gp
 from gpu_guard import cuda_unusable
-from graphpool import runtime
+from graphpool import routing, runtime
 
 pytestmark = pytest.mark.gpu
 
@@ -165,13 +165,13 @@ def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
     gcupy.install()  # already installed by the fixture: no-op
     assert gcupy.is_installed()
     assert cp.cuda.get_allocator() is gcupy.malloc
-    assert runtime.stream_listeners.count(gcupy._follow) == 1
+    assert routing.followers().count(gcupy._FOLLOWER) == 1
     gcupy.uninstall()
     gcupy.uninstall()
     assert not gcupy.is_installed()
     prev = cp.cuda.get_allocator()
     assert prev is not gcupy.malloc
-    assert gcupy._follow not in runtime.stream_listeners
+    assert gcupy._FOLLOWER not in routing.followers()
     gc.collect()
     base = gp.memory_allocated()
     a = cp.ones(1 << 16, dtype=cp.float32)  # CuPy's own pool now

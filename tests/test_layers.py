@@ -1,15 +1,21 @@
 """The import graph of src/graphpool, built from the source, has no circles and points down.
 
 Layers, lowest first (DESIGN.md): errors, device (the protocol, the CUDA device and the
-simulated one), policy, the public core (runtime, streams, buffers, memory, graphs...),
-the public API (``graphpool/__init__.py``), integrations and tools. A module imports only
-its own layer or the layers below. The graph holds every import a module can execute:
-module-level and function-level ``import`` statements and ``import_module("...")`` calls;
-imports under ``if TYPE_CHECKING:`` are left out (they never run). A package's own
+simulated one), policy, routing (which allocator and stream serve a call), the public core
+(runtime, streams, buffers, memory...), graphs (capture and graphed callables, over the
+core), the public API (``graphpool/__init__.py``), integrations and tools. A module imports
+only its own layer or the layers below, and reaches no module above it by other means:
+no module below the integrations looks one up in ``sys.modules`` (an integration registers
+what the core needs of it, as graphpool.cupy's stream follower). The graph holds every
+import a module can execute: module-level and function-level ``import`` statements and
+``import_module("...")`` calls; imports under ``if TYPE_CHECKING:`` are left out (they never
+run). A package's own
 ``__init__`` running before its submodules is implied by Python, not an arrow.
 
 Also kept: device/cuda.py is the only module that imports cuda.bindings; the policy
-imports no device implementation, simulator or framework.
+imports no device implementation, simulator or framework; outside the policy,
+policy/allocator.py is imported for its allocator class alone (shared helpers live in
+small modules of their own, such as policy/units.py).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("errors", ("graphpool.errors", "graphpool._warnings")),
     ("device", ("graphpool.device", "graphpool.sim")),
     ("policy", ("graphpool.policy",)),
+    ("routing", ("graphpool.routing",)),
     (
         "core",
         (
@@ -37,11 +44,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.buffer",
             "graphpool.snapshot",
             "graphpool.memory",
-            "graphpool.graphs",
-            "graphpool.graphed",
             "graphpool.build",
         ),
     ),
+    ("graphs", ("graphpool.graphs", "graphpool.graphed")),
     ("api", ("graphpool",)),
     ("integrations", ("graphpool.cupy", "graphpool.numba", "graphpool.cuda_core", "graphpool.xp")),
     (
@@ -273,3 +279,166 @@ def test_the_replay_checker_listens_to_streams() -> None:
 
     assert streams.record_listeners.count(graphs.note_record) == 1
     assert streams.wait_listeners.count(graphs.note_wait) == 1
+
+
+INTEGRATIONS = next(i for i, (layer, _) in enumerate(LAYERS) if layer == "integrations")
+
+
+def sys_modules_reads(source: str) -> list[str | None]:
+    """The names ``source`` reads from ``sys.modules``: each lookup's constant key, or None
+    for a use whose key is not a constant (or that hands ``sys.modules`` itself on)."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    out: list[str | None] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "sys":
+            out.extend(None for a in node.names if a.name == "modules")  # an alias hides every use
+        is_modules = (
+            isinstance(node, ast.Attribute)
+            and node.attr == "modules"
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "sys"
+        )
+        if not is_modules:
+            continue
+        parent = parents.get(node)
+        key: ast.expr | None = None
+        if isinstance(parent, ast.Subscript) and parent.value is node:
+            key = parent.slice
+        elif isinstance(parent, ast.Attribute) and isinstance(parents.get(parent), ast.Call):
+            call = parents[parent]
+            assert isinstance(call, ast.Call)
+            key = call.args[0] if call.args else None
+        elif isinstance(parent, ast.Compare) and isinstance(parent.ops[0], ast.In | ast.NotIn):
+            key = parent.left
+        out.append(key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else None)
+    return out
+
+
+def test_the_sys_modules_finder_finds_every_kind_of_read() -> None:
+    source = "\n".join(
+        [
+            "import sys",
+            'a = sys.modules.get("graphpool.cupy")',
+            'b = sys.modules["graphpool.torch"]',
+            'c = "graphpool.numba" in sys.modules',
+            'd = sys.modules.get("cupy")',
+            "e = sys.modules.get(name)",
+            "f = list(sys.modules)",
+        ]
+    )
+    found = sys_modules_reads(source)
+    assert sorted(k for k in found if k is not None) == [
+        "cupy",
+        "graphpool.cupy",
+        "graphpool.numba",
+        "graphpool.torch",
+    ]
+    assert found.count(None) == 2
+    assert sys_modules_reads("from sys import modules") == [None]
+
+
+def test_no_module_below_the_integrations_looks_graphpool_up_in_sys_modules() -> None:
+    """Below the integrations a module may ask ``sys.modules`` only whether the program
+    imported a framework (CuPy, to recognize its streams): a graphpool module it cannot
+    import (an integration, a tool) it must not reach either. What the core needs of an
+    integration the integration registers (``routing.add_follower``)."""
+    wrong = []
+    for name, path in MODULES.items():
+        if layer_of(name) >= INTEGRATIONS or path.suffix != ".py":
+            continue
+        for key in sys_modules_reads(path.read_text()):
+            if key is None or key.split(".")[0] == "graphpool":
+                wrong.append(f"{name}: sys.modules[{key!r}]")
+    assert wrong == []
+
+
+ALLOCATOR_EXPORTS = {"CachingAllocator"}
+"""What modules outside the policy may take from policy/allocator.py."""
+
+
+def allocator_names_used(source: str) -> set[str]:
+    """The names ``source`` takes from graphpool.policy.allocator: imported from it, or read
+    as attributes of the module imported whole (``from graphpool.policy import allocator``)."""
+    tree = ast.parse(source)
+    names: set[str] = set()
+    aliases: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "graphpool.policy.allocator":
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module == "graphpool.policy":
+            aliases.update(a.asname or a.name for a in node.names if a.name == "allocator")
+        elif isinstance(node, ast.Import):
+            # the module imported whole by its dotted name: any attribute path reaches it
+            names.update("*" for a in node.names if a.name == "graphpool.policy.allocator")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            names.add(node.attr)
+    return names
+
+
+def test_the_allocator_name_finder_sees_both_forms() -> None:
+    source = "\n".join(
+        [
+            "from graphpool.policy.allocator import CachingAllocator, fmt_bytes",
+            "from graphpool.policy import allocator as a",
+            "a.__file__",
+            "a._helper(1)",
+        ]
+    )
+    assert allocator_names_used(source) == {"CachingAllocator", "fmt_bytes", "__file__", "_helper"}
+
+
+def test_only_the_policy_reaches_into_the_allocator_module() -> None:
+    """snapshot.py and the tools format bytes with policy/units.py, not with a helper of the
+    allocator's module; build.py reads the module's ``__file__`` (which build runs)."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name.startswith("graphpool.policy") or path.suffix != ".py":
+            continue
+        extra = allocator_names_used(path.read_text()) - ALLOCATOR_EXPORTS - {"__file__"}
+        if extra:
+            wrong.append(f"{name}: {sorted(extra)}")
+    assert wrong == []
+
+
+def test_core_modules_look_up_no_integration_by_name() -> None:
+    """No string constant below the integrations names an integration or tool module (a
+    lookup by a name built elsewhere, ``importlib.import_module(NAME)``, is a reach-up too)."""
+    above = {n for n in MODULES if layer_of(n) >= INTEGRATIONS}
+    wrong = []
+    for name, path in MODULES.items():
+        if layer_of(name) >= INTEGRATIONS or path.suffix != ".py":
+            continue
+        for node in _nodes(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Constant) or node.value not in above:
+                continue
+            if (name, node.value) not in UPWARD_ALLOWED:
+                wrong.append(f"{name}: {node.value!r}")
+    assert wrong == []
+
+
+def test_stream_followers_are_registered_by_the_integration() -> None:
+    """graphpool.cupy registers CuPy's stream follower at install and removes it at
+    uninstall (the core asks the registry, never the integration's module)."""
+    from graphpool import routing
+
+    class Follower:
+        framework = "fake"
+
+        def follow(self, stream: object) -> None: ...
+
+        def save(self, device: int) -> object:
+            return None
+
+        def restore(self, saved: object, device: int) -> None: ...
+
+    f = Follower()
+    assert not routing.following("fake")
+    routing.add_follower(f)
+    routing.add_follower(f)
+    try:
+        assert routing.followers().count(f) == 1 and routing.following("fake")
+    finally:
+        routing.remove_follower(f)
+    assert f not in routing.followers() and not routing.following("fake")

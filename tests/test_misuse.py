@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import graphpool as gp
-from graphpool import runtime
+from graphpool import routing, runtime
 from graphpool.sim import SimBackend
 
 PKG_PARENT = str(Path(gp.__file__).resolve().parents[1])
@@ -316,7 +316,7 @@ def test_streams_of_an_older_cuda_runtime_stay_valid(sim: Any) -> None:
 
 
 def test_alloc_caches_follow_set_backend(sim: Any) -> None:
-    """gp.alloc's caches, per thread (memory._Hot) and per Stream (memory._Home), hold an allocator
+    """gp.alloc's caches, per thread (routing.Entry) and per Stream (routing.Route), hold an allocator
     only until set_backend: then the default stream allocates from the new runtime and a stream
     of the old one is refused, as with the caches cold."""
     s = gp.Stream()
@@ -333,7 +333,7 @@ def test_alloc_caches_follow_set_backend(sim: Any) -> None:
 
 
 def test_a_stream_of_an_older_cuda_runtime_allocates_from_the_new_one(sim: Any) -> None:
-    """Its cached allocator (memory._Home) is the old runtime's: the next call finds the new one."""
+    """Its cached allocator (routing.Route) is the old runtime's: the next call finds the new one."""
 
     class FakeCuda(SimBackend):
         name = "cuda"
@@ -511,7 +511,7 @@ def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: py
         ("_calls", gcupy._calls),  # install() binds the fake's: restored after
     ):
         monkeypatch.setattr(gcupy, name, value)
-    monkeypatch.setattr(runtime, "stream_listeners", [])
+    monkeypatch.setattr(routing, "_followers", ())
     runtime.set_backend("cuda", backend=FakeCuda())
     gcupy.install()
     users = _FakeStream(fake, 0xABC0).use()  # `with cupy.cuda.Stream() as users:` entered

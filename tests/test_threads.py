@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import runtime
+from graphpool import routing, runtime
 from graphpool.policy.allocator import CachingAllocator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "policy"))
@@ -286,7 +286,7 @@ def test_set_backend_racing_an_alloc_never_leaves_a_thread_on_the_old_allocator(
                 gp.current_stream()
                 go.set()
                 while not done.is_set():
-                    runtime._tls.hot = None  # as after a stream switch: the next alloc refills it
+                    routing.invalidate()  # as after a stream switch: the next alloc finds anew
                     gp.alloc(512).free()
                 b = gp.alloc(512)
                 out["stale"] = b._alloc is not runtime.allocator(0)

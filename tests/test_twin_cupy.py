@@ -16,7 +16,7 @@ import pytest
 import graphpool as gp
 import graphpool.cupy as gcupy
 import twins
-from graphpool import runtime, scenarios
+from graphpool import routing, runtime, scenarios
 
 
 def _settle() -> None:
@@ -156,13 +156,13 @@ def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
     gcupy.install()  # already installed by the fixture: no-op
     assert gcupy.is_installed() is True
     assert cp.cuda.get_allocator() is gcupy.malloc
-    assert runtime.stream_listeners.count(gcupy._follow) == 1
+    assert routing.followers().count(gcupy._FOLLOWER) == 1
     gcupy.uninstall()
     gcupy.uninstall()
     assert gcupy.is_installed() is False
     prev = cp.cuda.get_allocator()
     assert prev == cp.cuda.default_pool.malloc
-    assert gcupy._follow not in runtime.stream_listeners
+    assert gcupy._FOLLOWER not in routing.followers()
     base = gp.memory_allocated()
     a = cp.ones(1 << 16, dtype=cp.float32)  # CuPy's own pool now
     assert gp.memory_allocated() == base
@@ -247,7 +247,7 @@ def test_cupy_stream_wrappers_are_forgotten_with_their_buffers(
     assert len(gcupy._gp_streams) == 1
     del arr
     # graphpool.cupy keeps the CuPy stream it served last (gcupy._last), gp.alloc the stream it
-    # was given last (memory._last.seen): an allocation on another stream frees each of them
+    # was given last (routing.routes.seen): an allocation on another stream frees each of them
     other = cp.ones(16, dtype=np.float32)  # on CuPy's null stream
     gp.alloc(16, gp.Stream()).free()
     gc.collect()
@@ -262,13 +262,13 @@ def test_zero_bytes_are_a_null_pointer(cp: Any) -> None:
 
 
 def test_a_replaced_backend_is_checked_again_and_its_wrappers_remade(cp: Any) -> None:
-    """malloc keeps the CuPy stream it served last; set_backend drops it, so the next
+    """malloc keeps the CuPy stream it served last; set_backend makes it stale, so the next
     allocation checks the backend again and wraps the stream in the new runtime."""
     a = cp.ones(4, dtype=np.float32)  # served: the null stream is kept (gcupy._last)
     assert gcupy._last is not None
     del a
     gp.set_backend("sim")
-    assert gcupy._last is None and not gcupy._gp_streams
+    assert gcupy._last is not None and gcupy._last[3] != routing.routes.generation  # stale
     with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
         gcupy.malloc(16)
     twins.use_sim_as_cuda()  # a new "cuda" runtime: CuPy allocates from it at once
@@ -289,14 +289,13 @@ def test_a_set_backend_during_the_first_call_on_a_stream_is_not_cached_over(
         checked()
         gp.set_backend("sim")  # another thread, just after this thread's check
 
-    monkeypatch.setattr(gcupy, "_forget", lambda: None)  # as if _forget ran before the caching
     monkeypatch.setattr(gcupy, "_last", None)
     monkeypatch.setattr(gcupy, "_require_cuda", check_then_replace)
     raced = gcupy.malloc(16)  # on CuPy's null stream: served (by the new runtime), stream kept
     assert gcupy._last is not None
     monkeypatch.setattr(gcupy, "_require_cuda", checked)
     with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
-        gcupy.malloc(16)  # the kept stream belongs to a replaced world: checked again
+        gcupy.malloc(16)  # the kept stream's generation is stale: checked again
     del raced
     gc.collect()
 

@@ -20,6 +20,7 @@ COMPILED = (
     "policy/stats",
     "policy/private_pools",
     "policy/allocator",
+    "routing",
     "memory",
     "buffer",
 )

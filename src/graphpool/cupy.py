@@ -3,15 +3,16 @@
 ``install()`` makes every CuPy allocation come from graphpool, on CuPy's current stream
 and device, so arrays made inside ``gp.graph(...)`` land in the graph's private pool
 and a block freed by CuPy is reused only as docs/behaviour.rst allows. It also registers a
-listener so that ``gp.stream(s)`` and ``gp.graph(g)`` make ``s`` (or the capturing
-stream) CuPy's current stream too: CuPy kernels launched inside ``gp.graph`` are
-captured. And it hooks CuPy's own ``Stream.begin_capture``/``end_capture``: a capture
-begun through CuPy's API is registered with graphpool at once (before its first
-allocation or free) and served from a private pool of its own, which lives as long as
-the returned ``cupy.cuda.Graph`` (a CUDA user object in the graph releases it).
-Captures begun any other way are still caught by detection (``gp.set_capture_detection``).
-``uninstall()`` restores the allocator and the methods CuPy had before. ``installed()``
-does both around a ``with`` block. All three are idempotent.
+stream follower (``graphpool.routing``) so that ``gp.stream(s)`` and ``gp.graph(g)`` make
+``s`` (or the capturing stream) CuPy's current stream too, and give CuPy back its own on
+exit: CuPy kernels launched inside ``gp.graph`` are captured. And it hooks CuPy's own
+``Stream.begin_capture``/``end_capture``: a capture begun through CuPy's API is registered
+with graphpool at once (before its first allocation or free) and served from a private
+pool of its own, which lives as long as the returned ``cupy.cuda.Graph`` (a CUDA user
+object in the graph releases it). Captures begun any other way are still caught by
+detection (``gp.set_capture_detection``). ``uninstall()`` restores the allocator and the
+methods CuPy had before. ``installed()`` does both around a ``with`` block. All three are
+idempotent.
 
 CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
 """
@@ -25,7 +26,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from graphpool import _warnings, runtime
+from graphpool import _warnings, routing, runtime
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.memory import alloc
 from graphpool.streams import Stream, current_stream, resolve_handle
@@ -70,24 +71,16 @@ def _require_cuda() -> None:
         )
 
 
-_last: tuple[int, int, Stream, Any] | None = None
-"""The CuPy stream ``malloc`` served last: (device, handle, graphpool's wrapper, the capture
-world of the runtime that was checked to be "cuda" before the wrapper was made; set_backend
-marks that world replaced before it publishes another runtime, so a wrapper cached across a
-concurrent set_backend is never used). A run of
-allocations on one stream then makes no key, no weak-dictionary lookup and no backend check
-(about half of this module's cost per allocation; benchmarks/NOTES.md, entry 41). It keeps
-that one wrapper alive, as ``gp.alloc`` keeps the last stream it was given."""
+_last: tuple[int, int, Stream, int] | None = None
+"""The CuPy stream ``malloc`` served last: (device, handle, graphpool's wrapper, the routing
+generation read before the backend was checked to be "cuda" and the wrapper made; valid
+while ``routing.routes.generation`` is that, so a wrapper cached across a concurrent
+set_backend is never used). A run of allocations on one stream then makes no key, no
+weak-dictionary lookup and no backend check (about half of this module's cost per
+allocation). It keeps that one wrapper alive, as ``gp.alloc`` keeps the last stream it was
+given."""
 
-
-def _forget() -> None:
-    """``set_backend`` ran: the wrappers belong to the old runtime; the next call checks anew."""
-    global _last
-    _last = None
-    _gp_streams.clear()
-
-
-runtime.replaced_listeners.append(_forget)
+_routes = routing.routes
 
 
 def malloc(nbytes: int) -> Any:
@@ -100,7 +93,7 @@ def malloc(nbytes: int) -> Any:
     device = get_device()
     handle = current(device).ptr
     last = _last
-    if last is not None and last[1] == handle and last[0] == device and not last[3].replaced:
+    if last is not None and last[1] == handle and last[0] == device and last[3] == _routes.generation:
         s = last[2]  # the backend was "cuda" when it was made, and no set_backend ran since
     else:
         s = _wrapper(device, int(handle))
@@ -118,14 +111,14 @@ def _wrapper(device: int, handle: int) -> Stream:
     by every entry point (``streams.resolve_handle``); it is never cached, so it never
     reaches the fast path."""
     global _last
-    world = runtime.get().world  # read first: a set_backend from now on marks it replaced
+    generation = _routes.generation  # read first: a set_backend from now on makes it stale
     _require_cuda()
     key = (device, handle)
     s = _gp_streams.get(key)
     if s is None or s._space is not runtime.space():  # (one made before a set_backend)
         s = Stream._wrap(device, resolve_handle(handle, "graphpool.cupy.malloc", "CuPy's current stream"))
         _gp_streams[key] = s
-    _last = (device, handle, s, world)
+    _last = (device, handle, s, generation)
     return s
 
 
@@ -151,7 +144,7 @@ def cupy_stream(s: Stream) -> Any:
 
 
 def _follow(s: object) -> None:
-    """Stream listener: make graphpool's new current stream CuPy's current stream."""
+    """Make graphpool's new current stream CuPy's current stream."""
     if not isinstance(s, Stream) or runtime.get().name != "cuda":
         return
     cs = cupy_stream(s)
@@ -161,6 +154,31 @@ def _follow(s: object) -> None:
     else:
         with cp.cuda.Device(s.device):
             cs.use()
+
+
+class _Follower:
+    """CuPy's current stream following graphpool's (a ``routing.StreamFollower``), registered
+    while graphpool is CuPy's allocator."""
+
+    framework = "cupy"
+
+    def follow(self, stream: Stream) -> None:
+        _follow(stream)
+
+    def save(self, device: int) -> Any:
+        """CuPy's current stream of ``device`` (on the "cuda" backend; else None)."""
+        if runtime.get().name != "cuda":
+            return None
+        with _cp.cuda.Device(device):
+            return _cp.cuda.get_current_stream()
+
+    def restore(self, saved: Any, device: int) -> None:
+        with _cp.cuda.Device(device):
+            saved.use()
+
+
+_FOLLOWER = _Follower()
+"""What ``install()`` registers with ``routing.add_follower``."""
 
 
 def _stream_key(cs: Any) -> tuple[int, int]:
@@ -242,8 +260,7 @@ def install() -> None:
         _previous = cupy.cuda.get_allocator()
         cupy.cuda.set_allocator(malloc)
         _hook(cupy)
-        if _follow not in runtime.stream_listeners:
-            runtime.stream_listeners.append(_follow)
+        routing.add_follower(_FOLLOWER)
         _installed = True
     s = current_stream()
     if s.handle != LEGACY_STREAM:
@@ -260,8 +277,7 @@ def uninstall() -> None:
     with _lock:
         if not _installed:
             return
-        while _follow in runtime.stream_listeners:
-            runtime.stream_listeners.remove(_follow)
+        routing.remove_follower(_FOLLOWER)
         if _cp.cuda.get_allocator() is malloc:
             _cp.cuda.set_allocator(_previous)
         _unhook()

@@ -31,7 +31,7 @@ from typing import Any
 import graphpool as gp
 from graphpool import runtime
 from graphpool import scenarios as sc
-from graphpool.policy.allocator import fmt_bytes
+from graphpool.policy.units import fmt_bytes
 from graphpool.scenarios import SHARING
 
 MiB = 1 << 20

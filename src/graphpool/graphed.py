@@ -19,13 +19,12 @@ order into one shared private pool.
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any, overload
 
 import numpy as np
 
-from graphpool import runtime
+from graphpool import routing, runtime
 from graphpool.graphs import CUDAGraph, graph, graph_pool_handle
 from graphpool.policy.private_pools import PoolId
 from graphpool.streams import Stream, current_stream, stream
@@ -117,10 +116,9 @@ class GraphedCallable:
                     f"sample argument {i} ({type(args[i]).__name__}) has no .copy() to make its static copy"
                 )
         if any(type(args[i]).__module__.split(".")[0] == "cupy" for i in arrays):
-            # graphpool.cupy is looked up, not imported: install() imports it, so if it is
-            # absent nothing was installed (and the public API never imports an integration).
-            gcupy = sys.modules.get("graphpool.cupy")
-            if gcupy is None or not gcupy.is_installed():
+            # graphpool.cupy registers CuPy's stream follower while it is installed (the
+            # public API never imports an integration, nor looks one up).
+            if not routing.following("cupy"):
                 raise RuntimeError(
                     "CuPy arrays need graphpool's CuPy integration for capture (CuPy must launch on "
                     "the capturing stream and allocate from its pool): call graphpool.cupy.install() first"

@@ -4,132 +4,17 @@ and out-of-memory observers."""
 from __future__ import annotations
 
 import operator
-import os
 import threading
 from typing import Any, Final, SupportsFloat, SupportsIndex
 
-from graphpool import runtime
+from graphpool import routing, runtime
 from graphpool.buffer import _KEY, DeviceBuffer
 from graphpool.policy import observers
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.limits import check_fraction, check_limit_bytes
-from graphpool.policy.private_pools import CaptureWorld, PoolId
+from graphpool.policy.private_pools import PoolId
+from graphpool.routing import Entry, Route, keep_current, keep_home, thread_entry
 from graphpool.streams import Stream, StreamLike, _index, as_stream, current_stream
-
-
-class _Hot:
-    """gp.alloc's per-thread fast path (``runtime._tls.hot``): the thread's current stream, its
-    handle, its device's allocator, and the capture world of the runtime they belong to.
-
-    A native class when compiled, so the fast path reads typed fields and calls ``malloc``
-    directly (benchmarks/NOTES.md, entry 27). Valid while ``world.replaced`` is False:
-    ``set_backend`` sets it on the replaced runtime's world before it publishes the new one.
-    Every change of device or stream drops the thread's entry.
-    """
-
-    __slots__ = ("stream", "handle", "alloc", "world")
-
-    def __init__(self, stream: Stream, handle: int, alloc: CachingAllocator, world: CaptureWorld) -> None:
-        self.stream = stream
-        self.handle = handle
-        self.alloc = alloc
-        self.world = world
-
-
-class _Home:
-    """Where ``gp.alloc(n, s)`` allocates for a graphpool Stream ``s`` (``Stream._home``): its
-    handle, its device's allocator and the capture world of its runtime, kept by the first
-    such call. Valid, as ``_Hot``, while ``world.replaced`` is False (entry 27)."""
-
-    __slots__ = ("handle", "alloc", "world")
-
-    def __init__(self, handle: int, alloc: CachingAllocator, world: CaptureWorld) -> None:
-        self.handle = handle
-        self.alloc = alloc
-        self.world = world
-
-
-class _Seen:
-    """A stream ``gp.alloc`` was given and its ``_Home``, as one object: ``_last.seen`` is
-    replaced by a single write, so no reader sees one stream with another's home.
-
-    Compiled, testing it reads native fields, where ``Stream._home`` is an attribute lookup
-    on a Python class (benchmarks/NOTES.md, entry 36). The Stream does not point back at it,
-    so no reference cycle keeps streams alive (graphpool.cupy drops its streams by refcount);
-    only the one stream in ``_last.seen`` is kept, until another stream takes its place or
-    ``set_backend`` runs.
-    """
-
-    __slots__ = ("stream", "home")
-
-    def __init__(self, stream: Stream, home: _Home) -> None:
-        self.stream = stream
-        self.home = home
-
-
-class _Cur:
-    """A thread (its ident) and its ``_Hot`` entry, as one object (``_last.cur``)."""
-
-    __slots__ = ("ident", "hot")
-
-    def __init__(self, ident: int, hot: _Hot) -> None:
-        self.ident = ident
-        self.hot = hot
-
-
-class _Last:
-    """What ``gp.alloc`` used last, any thread's: ``seen``, the stream it was given and its
-    home; ``cur``, the thread that asked for its current stream and that thread's ``_Hot``.
-
-    ``cur`` saves reading the thread's ``threading.local`` state (about 300 instructions per
-    call, benchmarks/NOTES.md entry 37): a thread ident costs a C call. It always equals the
-    thread's own entry: set with it, and dropped whenever any thread's entry is dropped
-    (``runtime.drop_hot``), when its thread ends (``_Reaper``), and in a forked child (whose
-    new threads may get a dead thread's ident).
-    """
-
-    __slots__ = ("seen", "cur")
-
-    def __init__(self) -> None:
-        self.seen: _Seen | None = None
-        self.cur: _Cur | None = None
-
-
-_last: Final = _Last()
-
-
-def _drop_cur() -> None:
-    _last.cur = None
-
-
-class _Reaper:
-    """Kept in a thread's state (``runtime._ThreadState.reaper``): collected when the thread
-    ends, before its ident can be reused, it drops ``_last.cur`` if that names the thread."""
-
-    __slots__ = ("ident",)
-
-    def __init__(self, ident: int) -> None:
-        self.ident = ident
-
-    def __del__(self) -> None:
-        try:
-            cur = _last.cur
-            if cur is not None and cur.ident == self.ident:
-                _last.cur = None
-        except Exception:  # at interpreter exit the module may be gone: nothing to drop
-            pass
-
-
-def _forget() -> None:
-    """Drop both entries (``set_backend`` ran: they may name the old runtime's allocators)."""
-    _last.seen = None
-    _last.cur = None
-
-
-runtime.hot_listeners.append(_drop_cur)
-runtime.replaced_listeners.append(_forget)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_drop_cur)
 
 _get_ident: Final = threading.get_ident
 
@@ -137,9 +22,9 @@ _get_ident: Final = threading.get_ident
 _Stream: Final = Stream
 """The Stream class, bound once: compiled, the explicit-stream test reads no module global."""
 
-_tls: Final = runtime._tls
-"""The runtime's thread state (one object for the process's life), bound once: compiled, the
-fast path then reads no attribute of the runtime module."""
+_routes: Final = routing.routes
+"""gp.alloc's kept routes (one object for the process's life), bound once: compiled, the fast
+path then reads no attribute of the routing module."""
 
 
 def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuffer:
@@ -162,60 +47,52 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
     else:
         n = _size(nbytes)
         size = n
-    if stream is None:
+    if stream is None:  # the thread's current stream, and its route kept by an earlier call
         ident = _get_ident()
-        cur = _last.cur
-        if cur is not None and cur.ident == ident:
-            hot: _Hot | None = cur.hot
-        else:
-            hot = _tls.hot  # the thread's current stream, handle and allocator, if known
-            if hot is not None:
-                _last.cur = _Cur(ident, hot)
-        if hot is not None and not hot.world.replaced:  # else set_backend ran since
-            if n == 0:
-                return DeviceBuffer(None, 0, hot.stream, hot.alloc, _KEY)
-            a = hot.alloc
-            block = a.malloc_owned(size, stream=hot.handle)  # validates the size
-            return DeviceBuffer(block, n, hot.stream, a, _KEY)
-        world = runtime.get().world  # read first: a set_backend from now on makes the entry stale
-        s = current_stream()
-        a = runtime.allocator(s.device)
-        tls = _tls
-        if tls.reaper is None:
-            tls.reaper = _Reaper(ident)
-        hot = tls.hot = _Hot(s, s.handle, a, world)
-        _last.cur = _Cur(ident, hot)
+        cur = _routes.cur
+        if cur is None or cur.ident != ident:
+            cur = thread_entry()
+            if cur is not None:
+                _routes.cur = cur
+        if cur is None or cur.route.generation != _routes.generation:
+            cur = _find_current(ident)
+        s = cur.stream
+        route = cur.route
     elif isinstance(stream, _Stream):
         s = stream
-        seen = _last.seen
+        seen = _routes.seen
         if seen is not None and seen.stream is s:
-            home: _Home | None = seen.home
+            home: Route | None = seen.route
         else:
             home = s._home  # kept by an earlier call with this stream
             if home is not None:
-                _last.seen = _Seen(s, home)
-        if home is not None and not home.world.replaced:  # else set_backend ran since
-            if n == 0:
-                return DeviceBuffer(None, 0, s, home.alloc, _KEY)
-            a = home.alloc
-            block = a.malloc_owned(size, stream=home.handle)  # validates the size
-            return DeviceBuffer(block, n, s, a, _KEY)
-        rt = runtime._runtime
-        index = s.device
-        found = rt.allocators[index] if rt is not None and s._space is rt.space and index < rt.count else None
-        if found is not None and rt is not None:
-            a = found
-            home = s._home = _Home(s.handle, a, rt.world)  # the runtime the allocator belongs to
-            _last.seen = _Seen(s, home)  # else a stale entry of s would keep winning
-        else:
-            a = _stream_allocator(s)
-    else:  # another library's stream (or a wrong object: TypeError)
+                _routes.seen = Entry(s, home, 0)
+        if home is None or home.generation != _routes.generation:
+            home = _find_home(s)
+        route = home
+    else:  # another library's stream (or a wrong object: TypeError), wrapped anew each call
         s = as_stream(stream, "gp.alloc")
-        a = _stream_allocator(s)
+        route = Route(s.handle, _stream_allocator(s), -1)  # for this call only: nothing keeps it
+    a = route.alloc
     if n == 0:
         return DeviceBuffer(None, 0, s, a, _KEY)
-    block = a.malloc_owned(size, stream=s.handle)  # validates the size
+    block = a.malloc_owned(size, stream=route.handle)  # validates the size
     return DeviceBuffer(block, n, s, a, _KEY)
+
+
+def _find_current(ident: int) -> Entry:
+    """The calling thread's current stream with its route, found anew and kept."""
+    runtime.get()  # made on first use, before the generation is read
+    generation = _routes.generation  # read first: a change from now on makes the route stale
+    s = current_stream()
+    return keep_current(ident, s, Route(s.handle, runtime.allocator(s.device), generation))
+
+
+def _find_home(s: Stream) -> Route:
+    """Where allocations on graphpool Stream ``s`` go, found anew and kept with ``s``;
+    BackendReplacedError for a stream of a replaced backend."""
+    generation = _routes.generation  # read first, as in _find_current
+    return keep_home(s, Route(s.handle, _stream_allocator(s), generation))
 
 
 def _size(nbytes: Any) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from graphpool import routing
 from graphpool.device.protocol import Backend, Device
 from graphpool.errors import BackendReplacedError, BackendUnavailableError, CaptureError, GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
@@ -20,7 +20,6 @@ from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import CaptureWorld
 
 if TYPE_CHECKING:
-    from graphpool.memory import _Hot
     from graphpool.streams import Stream
 
 BACKENDS = ("cuda", "sim")
@@ -83,38 +82,12 @@ class _ThreadState(threading.local):
         self.device = 0
         self.streams: dict[int, Stream] = {}  # device index -> current stream
         self.generation = -1
-        # gp.alloc's fast path (memory._Hot): the current stream, its handle, its device's
-        # allocator and the capture world of their runtime. None when unknown; every change
-        # of device or stream resets it (drop_hot).
-        self.hot: _Hot | None = None
-        # memory._Reaper, made with the thread's first ``hot``: collected with this state when
-        # the thread ends, it drops gp.alloc's copy of the thread's entry (memory._last.cur).
-        self.reaper: object = None
 
 
 _tls = _ThreadState()
 _runtime: Runtime | None = None
 _generation = 0
 _lock = threading.RLock()
-stream_listeners: list[Callable[[object], None]] = []
-"""Called with the new current Stream whenever ``gp.stream`` or ``gp.graph`` switches it."""
-
-hot_listeners: list[Callable[[], None]] = []
-"""Called after a thread's ``hot`` entry was dropped (``drop_hot``): graphpool.memory keeps a
-copy of the last one, keyed by thread, and drops it too."""
-
-
-replaced_listeners: list[Callable[[], None]] = []
-"""Called after ``set_backend`` replaced a runtime: graphpool.memory drops its process-wide
-entries, which may name the old runtime's allocators (keeping their cached memory)."""
-
-
-def drop_hot(tls: _ThreadState) -> None:
-    """Forget ``tls.hot`` (the thread's current device or stream changed), and tell listeners."""
-    tls.hot = None
-    for listener in hot_listeners:
-        listener()
-
 
 limits_lock = threading.Lock()
 """Held by each setter that swaps an allocator's MemoryLimits (a read, then a write): one at a
@@ -293,14 +266,12 @@ def get() -> Runtime:
 def _install(backend: Backend, sizes: SizeConfig = DEFAULT) -> Runtime:
     global _runtime, _generation
     rt = Runtime(backend, _generation + 1, sizes)
-    old = _runtime
-    if old is not None:  # first: from now on no thread's gp.alloc fast path (memory._Hot)
-        old.world.replaced = True  # holds on to an allocator of the old runtime
+    # The routes gp.alloc keeps name the old runtime's allocators: stale from before the new
+    # runtime is published, and again after (a route found in between names the old one).
+    routing.invalidate()
     _runtime = rt
     _generation = rt.generation  # after _runtime: whoever sees the new number sees the new runtime
-    if old is not None:
-        for listener in replaced_listeners:  # caches that may hold the old runtime's allocators
-            listener()
+    routing.invalidate()
     return rt
 
 
@@ -363,8 +334,7 @@ def thread_state() -> _ThreadState:
     tls = _tls
     if tls.generation != _generation:
         tls.generation = _generation
-        tls.streams = {}
-        drop_hot(tls)
+        tls.streams = {}  # (set_backend made every route of the old streams stale)
         if _runtime is None or tls.device >= _runtime.count:
             tls.device = 0
     return tls

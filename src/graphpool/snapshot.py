@@ -11,8 +11,8 @@ import sys
 from typing import Any
 
 from graphpool import runtime
-from graphpool.policy.allocator import fmt_bytes
 from graphpool.policy.limits import AllocConf
+from graphpool.policy.units import fmt_bytes
 
 ROWS = (
     ("Allocated memory", "allocated_bytes", True),

@@ -16,18 +16,18 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from graphpool import runtime
+from graphpool import routing, runtime
 from graphpool.device.protocol import CAPTURE_STATUS_NONE, LEGACY_STREAM, Device
 from graphpool.errors import CaptureRefusedError, CUDAError
 
 if TYPE_CHECKING:
-    from graphpool.memory import _Home
+    from graphpool.routing import Route
 
 record_listeners: list[Callable[[Event, Stream], None]] = []
 """Called as ``listener(event, stream)`` after ``event`` is recorded on ``stream``.
 
 The replay checker (graphs.py) registers here, so streams need not import graphs: the
-import arrows point one way (as with ``runtime.stream_listeners``)."""
+import arrows point one way (as with the stream followers of ``graphpool.routing``)."""
 
 wait_listeners: list[Callable[[Stream, Event], None]] = []
 """Called as ``listener(stream, event)`` after ``stream`` is made to wait for ``event``."""
@@ -94,8 +94,8 @@ class Stream:
     _source: object
     """The other library's stream object this one wraps (``as_stream``), kept alive with it:
     a buffer allocated on it keeps its handle from being destroyed and reused. None if none."""
-    _home: _Home | None
-    """Where ``gp.alloc(n, self)`` allocates (memory._Home), kept by its first call; None until."""
+    _home: Route | None
+    """Where ``gp.alloc(n, self)`` allocates (a routing.Route), kept by its first call; None until."""
 
     def __init__(self, device: int | None = None) -> None:
         index = _index(device)
@@ -271,7 +271,7 @@ def set_device(index: int) -> None:
     rt.check_index(index)
     tls = runtime.thread_state()
     tls.device = index
-    runtime.drop_hot(tls)
+    routing.invalidate()
     rt.backend.set_current_device(index)
 
 
@@ -302,15 +302,16 @@ def current_stream(device: int | None = None) -> Stream:
 
 
 def set_stream(s: Stream) -> None:
-    """Make ``s`` the current stream of its device on this thread, and tell listeners."""
+    """Make ``s`` the current stream of its device on this thread, and of the frameworks that
+    follow graphpool's (``routing.add_follower``)."""
     if not isinstance(s, Stream):
         raise TypeError(f"expected a graphpool Stream, not {type(s).__name__}")
     s._check_backend()
     tls = runtime.thread_state()
     tls.streams[s.device] = s
-    runtime.drop_hot(tls)
-    for listener in runtime.stream_listeners:
-        listener(s)
+    routing.invalidate()
+    for follower in routing.followers():
+        follower.follow(s)
 
 
 @contextlib.contextmanager
@@ -327,7 +328,10 @@ def stream(s: StreamLike | None) -> Iterator[Stream | None]:
     s._check_backend()
     prev_device = current_device()
     prev_stream = current_stream(s.device)
-    cupy_prev = _cupy_current_stream(s.device)
+    # Each follower's own stream, given back on exit: graphpool may not know it (inside
+    # ``with cupy.cuda.Stream():`` graphpool's previous stream is the legacy default, and
+    # following that would leave CuPy on ``Stream.null`` for the rest of the user's block).
+    saved = [(f, f.save(s.device)) for f in routing.followers()]
     if s.device != prev_device:
         set_device(s.device)
     set_stream(s)
@@ -337,35 +341,11 @@ def stream(s: StreamLike | None) -> Iterator[Stream | None]:
         if prev_stream._space is runtime.space():
             set_stream(prev_stream)
         # else set_backend ran inside the block: the thread's streams started over already
-        if cupy_prev is not None:
-            _cupy_restore_stream(cupy_prev, s.device)
+        for follower, state in saved:
+            if state is not None and follower in routing.followers():  # (else removed meanwhile)
+                follower.restore(state, s.device)
         if s.device != prev_device:
             set_device(prev_device)
-
-
-def _cupy_current_stream(device: int) -> Any:
-    """CuPy's current stream of ``device`` while graphpool is CuPy's allocator, else None.
-
-    ``gp.stream`` makes CuPy follow graphpool's stream on entry; on exit it must give CuPy
-    back the stream CuPy had, which graphpool may not know: inside ``with
-    cupy.cuda.Stream():`` graphpool's own previous stream is the legacy default, and
-    following that would leave CuPy on ``Stream.null`` for the rest of the user's block.
-    """
-    mod = sys.modules.get("graphpool.cupy")
-    if mod is None or not mod.is_installed() or runtime.get().name != "cuda":
-        return None
-    cp = mod._cp
-    with cp.cuda.Device(device):
-        return cp.cuda.get_current_stream()
-
-
-def _cupy_restore_stream(cs: Any, device: int) -> None:
-    """Make ``cs`` CuPy's current stream of ``device`` again (see _cupy_current_stream)."""
-    mod = sys.modules.get("graphpool.cupy")
-    if mod is None or not mod.is_installed():
-        return
-    with mod._cp.cuda.Device(device):
-        cs.use()
 
 
 StreamLike: TypeAlias = Stream | CUDAStreamLike

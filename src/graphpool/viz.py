@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphpool.policy.allocator import fmt_bytes
+from graphpool.policy.units import fmt_bytes
 
 ORDINARY_COLOUR = "#4e79a7"
 POOL_COLOURS = ("#f28e2c", "#e15759", "#59a14f", "#af7aa1", "#edc949", "#76b7b2", "#ff9da7", "#9c755f")

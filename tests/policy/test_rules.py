@@ -12,10 +12,11 @@ import pytest
 from fakedevice import SHRUNK, FakeDevice
 
 from graphpool.errors import DoubleFreeError, ForeignPointerError, GraphpoolError, OutOfMemoryError
-from graphpool.policy.allocator import CachingAllocator, fmt_bytes
+from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import PoolId
 from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES, PoolStats
+from graphpool.policy.units import fmt_bytes
 
 KiB = 1024
 MiB = 1024 * KiB

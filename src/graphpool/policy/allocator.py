@@ -79,6 +79,7 @@ from graphpool.policy.private_pools import (
     new_release_token,
 )
 from graphpool.policy.stats import PoolStats
+from graphpool.policy.units import fmt_bytes
 
 _Lock: Callable[[], Any]
 try:  # the C lock, built with the compiled modules (graphpool/policy/_lock.c; NOTES entry 36)
@@ -123,16 +124,6 @@ def _enabled(level: int) -> bool:
 def _thread_alive(ident: int) -> bool:
     """Whether a thread with this id still runs (O(threads); rare path)."""
     return any(t.ident == ident for t in threading.enumerate())
-
-
-def fmt_bytes(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the figure >= 1 (for messages and tables)."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{n} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"
 
 
 T = TypeVar("T")

@@ -67,16 +67,13 @@ class CaptureWorld:
 
     CUDA's capture rules are process-wide: while any device captures, no allocator may
     free device memory, synchronize or query events. Each allocator of a runtime shares
-    one of these; ``active`` is the sum of their ``_capturing`` counts. ``replaced``: set when
-    ``set_backend`` replaced the runtime (gp.alloc's per-thread cache, memory.py, then drops
-    the allocator it holds).
+    one of these; ``active`` is the sum of their ``_capturing`` counts.
     """
 
-    __slots__ = ("active", "replaced")
+    __slots__ = ("active",)
 
     def __init__(self) -> None:
         self.active = 0
-        self.replaced = False
 
 
 class PrivatePool:
