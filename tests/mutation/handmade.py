@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the mutants are source lines, quoted whole)
 """Hand-made mutants of issue 28, item 1, each against the tests written to kill it.
 
 Run by hand from the repository root (never by CI: no file here is a test):
@@ -38,6 +39,7 @@ T_GC = "tests/policy/test_gc_and_limits.py::"
 T_SB = "tests/test_streams_buffers.py::"
 T_FID = "tests/sim/test_fidelity.py::"
 T_CUPY = "tests/test_twin_cupy_capture.py::"
+SIM = "sim/device.py"
 
 MUTANTS = (
     Mutant(
@@ -154,6 +156,334 @@ MUTANTS = (
         (
             "tests/policy/test_stream_events.py::test_out_of_memory_waits_for_the_events_before_it_releases_the_cache",
         ),
+    ),
+    Mutant(
+        "integrations: the CuPy begin_capture hook does not register the capture",
+        "cupy.py",
+        '    _hooked["begin_capture"](self, mode)\n    if not _installed or runtime.get().name != "cuda":',
+        '    _hooked["begin_capture"](self, mode)\n    if True:',
+        (T_CUPY + "test_cupys_begin_capture_registers_the_capture_with_detection_off",),
+        "`_begin_capture` returns right after CuPy's own begin_capture",
+    ),
+    Mutant(
+        "integrations: the cached CuPy stream wrapper reused across devices",
+        "cupy.py",
+        "last[1] == handle and last[0] == device and",
+        "last[1] == handle and",
+        (T_CUPY + "test_the_stream_kept_from_the_last_call_is_not_reused_on_another_device",),
+    ),
+    # ----------------------------------------------------------------- the simulator
+    Mutant(
+        "simulator: stream_idle answers True for a capturing stream",
+        SIM,
+        "return st.capture is None and not st.queue",
+        "return not st.queue",
+        (T_FID + "test_stream_idle_is_false_for_a_capturing_stream_and_disturbs_no_capture",),
+    ),
+    Mutant(
+        "simulator: vmm_unmap does not wait for queued work",
+        SIM,
+        '            capture.check_unsafe("cuMemUnmap")\n            self._run_until(self._idle)\n',
+        '            capture.check_unsafe("cuMemUnmap")\n',
+        (T_FID + "test_vmm_unmap_waits_for_the_queued_work",),
+    ),
+    Mutant(
+        "simulator: a captured event aliases its stream's live dependencies (an unjoined fork accepted)",
+        SIM,
+        "_CaptureMark(cap, dict(cap.covers[stream]))",
+        "_CaptureMark(cap, cap.covers[stream])",
+        (T_FID + "test_a_captured_event_marks_the_capture_as_it_was_when_recorded",),
+    ),
+    Mutant(
+        "simulator: a destroyed stream still counted as made",
+        SIM,
+        "            st.destroyed = True\n            self._made.discard(stream)\n",
+        "            st.destroyed = True\n",
+        (T_FID + "test_stream_idle_only_for_a_live_idle_stream_the_device_made",),
+    ),
+    Mutant(
+        "simulator: stream_idle asks about any handle (the legacy stream, another's)",
+        SIM,
+        "            if stream not in self._made:\n                return False\n            st = self._streams[stream]",
+        "            st = self._streams[stream]",
+        (T_FID + "test_stream_idle_only_for_a_live_idle_stream_the_device_made",),
+    ),
+    Mutant(
+        "simulator: free does not wait for queued work",
+        SIM,
+        "            self._run_until(self._idle)\n            self._mem.release(ptr)",
+        "            self._mem.release(ptr)",
+        (T_FID + "test_free_waits_for_the_queued_work",),
+    ),
+    Mutant(
+        "simulator: malloc past the memory's capacity",
+        "sim/memory.py",
+        "        if self.used + nbytes > self.capacity:\n            return None\n",
+        "",
+        (T_FID + "test_memory_is_finite",),
+    ),
+    Mutant(
+        "simulator: vmm_map past the memory's capacity",
+        "sim/memory.py",
+        "        if self.used + nbytes > self.capacity:\n            return False\n",
+        "",
+        (T_FID + "test_memory_is_finite",),
+    ),
+    Mutant(
+        "simulator: stream_wait_event does not order an eager stream",
+        SIM,
+        '            elif not state.done:\n                st.queue.append(_Op("wait", marker=state))',
+        '            elif False:\n                st.queue.append(_Op("wait", marker=state))',
+        (T_FID + "test_a_stream_waiting_on_an_event_runs_after_the_recorded_work",),
+    ),
+    Mutant(
+        "simulator: a destroyed stream's queued work is dropped",
+        SIM,
+        "            if not st.queue:\n                del self._streams[stream]",
+        "            if True:\n                del self._streams[stream]",
+        (T_FID + "test_a_destroyed_streams_queued_work_still_runs",),
+    ),
+    Mutant(
+        "simulator: an event on a busy stream is complete at once",
+        SIM,
+        "            if not st.queue:  # nothing pending: the marked work is already done",
+        "            if True:  # nothing pending: the marked work is already done",
+        (T_FID + "test_an_event_on_a_busy_stream_completes_with_its_work",),
+    ),
+    Mutant(
+        "simulator: an event never recorded reads as pending",
+        SIM,
+        "            return state is None or state.done",
+        "            return state is not None and state.done",
+        (T_FID + "test_an_event_never_recorded_stands_for_no_work",),
+    ),
+    Mutant(
+        "simulator: the legacy stream may capture",
+        SIM,
+        "            if stream == LEGACY_STREAM:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureUnsupported",\n'
+        '                    "the legacy stream cannot be captured",',
+        "            if False:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureUnsupported",\n'
+        '                    "the legacy stream cannot be captured",',
+        (T_FID + "test_the_legacy_stream_cannot_capture",),
+        "`begin_capture`'s legacy-stream refusal removed",
+    ),
+    Mutant(
+        "simulator: a capturing stream may begin a second capture",
+        SIM,
+        "            if st.capture is not None:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorIllegalState",\n                    f"stream {stream} is already capturing",',
+        "            if False:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorIllegalState",\n                    f"stream {stream} is already capturing",',
+        (T_FID + "test_a_stream_cannot_begin_a_second_capture",),
+        "`begin_capture`'s already-capturing refusal removed",
+    ),
+    Mutant(
+        "simulator: capture ids repeat",
+        "sim/capture.py",
+        "cap = Capture(next(_ids), origin, mode, threading.current_thread())",
+        "cap = Capture(1, origin, mode, threading.current_thread())",
+        (T_FID + "test_capture_ids_are_unique_and_shared_by_joined_streams",),
+    ),
+    Mutant(
+        "simulator: a stream waiting on a captured event does not join the capture",
+        SIM,
+        "            mark.cap.join(st.handle, mark.covers)\n            st.capture = mark.cap",
+        "            mark.cap.join(st.handle, mark.covers)",
+        (
+            T_FID + "test_capture_ids_are_unique_and_shared_by_joined_streams",
+            T_FID + "test_a_stream_that_joined_a_capture_is_not_idle",
+        ),
+    ),
+    Mutant(
+        "simulator: an unjoined fork is accepted",
+        SIM,
+        "            unjoined = cap.unjoined()\n            if unjoined:",
+        "            unjoined = cap.unjoined()\n            if False:",
+        (T_FID + "test_an_unjoined_fork_fails_the_capture",),
+    ),
+    Mutant(
+        "simulator: the legacy stream may join a capture",
+        SIM,
+        "        elif st.handle == LEGACY_STREAM:",
+        "        elif False:",
+        (T_FID + "test_the_legacy_stream_cannot_join_a_capture",),
+    ),
+    Mutant(
+        "simulator: two captures merge",
+        SIM,
+        "        elif st.capture is not None:\n            capture.invalidate(st.capture)\n"
+        '            raise cuda_error(\n                call,\n                "cudaErrorStreamCaptureMerge",',
+        "        elif False:\n            capture.invalidate(st.capture)\n"
+        '            raise cuda_error(\n                call,\n                "cudaErrorStreamCaptureMerge",',
+        (T_FID + "test_two_captures_never_merge",),
+        "`_wait_captured`'s merge refusal removed",
+    ),
+    Mutant(
+        "simulator: a capture may wait on eager work",
+        SIM,
+        "            elif cap is not None:\n                capture.invalidate(cap)\n"
+        "                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureIsolation",\n'
+        '                    f"stream {stream} is capturing",',
+        "            elif False:\n                capture.invalidate(cap)\n"
+        "                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureIsolation",\n'
+        '                    f"stream {stream} is capturing",',
+        (T_FID + "test_a_capture_never_waits_on_work_outside_it",),
+        "`stream_wait_event`'s isolation refusal removed",
+    ),
+    Mutant(
+        "simulator: a joined stream may end the capture",
+        SIM,
+        "if cap is None or cap.origin != stream:",
+        "if cap is None:",
+        (T_FID + "test_a_joined_fork_captures_both_streams_and_replays",),
+    ),
+    Mutant(
+        "simulator: any thread may end a global or thread-local capture",
+        SIM,
+        "wrong_thread = cap.mode != CAPTURE_MODE_RELAXED and cap.thread is not threading.current_thread()",
+        "wrong_thread = False",
+        (T_FID + "test_only_the_capturing_thread_ends_a_capture_unless_relaxed",),
+    ),
+    Mutant(
+        "simulator: a global capture does not refuse other threads' unsafe calls",
+        "sim/capture.py",
+        "            or (mode == CAPTURE_MODE_GLOBAL and cap.thread is not me and cap.mode == CAPTURE_MODE_GLOBAL)\n",
+        "",
+        (T_FID + "test_another_threads_unsafe_call_is_refused_only_by_a_global_capture",),
+    ),
+    Mutant(
+        "simulator: a thread-local capture refuses other threads' unsafe calls",
+        "sim/capture.py",
+        "cap.thread is not me and cap.mode == CAPTURE_MODE_GLOBAL)",
+        "cap.thread is not me and cap.mode != CAPTURE_MODE_RELAXED)",
+        (T_FID + "test_another_threads_unsafe_call_is_refused_only_by_a_global_capture",),
+    ),
+    Mutant(
+        "simulator: a thread in relaxed mode is refused",
+        "sim/capture.py",
+        "    if mode == CAPTURE_MODE_RELAXED or not _ongoing:",
+        "    if not _ongoing:",
+        (T_FID + "test_a_thread_in_relaxed_mode_may_make_unsafe_calls",),
+    ),
+    Mutant(
+        "simulator: the capturing thread's own unsafe calls allowed",
+        "sim/capture.py",
+        "            if (cap.thread is me and cap.mode != CAPTURE_MODE_RELAXED)",
+        "            if (False)",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: malloc during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaMalloc")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: free during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaFree")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: an event query during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaEventQuery")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: an event synchronize during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaEventSynchronize")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: a stream synchronize during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaStreamSynchronize")\n            self._run_until(lambda: not st.queue)',
+        "            self._run_until(lambda: not st.queue)",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: a device synchronize during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaDeviceSynchronize")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: synchronizing the capturing stream itself allowed (relaxed thread)",
+        SIM,
+        '            self._refuse_if_capturing("cudaStreamSynchronize", st)\n',
+        "",
+        (T_FID + "test_synchronizing_the_capturing_stream_is_illegal_in_every_mode",),
+    ),
+    Mutant(
+        "simulator: instantiation during a global capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaGraphInstantiate")',
+        "            pass",
+        (T_FID + "test_instantiating_during_a_global_capture_is_refused",),
+    ),
+    Mutant(
+        "simulator: an event recorded in a capture may be queried",
+        SIM,
+        '            if isinstance(state, _CaptureMark):\n                raise cuda_error("cudaEventQuery", "cudaErrorCapturedEvent")\n',
+        "",
+        (T_FID + "test_an_event_recorded_in_a_capture_cannot_be_queried",),
+    ),
+    Mutant(
+        "simulator: an invalidated capture reads as not capturing",
+        SIM,
+        "            if cap is None:\n                return CAPTURE_STATUS_NONE, 0\n            return cap.status, cap.id",
+        "            if cap is None or cap.status == CAPTURE_STATUS_INVALIDATED:\n"
+        "                return CAPTURE_STATUS_NONE, 0\n            return cap.status, cap.id",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+        "`capture_info` answers none for an invalidated capture",
+    ),
+    Mutant(
+        "simulator: an invalidated capture ends with a graph",
+        SIM,
+        "            if cap.status == CAPTURE_STATUS_INVALIDATED:\n                self._drop(tokens)",
+        "            if False:\n                self._drop(tokens)",
+        (T_FID + "test_a_failed_capture_releases_its_token_at_its_end",),
+    ),
+    Mutant(
+        "simulator: a graph launched into a capture runs instead of being captured",
+        SIM,
+        "            if st.capture is not None:  # launched into a capture: recorded as its nodes",
+        "            if False:  # launched into a capture: recorded as its nodes",
+        (T_FID + "test_a_graph_launched_into_a_capture_is_captured",),
+    ),
+    Mutant(
+        "simulator: an executable holds no user object",
+        SIM,
+        "            self._retain(handle, self._holders.get(graph, ()))\n",
+        "",
+        (T_FID + "test_a_token_is_released_once_the_graph_and_every_instance_are_gone",),
+    ),
+    Mutant(
+        "simulator: a failed capture keeps its user objects",
+        SIM,
+        "                self._drop(tokens)  # the graph is discarded: its user objects go with it\n",
+        "",
+        (T_FID + "test_a_failed_capture_releases_its_token_at_its_end",),
+    ),
+    Mutant(
+        "simulator: attach_release on a stream that is not capturing",
+        SIM,
+        "            if cap is None or cap.status != CAPTURE_STATUS_ACTIVE:\n"
+        '                raise cuda_error(call, "cudaErrorIllegalState", f"stream {stream} is not capturing")\n'
+        "            cap.tokens.append(token)",
+        "            if cap is not None:\n                cap.tokens.append(token)",
+        (T_FID + "test_attach_release_needs_a_capturing_stream",),
     ),
 )
 
