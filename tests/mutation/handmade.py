@@ -339,7 +339,7 @@ MUTANTS = (
         SIM,
         "if cap is None or cap.origin != stream:",
         "if cap is None:",
-        (T_FID + "test_a_joined_fork_captures_both_streams_and_replays",),
+        (T_FID + "test_only_the_stream_that_began_a_capture_ends_it",),
     ),
     Mutant(
         "simulator: any thread may end a global or thread-local capture",
