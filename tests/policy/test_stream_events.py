@@ -149,3 +149,25 @@ def test_inactive_split_peak_within_one_epoch(pool: str) -> None:
     assert st[f"inactive_split.{pool}.peak"] == 2
     assert st[f"inactive_split_bytes.{pool}.peak"] == 1024 + 6144
     a.check_invariants()
+
+
+def test_out_of_memory_waits_for_the_events_before_it_releases_the_cache() -> None:
+    """The driver refuses a segment while a fitting block of the stream waits only for another
+    stream's event: the retry first waits for that event and takes the block (no cache
+    release, no retry counted). Released first instead, that block's segment, still split
+    around a live neighbour, would free nothing, and the request would fail."""
+    dev = FakeDevice(total=40960, streams=True)  # room for one large segment (SHRUNK's 40 KiB)
+    a = CachingAllocator(dev, sizes=SHRUNK)
+    x = a.malloc(10000, stream=S1)
+    keep = a.malloc(25000, stream=S1)  # the segment's rest: x never merges back whole
+    a.record_stream(x, S2)
+    dev.queue_work(S2)  # S2 still uses x ...
+    a.free(x)  # ... so x waits for S2's event
+    y = a.malloc(10000, stream=S1)  # no block fits, the device is full
+    assert y == x
+    st = a.memory_stats()
+    assert st["num_alloc_retries"] == 0 and st["num_ooms"] == 0 and st["num_device_free"] == 0
+    assert dev.calls.count("sync") == 1  # the one event waited for
+    a.free(y)
+    a.free(keep)
+    a.check_invariants()

@@ -218,3 +218,71 @@ def test_one_idle_answer_covers_every_block_freed_before_it() -> None:
     for ptr in (x, y, z, k2):
         a.free(ptr)
     a.check_invariants()
+
+
+def test_a_block_freed_after_its_streams_idle_answer_needs_a_new_answer() -> None:
+    """An idle answer covers only the blocks the stream had freed before it: one freed right
+    after, with no allocation in between (the free lists' clock has not moved), may still be
+    in use by work queued after the answer, and stays its stream's while that stream is busy."""
+    dev, a = _alloc()
+    k = a.malloc(BIG, stream=A)
+    x = a.malloc(BIG, stream=A)
+    a.free(x)
+    y = a.malloc(BIG, stream=B)  # A answers idle: x is taken over
+    assert y == x and dev.idle_asked == [A]
+    dev.queue_work(A)  # A uses k after its answer ...
+    a.free(k)  # ... and frees it at once: no tick of the clock since the answer
+    z = a.malloc(BIG, stream=C)
+    assert z != k, "a block freed after the idle answer was taken while its stream was busy"
+    assert dev.idle_asked == [A, A]  # asked anew (busy)
+    dev.finish_work(A)
+    for p in (y, z):
+        a.free(p)
+    a.check_invariants()
+
+
+def test_growing_a_segment_never_absorbs_another_streams_free_tail() -> None:
+    """A's segment ends in a block B took over and freed while B still uses it: growing A's
+    segment maps a new block after it instead of growing B's block into A's request."""
+    dev, a = _alloc()
+    head = a.malloc(BIG, stream=A)
+    tail = a.malloc(BIG, stream=A)
+    a.free(tail)  # A's free end
+    y = a.malloc(BIG, stream=B)  # A idle: B takes the end over
+    assert y == tail
+    dev.queue_work(B)  # B's use of y is still running ...
+    a.free(y)  # ... when B frees it: the segment ends in B's free block
+    z = a.malloc(2 * BIG, stream=A)  # no A block fits, B is busy: A's segment grows
+    assert z == tail + BIG, "A's request grew B's busy free block"
+    assert a.lookup(z) is not None and a.lookup(z).stream == A  # type: ignore[union-attr]
+    blocks = a.snapshot()[0]["blocks"]
+    assert [(b["address"], b["size"], b["state"]) for b in blocks] == [
+        (head, BIG, "active_allocated"),
+        (tail, BIG, "inactive"),
+        (z, 2 * BIG, "active_allocated"),
+    ]
+    dev.finish_work(B)
+    a.free(z)
+    a.free(head)
+    a.check_invariants()
+
+
+def test_takeover_keeps_max_split_size() -> None:
+    """An idle stream's oversize free block (at least max_split_size) is taken over only by a
+    request that could take it from its own stream's cache (PyTorch's get_free_block): one of
+    at least max_split_size that wastes less than max_non_split_rounding."""
+    split = 96 * 1024  # SHRUNK's large segment is 40 KiB: the least max_split_size allowed
+    sizes = dataclasses.replace(SHRUNK, expandable_segments=True, max_split_size=split)
+    dev = FakeDevice(streams=True)
+    dev.made = {A, B, C}
+    a = CachingAllocator(dev, sizes=sizes)
+    x = a.malloc(2 * BIG, stream=A)  # 128 KiB: oversize
+    a.free(x)
+    reserved = _reserved(a)
+    y = a.malloc(BIG, stream=B)  # under max_split_size: may not take A's oversize block
+    assert y != x and _reserved(a) == reserved + BIG
+    z = a.malloc(2 * BIG - 8192, stream=C)  # oversize too, wastes 8 KiB < 40 KiB: takes it
+    assert z == x and _reserved(a) == reserved + BIG
+    a.free(y)
+    a.free(z)
+    a.check_invariants()

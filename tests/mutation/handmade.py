@@ -1,0 +1,535 @@
+# ruff: noqa: E501  (the mutants are source lines, quoted whole)
+"""Hand-made mutants of issue 28, item 1, each against the tests written to kill it.
+
+Run by hand from the repository root (never by CI: no file here is a test):
+
+    PYTHONPATH=src python tests/mutation/handmade.py            # every mutant
+    PYTHONPATH=src python tests/mutation/handmade.py takeover   # those whose name has "takeover"
+
+For each mutant: the source is checked to pass its tests, the one edit is applied in place
+(its ``old`` text must occur exactly once), the tests are run (killed: they fail), and the
+file is written back byte for byte, then its tests are run again (they must pass). Prints a
+markdown table (tests/mutation/handmade-2026-12-04.md holds the last one).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    behaviour: str
+    file: str  # relative to src/graphpool
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids, relative to the repository root
+    label: str = ""  # the edit in words, for the table (default: old -> new)
+
+
+ALLOC = "policy/allocator.py"
+T_TAKE = "tests/policy/test_stream_takeover.py::"
+T_EXP = "tests/test_expandable_rules.py::"
+T_GC = "tests/policy/test_gc_and_limits.py::"
+T_SB = "tests/test_streams_buffers.py::"
+T_FID = "tests/sim/test_fidelity.py::"
+T_CUPY = "tests/test_twin_cupy_capture.py::"
+SIM = "sim/device.py"
+
+MUTANTS = (
+    Mutant(
+        "takeover: a block freed right after its stream's idle answer counted as covered",
+        ALLOC,
+        "return b.stream == stream or b.gc_base < done.get(b.stream, 0)",
+        "return b.stream == stream or b.gc_base <= done.get(b.stream, 0)",
+        (T_TAKE + "test_a_block_freed_after_its_streams_idle_answer_needs_a_new_answer",),
+    ),
+    Mutant(
+        "takeover: an idle answer stamped one tick late",
+        ALLOC,
+        "                        done[t] = now\n",
+        "                        done[t] = now + 1\n",
+        (T_TAKE + "test_a_block_freed_after_its_streams_idle_answer_needs_a_new_answer",),
+    ),
+    Mutant(
+        "takeover: growing a segment absorbs another stream's busy free tail",
+        ALLOC,
+        "tail.size < size and tail.stream == stream",
+        "tail.size < size",
+        (T_TAKE + "test_growing_a_segment_never_absorbs_another_streams_free_tail",),
+    ),
+    Mutant(
+        "takeover: max_split_size ignored",
+        ALLOC,
+        "                    if total < self._max_split or not self._refuses(total, size):\n"
+        "                        best, best_size = first, total",
+        "                    if True:\n                        best, best_size = first, total",
+        (T_TAKE + "test_takeover_keeps_max_split_size",),
+    ),
+    Mutant(
+        "expandable: the first segment of a stream skips the limits",
+        ALLOC,
+        "if need > reserve or not self._map_allowed(need):",
+        "if need > reserve:",
+        (T_EXP + "test_a_limit_refuses_the_mapping_of_an_expandable_segment",),
+    ),
+    Mutant(
+        "expandable: a mapping checked against the byte cap only (the fraction skipped)",
+        ALLOC,
+        'as ``_device_malloc`` does)."""\n        limits = self.limits\n'
+        '        if limits.cap is not None and self.stats.current("reserved_bytes") + nbytes > limits.cap:',
+        'as ``_device_malloc`` does)."""\n        limits = self.limits\n'
+        "        if limits.nbytes is not None and "
+        'self.stats.current("reserved_bytes") + nbytes > limits.nbytes:',
+        (T_EXP + "test_a_limit_refuses_the_mapping_of_an_expandable_segment",),
+        "`_map_allowed` tests `limits.nbytes` instead of `limits.cap`",
+    ),
+    Mutant(
+        "expandable: empty_cache unmaps a free end that a graph still keeps",
+        ALLOC,
+        "if tail.allocated or tail.holds or tail.prev is None:",
+        "if tail.allocated or tail.prev is None:",
+        (T_EXP + "test_empty_cache_keeps_a_free_end_a_graph_still_writes",),
+    ),
+    Mutant(
+        "GC: blocks of equal age never collected (>= vs >)",
+        ALLOC,
+        "if age >= threshold_age:",
+        "if age > threshold_age:",
+        (T_GC + "test_segments_of_equal_age_are_collected",),
+    ),
+    Mutant(
+        "GC: the threshold measured against the binding cap instead of the fraction's",
+        ALLOC,
+        "cap = self.limits.fraction_bytes()",
+        "cap = self.limits.cap",
+        (T_GC + "test_the_threshold_is_a_share_of_the_fraction_not_of_a_smaller_byte_limit",),
+    ),
+    Mutant(
+        "limits: the fraction cap rounded up instead of truncated",
+        "policy/limits.py",
+        "else int(self.fraction * self.total)",
+        "else math.ceil(self.fraction * self.total)",
+        (
+            T_GC + "test_the_fraction_cap_is_truncated",
+            T_GC + "test_a_segment_one_byte_past_the_truncated_fraction_is_refused",
+        ),
+    ),
+    Mutant(
+        "streams: an invalidated capture reads as not capturing",
+        "streams.py",
+        "return self._dev().capture_info(self.handle)[0] != CAPTURE_STATUS_NONE",
+        "return self._dev().capture_info(self.handle)[0] == 1  # ACTIVE only",
+        (T_SB + "test_an_invalidated_capture_still_reads_as_capturing",),
+    ),
+    Mutant(
+        "buffers: deepcopy copies on the legacy stream, unordered after the source's stream",
+        "buffer.py",
+        "self._alloc.device.memcpy(out.ptr, self.ptr, self.nbytes, self.stream.handle)",
+        "self._alloc.device.memcpy(out.ptr, self.ptr, self.nbytes, 0)",
+        (T_SB + "test_deepcopy_copies_after_the_work_queued_on_the_buffers_stream",),
+    ),
+    Mutant(
+        "indirect: gp.alloc(n, s) reuses the previous stream's home",
+        "memory.py",
+        "if seen is not None and seen.stream is s:",
+        "if seen is not None:",
+        (T_SB + "test_alloc_on_a_stream_allocates_for_that_stream_whatever_came_before",),
+    ),
+    Mutant(
+        "indirect: Event.record does not tell the replay checker",
+        "streams.py",
+        "        for listener in record_listeners:\n            listener(self, s)",
+        "        for listener in ():\n            listener(self, s)",
+        (T_SB + "test_a_recorded_event_orders_replays_for_the_checker",),
+    ),
+    Mutant(
+        "indirect: the OOM retry releases the cache without waiting for the events first",
+        ALLOC,
+        "        self._synchronize_events()\n        block = fl.best_fit(stream, size, self._max_split)",
+        "        block = fl.best_fit(stream, size, self._max_split)",
+        (
+            "tests/policy/test_stream_events.py::test_out_of_memory_waits_for_the_events_before_it_releases_the_cache",
+        ),
+    ),
+    Mutant(
+        "integrations: the CuPy begin_capture hook does not register the capture",
+        "cupy.py",
+        '    _hooked["begin_capture"](self, mode)\n    if not _installed or runtime.get().name != "cuda":',
+        '    _hooked["begin_capture"](self, mode)\n    if True:',
+        (T_CUPY + "test_cupys_begin_capture_registers_the_capture_with_detection_off",),
+        "`_begin_capture` returns right after CuPy's own begin_capture",
+    ),
+    Mutant(
+        "integrations: the cached CuPy stream wrapper reused across devices",
+        "cupy.py",
+        "last[1] == handle and last[0] == device and",
+        "last[1] == handle and",
+        (T_CUPY + "test_the_stream_kept_from_the_last_call_is_not_reused_on_another_device",),
+    ),
+    # ----------------------------------------------------------------- the simulator
+    Mutant(
+        "simulator: stream_idle answers True for a capturing stream",
+        SIM,
+        "return st.capture is None and not st.queue",
+        "return not st.queue",
+        (T_FID + "test_stream_idle_is_false_for_a_capturing_stream_and_disturbs_no_capture",),
+    ),
+    Mutant(
+        "simulator: vmm_unmap does not wait for queued work",
+        SIM,
+        '            capture.check_unsafe("cuMemUnmap")\n            self._run_until(self._idle)\n',
+        '            capture.check_unsafe("cuMemUnmap")\n',
+        (T_FID + "test_vmm_unmap_waits_for_the_queued_work",),
+    ),
+    Mutant(
+        "simulator: a captured event aliases its stream's live dependencies (an unjoined fork accepted)",
+        SIM,
+        "_CaptureMark(cap, dict(cap.covers[stream]))",
+        "_CaptureMark(cap, cap.covers[stream])",
+        (T_FID + "test_a_captured_event_marks_the_capture_as_it_was_when_recorded",),
+    ),
+    Mutant(
+        "simulator: a destroyed stream still counted as made",
+        SIM,
+        "            st.destroyed = True\n            self._made.discard(stream)\n",
+        "            st.destroyed = True\n",
+        (T_FID + "test_stream_idle_only_for_a_live_idle_stream_the_device_made",),
+    ),
+    Mutant(
+        "simulator: stream_idle asks about any handle (the legacy stream, another's)",
+        SIM,
+        "            if stream not in self._made:\n                return False\n            st = self._streams[stream]",
+        "            st = self._streams[stream]",
+        (T_FID + "test_stream_idle_only_for_a_live_idle_stream_the_device_made",),
+    ),
+    Mutant(
+        "simulator: free does not wait for queued work",
+        SIM,
+        "            self._run_until(self._idle)\n            self._mem.release(ptr)",
+        "            self._mem.release(ptr)",
+        (T_FID + "test_free_waits_for_the_queued_work",),
+    ),
+    Mutant(
+        "simulator: malloc past the memory's capacity",
+        "sim/memory.py",
+        "        if self.used + nbytes > self.capacity:\n            return None\n",
+        "",
+        (T_FID + "test_memory_is_finite",),
+    ),
+    Mutant(
+        "simulator: vmm_map past the memory's capacity",
+        "sim/memory.py",
+        "        if self.used + nbytes > self.capacity:\n            return False\n",
+        "",
+        (T_FID + "test_memory_is_finite",),
+    ),
+    Mutant(
+        "simulator: stream_wait_event does not order an eager stream",
+        SIM,
+        '            elif not state.done:\n                st.queue.append(_Op("wait", marker=state))',
+        '            elif False:\n                st.queue.append(_Op("wait", marker=state))',
+        (T_FID + "test_a_stream_waiting_on_an_event_runs_after_the_recorded_work",),
+    ),
+    Mutant(
+        "simulator: a destroyed stream's queued work is dropped",
+        SIM,
+        "            if not st.queue:\n                del self._streams[stream]",
+        "            if True:\n                del self._streams[stream]",
+        (T_FID + "test_a_destroyed_streams_queued_work_still_runs",),
+    ),
+    Mutant(
+        "simulator: an event on a busy stream is complete at once",
+        SIM,
+        "            if not st.queue:  # nothing pending: the marked work is already done",
+        "            if True:  # nothing pending: the marked work is already done",
+        (T_FID + "test_an_event_on_a_busy_stream_completes_with_its_work",),
+    ),
+    Mutant(
+        "simulator: an event never recorded reads as pending",
+        SIM,
+        "            return state is None or state.done",
+        "            return state is not None and state.done",
+        (T_FID + "test_an_event_never_recorded_stands_for_no_work",),
+    ),
+    Mutant(
+        "simulator: the legacy stream may capture",
+        SIM,
+        "            if stream == LEGACY_STREAM:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureUnsupported",\n'
+        '                    "the legacy stream cannot be captured",',
+        "            if False:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureUnsupported",\n'
+        '                    "the legacy stream cannot be captured",',
+        (T_FID + "test_the_legacy_stream_cannot_capture",),
+        "`begin_capture`'s legacy-stream refusal removed",
+    ),
+    Mutant(
+        "simulator: a capturing stream may begin a second capture",
+        SIM,
+        "            if st.capture is not None:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorIllegalState",\n                    f"stream {stream} is already capturing",',
+        "            if False:\n                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorIllegalState",\n                    f"stream {stream} is already capturing",',
+        (T_FID + "test_a_stream_cannot_begin_a_second_capture",),
+        "`begin_capture`'s already-capturing refusal removed",
+    ),
+    Mutant(
+        "simulator: capture ids repeat",
+        "sim/capture.py",
+        "cap = Capture(next(_ids), origin, mode, threading.current_thread())",
+        "cap = Capture(1, origin, mode, threading.current_thread())",
+        (T_FID + "test_capture_ids_are_unique_and_shared_by_joined_streams",),
+    ),
+    Mutant(
+        "simulator: a stream waiting on a captured event does not join the capture",
+        SIM,
+        "            mark.cap.join(st.handle, mark.covers)\n            st.capture = mark.cap",
+        "            mark.cap.join(st.handle, mark.covers)",
+        (
+            T_FID + "test_capture_ids_are_unique_and_shared_by_joined_streams",
+            T_FID + "test_a_stream_that_joined_a_capture_is_not_idle",
+        ),
+    ),
+    Mutant(
+        "simulator: an unjoined fork is accepted",
+        SIM,
+        "            unjoined = cap.unjoined()\n            if unjoined:",
+        "            unjoined = cap.unjoined()\n            if False:",
+        (T_FID + "test_an_unjoined_fork_fails_the_capture",),
+    ),
+    Mutant(
+        "simulator: the legacy stream may join a capture",
+        SIM,
+        "        elif st.handle == LEGACY_STREAM:",
+        "        elif False:",
+        (T_FID + "test_the_legacy_stream_cannot_join_a_capture",),
+    ),
+    Mutant(
+        "simulator: two captures merge",
+        SIM,
+        "        elif st.capture is not None:\n            capture.invalidate(st.capture)\n"
+        '            raise cuda_error(\n                call,\n                "cudaErrorStreamCaptureMerge",',
+        "        elif False:\n            capture.invalidate(st.capture)\n"
+        '            raise cuda_error(\n                call,\n                "cudaErrorStreamCaptureMerge",',
+        (T_FID + "test_two_captures_never_merge",),
+        "`_wait_captured`'s merge refusal removed",
+    ),
+    Mutant(
+        "simulator: a capture may wait on eager work",
+        SIM,
+        "            elif cap is not None:\n                capture.invalidate(cap)\n"
+        "                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureIsolation",\n'
+        '                    f"stream {stream} is capturing",',
+        "            elif False:\n                capture.invalidate(cap)\n"
+        "                raise cuda_error(\n                    call,\n"
+        '                    "cudaErrorStreamCaptureIsolation",\n'
+        '                    f"stream {stream} is capturing",',
+        (T_FID + "test_a_capture_never_waits_on_work_outside_it",),
+        "`stream_wait_event`'s isolation refusal removed",
+    ),
+    Mutant(
+        "simulator: a joined stream may end the capture",
+        SIM,
+        "if cap is None or cap.origin != stream:",
+        "if cap is None:",
+        (T_FID + "test_only_the_stream_that_began_a_capture_ends_it",),
+    ),
+    Mutant(
+        "simulator: any thread may end a global or thread-local capture",
+        SIM,
+        "wrong_thread = cap.mode != CAPTURE_MODE_RELAXED and cap.thread is not threading.current_thread()",
+        "wrong_thread = False",
+        (T_FID + "test_only_the_capturing_thread_ends_a_capture_unless_relaxed",),
+    ),
+    Mutant(
+        "simulator: a global capture does not refuse other threads' unsafe calls",
+        "sim/capture.py",
+        "            or (mode == CAPTURE_MODE_GLOBAL and cap.thread is not me and cap.mode == CAPTURE_MODE_GLOBAL)\n",
+        "",
+        (T_FID + "test_another_threads_unsafe_call_is_refused_only_by_a_global_capture",),
+    ),
+    Mutant(
+        "simulator: a thread-local capture refuses other threads' unsafe calls",
+        "sim/capture.py",
+        "cap.thread is not me and cap.mode == CAPTURE_MODE_GLOBAL)",
+        "cap.thread is not me and cap.mode != CAPTURE_MODE_RELAXED)",
+        (T_FID + "test_another_threads_unsafe_call_is_refused_only_by_a_global_capture",),
+    ),
+    Mutant(
+        "simulator: a thread in relaxed mode is refused",
+        "sim/capture.py",
+        "    if mode == CAPTURE_MODE_RELAXED or not _ongoing:",
+        "    if not _ongoing:",
+        (T_FID + "test_a_thread_in_relaxed_mode_may_make_unsafe_calls",),
+    ),
+    Mutant(
+        "simulator: the capturing thread's own unsafe calls allowed",
+        "sim/capture.py",
+        "            if (cap.thread is me and cap.mode != CAPTURE_MODE_RELAXED)",
+        "            if (False)",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: malloc during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaMalloc")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: free during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaFree")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: an event query during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaEventQuery")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: an event synchronize during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaEventSynchronize")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: a stream synchronize during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaStreamSynchronize")\n            self._run_until(lambda: not st.queue)',
+        "            self._run_until(lambda: not st.queue)",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: a device synchronize during a capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaDeviceSynchronize")\n',
+        "",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+    ),
+    Mutant(
+        "simulator: synchronizing the capturing stream itself allowed (relaxed thread)",
+        SIM,
+        '            self._refuse_if_capturing("cudaStreamSynchronize", st)\n',
+        "",
+        (T_FID + "test_synchronizing_the_capturing_stream_is_illegal_in_every_mode",),
+    ),
+    Mutant(
+        "simulator: instantiation during a global capture allowed",
+        SIM,
+        '            capture.check_unsafe("cudaGraphInstantiate")',
+        "            pass",
+        (T_FID + "test_instantiating_during_a_global_capture_is_refused",),
+    ),
+    Mutant(
+        "simulator: an event recorded in a capture may be queried",
+        SIM,
+        '            if isinstance(state, _CaptureMark):\n                raise cuda_error("cudaEventQuery", "cudaErrorCapturedEvent")\n',
+        "",
+        (T_FID + "test_an_event_recorded_in_a_capture_cannot_be_queried",),
+    ),
+    Mutant(
+        "simulator: an invalidated capture reads as not capturing",
+        SIM,
+        "            if cap is None:\n                return CAPTURE_STATUS_NONE, 0\n            return cap.status, cap.id",
+        "            if cap is None or cap.status == CAPTURE_STATUS_INVALIDATED:\n"
+        "                return CAPTURE_STATUS_NONE, 0\n            return cap.status, cap.id",
+        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+        "`capture_info` answers none for an invalidated capture",
+    ),
+    Mutant(
+        "simulator: an invalidated capture ends with a graph",
+        SIM,
+        "            if cap.status == CAPTURE_STATUS_INVALIDATED:\n                self._drop(tokens)",
+        "            if False:\n                self._drop(tokens)",
+        (T_FID + "test_a_failed_capture_releases_its_token_at_its_end",),
+    ),
+    Mutant(
+        "simulator: a graph launched into a capture runs instead of being captured",
+        SIM,
+        "            if st.capture is not None:  # launched into a capture: recorded as its nodes",
+        "            if False:  # launched into a capture: recorded as its nodes",
+        (T_FID + "test_a_graph_launched_into_a_capture_is_captured",),
+    ),
+    Mutant(
+        "simulator: an executable holds no user object",
+        SIM,
+        "            self._retain(handle, self._holders.get(graph, ()))\n",
+        "",
+        (T_FID + "test_a_token_is_released_once_the_graph_and_every_instance_are_gone",),
+    ),
+    Mutant(
+        "simulator: a failed capture keeps its user objects",
+        SIM,
+        "                self._drop(tokens)  # the graph is discarded: its user objects go with it\n",
+        "",
+        (T_FID + "test_a_failed_capture_releases_its_token_at_its_end",),
+    ),
+    Mutant(
+        "simulator: attach_release on a stream that is not capturing",
+        SIM,
+        "            if cap is None or cap.status != CAPTURE_STATUS_ACTIVE:\n"
+        '                raise cuda_error(call, "cudaErrorIllegalState", f"stream {stream} is not capturing")\n'
+        "            cap.tokens.append(token)",
+        "            if cap is not None:\n                cap.tokens.append(token)",
+        (T_FID + "test_attach_release_needs_a_capturing_stream",),
+    ),
+)
+
+
+def run(tests: tuple[str, ...]) -> bool:
+    """Whether ``tests`` pass."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    if done.returncode not in (0, 1):
+        raise RuntimeError(f"pytest could not run {tests}: rc {done.returncode}\n{done.stdout[-2000:]}")
+    return done.returncode == 0
+
+
+def main(selector: str = "") -> int:
+    rows = ["| behaviour | test(s) | mutant | killed |", "| --- | --- | --- | --- |"]
+    bad = 0
+    for m in MUTANTS:
+        if selector and selector not in m.behaviour:
+            continue
+        path = ROOT / "src" / "graphpool" / m.file
+        original = path.read_bytes()
+        text = original.decode()
+        if text.count(m.old) != 1:
+            found = text.count(m.old)
+            raise RuntimeError(f"{m.behaviour}: the mutant's text occurs {found} times in {m.file}")
+        if not run(m.tests):
+            raise RuntimeError(f"{m.behaviour}: the tests fail on the unmutated source")
+        try:
+            path.write_text(text.replace(m.old, m.new))
+            killed = not run(m.tests)
+        finally:
+            path.write_bytes(original)
+        if not run(m.tests):
+            raise RuntimeError(f"{m.behaviour}: the tests fail after the source was restored")
+        bad += not killed
+        names = "<br>".join(f"`{t.rsplit('::', 1)[-1]}`" for t in m.tests)
+        edit = f"{m.file}: " + (m.label or f"`{_one_line(m.old)}` -> `{_one_line(m.new)}`")
+        rows.append(f"| {m.behaviour} | {names} | {edit} | {'yes' if killed else '**no**'} |")
+        print(rows[-1], flush=True)
+    print("\n".join(rows))
+    return 1 if bad else 0
+
+
+def _one_line(code: str) -> str:
+    return " ".join(code.split()).replace("|", "\\|")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))
