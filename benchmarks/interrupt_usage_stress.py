@@ -42,7 +42,7 @@ def child(opts: dict[str, Any]) -> dict[str, Any]:
     import graphpool as gp
     from graphpool import runtime
 
-    gp.set_backend("sim")
+    gp.set_backend(os.environ.get("GRAPHPOOL_BACKEND", "sim"))  # cuda on a GPU machine
     if opts["expandable"]:
         gp.set_allocator_config("expandable_segments:True")
     if opts["history"]:
