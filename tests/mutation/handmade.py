@@ -485,6 +485,27 @@ MUTANTS = (
         "            if cap is not None:\n                cap.tokens.append(token)",
         (T_FID + "test_attach_release_needs_a_capturing_stream",),
     ),
+    Mutant(
+        "simulator: launches of one executable on two streams overlap",
+        SIM,
+        '            if prev is not None and not prev.done:\n                st.queue.append(_Op("wait", marker=prev))',
+        '            if False:\n                st.queue.append(_Op("wait", marker=prev))',
+        (T_FID + "test_launches_of_one_executable_run_in_launch_order_on_any_stream",),
+    ),
+    Mutant(
+        "simulator: a host-to-device copy on the capturing stream allowed",
+        SIM,
+        '            self._refuse_if_capturing(\n                "cudaMemcpyAsync(HostToDevice)", self._stream("cudaMemcpyAsync", stream)\n            )\n',
+        "",
+        (T_FID + "test_a_host_copy_on_the_capturing_stream_is_refused",),
+    ),
+    Mutant(
+        "simulator: a device-to-host copy on the capturing stream allowed",
+        SIM,
+        '            self._refuse_if_capturing("cudaMemcpy(DeviceToHost)", st)\n',
+        "",
+        (T_FID + "test_a_host_copy_on_the_capturing_stream_is_refused",),
+    ),
 )
 
 

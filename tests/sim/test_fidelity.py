@@ -21,13 +21,15 @@ rule is CUDA's. The rules (docs/behaviour.rst, "The simulated device"; graphpool
   it, on its own thread unless relaxed;
 * capture modes: in "global" mode an unsafe call (allocation, free, event query, any
   synchronize, instantiation) from any thread in global thread mode fails and invalidates
-  the capture, in "thread_local" only from the capturing thread; a thread in relaxed mode is
-  never refused; synchronizing the capturing stream itself is illegal in every mode;
+  the capture, in "thread_local" only from the capturing thread, on any device (the rules
+  are the process's); a thread in relaxed mode is never refused; synchronizing the
+  capturing stream itself, or copying between it and the host, is illegal in every mode;
   ``capture_info`` is legal at any time; an invalidated capture stays in capture mode until
   ended, and ending it fails;
 * events recorded in a capture cannot be queried or synchronized, even after it ended;
-* graphs replay their work on the same addresses; a graph launched into a capture is
-  captured;
+* graphs replay their work on the same addresses (an empty capture gives a graph of no
+  nodes); launches of one executable run in launch order, whatever their streams; a graph
+  launched into a capture is captured;
 * user objects (``attach_release``): a token is reported once, when the graph and every
   executable instance are destroyed, an executable's in-flight launches included, or at
   once when the capture fails.
@@ -44,7 +46,7 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from gpu_guard import cuda_unusable
+from gpu_guard import TOO_FEW_GPUS, cuda_unusable
 from graphpool import runtime
 from graphpool.device.protocol import (
     CAPTURE_MODE_GLOBAL,
@@ -77,6 +79,7 @@ class Dev:
     events: list[int] = field(default_factory=list)
     ptrs: list[int] = field(default_factory=list)
     keep: list[Any] = field(default_factory=list)
+    other: Any = None  # the simulator's second device (CUDA: runtime.get().device(1))
 
     def stream(self) -> int:
         h = int(self.d.create_stream())
@@ -138,7 +141,7 @@ def device(request: pytest.FixtureRequest) -> Iterator[Dev]:
         backend = SimBackend(device_count=2, memory_bytes=64 * MiB)
         d = backend.get_device(0)
         other = backend.get_device(1)
-        dev = Dev("sim", d, lambda h: d.launch_sleep(h, rounds=50), other.create_stream)
+        dev = Dev("sim", d, lambda h: d.launch_sleep(h, rounds=50), other.create_stream, other=other)
     d.exchange_capture_mode(GLOBAL)
     try:
         yield dev
@@ -685,6 +688,82 @@ def test_an_event_recorded_in_a_capture_cannot_be_queried(device: Dev) -> None:
     d.record_event(e, s)  # recorded eagerly again: an ordinary event
     d.event_synchronize(e)
     assert d.query_event(e) is True
+
+
+def test_an_empty_capture_gives_a_graph_of_no_nodes(device: Dev) -> None:
+    d = device.d
+    s = device.stream()
+    d.begin_capture(s, GLOBAL)
+    graph = d.end_capture(s)
+    assert d.graph_node_count(graph) == 0
+    exe = d.instantiate(graph)
+    d.launch(exe, s)
+    d.stream_synchronize(s)
+    d.destroy_graph_exec(exe)
+    d.destroy_graph(graph)
+
+
+def test_launches_of_one_executable_run_in_launch_order_on_any_stream(device: Dev) -> None:
+    """A launch waits for the executable's previous launch, whatever its stream: the second
+    launch, on an idle stream, completes only after the first one, queued behind long work,
+    has started (so after the event recorded just before it)."""
+    d = device.d
+    s1, s2 = device.stream(), device.stream()
+    p = device.malloc()
+    d.begin_capture(s1, GLOBAL)
+    d.memset(p, 7, N, s1)
+    graph = d.end_capture(s1)
+    exe = d.instantiate(graph)
+    before, after = device.event(), device.event()
+    try:
+        device.spin(s1)
+        d.record_event(before, s1)
+        d.launch(exe, s1)
+        d.launch(exe, s2)
+        d.record_event(after, s2)
+        d.event_synchronize(after)
+        assert d.query_event(before) is True, "a second launch ran before the first"
+    finally:
+        d.device_synchronize()
+        d.destroy_graph_exec(exe)
+        d.destroy_graph(graph)
+
+
+@pytest.mark.parametrize("call", ["write", "read"])
+def test_a_host_copy_on_the_capturing_stream_is_refused(device: Dev, call: str) -> None:
+    d = device.d
+    s = device.stream()
+    p = device.malloc()
+    d.begin_capture(s, GLOBAL)
+    d.exchange_capture_mode(RELAXED)  # the stream's own rule, not the thread's
+    try:
+        if call == "write":
+            _fails(lambda: d.write(p, b"\x01" * 64, s))
+        else:
+            _fails(lambda: d.read(p, 64, s))
+        assert _status(d, s) == CAPTURE_STATUS_INVALIDATED
+    finally:
+        d.exchange_capture_mode(GLOBAL)
+        _fails(lambda: d.end_capture(s), "cudaErrorStreamCaptureInvalidated")
+
+
+def test_capture_rules_are_process_wide(device: Dev) -> None:
+    """A global capture on device 0 refuses an unsafe call made for device 1 (CUDA keeps the
+    capture state per process, not per device)."""
+    if device.kind == "cuda":
+        if gp.device_count() < 2:
+            pytest.skip(f"{TOO_FEW_GPUS} needs two devices")
+        other = runtime.get().device(1)
+    else:
+        other = device.other
+    d = device.d
+    s = device.stream()
+    d.begin_capture(s, GLOBAL)
+    try:
+        _fails(lambda: other.malloc(N), "cudaErrorStreamCaptureUnsupported")
+        assert _status(d, s) == CAPTURE_STATUS_INVALIDATED
+    finally:
+        _fails(lambda: d.end_capture(s), "cudaErrorStreamCaptureInvalidated")
 
 
 def test_a_graph_launched_into_a_capture_is_captured(device: Dev) -> None:
