@@ -196,10 +196,10 @@ gc.callbacks.append(_after_collection)
 # -- export ---------------------------------------------------------------------------
 def _buffer(buf: Any, what: str) -> DeviceBuffer:
     """``buf`` if it is a live DeviceBuffer: TypeError for another object, DoubleFreeError if freed."""
-    # graphpool.buffer imports this module (in __dlpack__): its class is looked up, not
-    # imported. A DeviceBuffer cannot exist unless graphpool.buffer was loaded.
-    buffer = sys.modules.get("graphpool.buffer")
-    if buffer is None or not isinstance(buf, buffer.DeviceBuffer):
+    # Told by its class, not imported: graphpool.buffer calls into this module (__dlpack__),
+    # and the import graph has no cycles. Nothing subclasses DeviceBuffer.
+    cls = type(buf)
+    if cls.__name__ != "DeviceBuffer" or cls.__module__ != "graphpool.buffer":
         raise TypeError(f"{what} needs a graphpool DeviceBuffer (from gp.alloc), not {type(buf).__name__}")
     if buf.freed:
         raise DoubleFreeError(f"buffer at 0x{buf.ptr:x} was freed")
