@@ -389,9 +389,7 @@ class CudaDevice:
         then cuMemUnmap of each granule (each is its own mapping: ``vmm_map``)."""
         driver, _ = self._vmm()
         _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
-        err = self._unmap_granules(driver, va, nbytes)
-        if err:
-            _dcheck("cuMemUnmap", err)
+        _dcheck("cuMemUnmap", self._unmap_granules(driver, va, nbytes))
 
     def _unmap_granules(self, driver: Any, va: int, nbytes: int) -> Any:
         """cuMemUnmap each granule of ``[va, va + nbytes)``, going on past a refusal so that a
