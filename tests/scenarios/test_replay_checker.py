@@ -14,6 +14,7 @@ from scenario_common import settle
 
 import graphpool as gp
 from graphpool import scenarios
+from graphpool.errors import CUDAError
 
 N = 1000
 
@@ -160,10 +161,10 @@ def test_every_pool_mate_that_replayed_after_is_checked(backend: Any) -> None:
 
 def test_a_replay_into_another_capture_leaves_the_checker_working(sim: Any) -> None:
     """With the checker on, a replay records an event on its stream to tell when it is done.
-    A replay launched into another capture (its graph nested in that graph) put that event
-    into the capture: CUDA cannot query it after, so the next replay of a pool mate on
-    another stream raised cudaErrorCapturedEvent. No event goes on a capturing stream.
-    (The simulator only: not every CUDA version takes a graph launch into a capture.)"""
+    A replay launched into another capture put that event into the capture: CUDA cannot
+    query it after, so the next replay of a pool mate on another stream raised
+    cudaErrorCapturedEvent. No event goes on a capturing stream. (CUDA 13, and the simulator,
+    refuse the launch itself; the checker must keep working after that refusal too.)"""
     from graphpool.sim import xp
 
     settle()
@@ -176,8 +177,9 @@ def test_a_replay_into_another_capture_leaves_the_checker_working(sim: Any) -> N
     with gp.graph(g1, pool=pool, stream=s):
         b = xp.ones(N, dtype=xp.float32) + 2
     outer = gp.CUDAGraph()
-    with gp.graph(outer):
-        g0.replay()  # into outer's capture
+    with pytest.raises(CUDAError, match="cudaErrorStreamCaptureUnsupported"):
+        with gp.graph(outer):
+            g0.replay()  # into outer's capture: refused
     with gp.stream(gp.Stream()):
         g1.replay()  # asks whether g0's last replay is done
     gp.synchronize()

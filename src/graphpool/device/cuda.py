@@ -355,32 +355,52 @@ class CudaDevice:
 
     @_on_device
     def vmm_map(self, va: int, nbytes: int) -> bool:
-        """cuMemCreate, cuMemMap, cuMemSetAccess; the handle is released at once (the mapping
-        keeps the memory until it is unmapped). False on CUDA_ERROR_OUT_OF_MEMORY."""
+        """cuMemCreate and cuMemMap granule by granule, then cuMemSetAccess; each handle is
+        released at once (its mapping keeps the memory until it is unmapped). Each granule
+        is its own mapping because cuMemUnmap only takes whole mappings, and the protocol
+        lets any mapped granules be unmapped (a segment's tail). False on
+        CUDA_ERROR_OUT_OF_MEMORY, with nothing left mapped."""
         driver, prop = self._vmm()
-        err, handle = driver.cuMemCreate(nbytes, prop, 0)
-        if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
-            return False
-        _dcheck("cuMemCreate", err)
+        gran = self.vmm_granularity()
+        done = va
         try:
-            (err,) = driver.cuMemMap(va, nbytes, 0, handle, 0)
-            _dcheck("cuMemMap", err)
-        finally:
-            driver.cuMemRelease(handle)
-        (err,) = driver.cuMemSetAccess(va, nbytes, [self._access], 1)
-        if err:
-            driver.cuMemUnmap(va, nbytes)
+            while done < va + nbytes:
+                err, handle = driver.cuMemCreate(gran, prop, 0)
+                if err == driver.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+                    self._unmap_granules(driver, va, done - va)
+                    return False
+                _dcheck("cuMemCreate", err)
+                try:
+                    (err,) = driver.cuMemMap(done, gran, 0, handle, 0)
+                    _dcheck("cuMemMap", err)
+                finally:
+                    driver.cuMemRelease(handle)
+                done += gran
+            (err,) = driver.cuMemSetAccess(va, nbytes, [self._access], 1)
             _dcheck("cuMemSetAccess", err)
+        except BaseException:  # a driver error or an interrupt: nothing stays mapped
+            self._unmap_granules(driver, va, done - va)
+            raise
         return True
 
     @_on_device
     def vmm_unmap(self, va: int, nbytes: int) -> None:
         """cudaDeviceSynchronize (unlike cudaFree, cuMemUnmap does not wait for queued work),
-        then cuMemUnmap."""
+        then cuMemUnmap of each granule (each is its own mapping: ``vmm_map``)."""
         driver, _ = self._vmm()
         _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
-        (err,) = driver.cuMemUnmap(va, nbytes)
-        _dcheck("cuMemUnmap", err)
+        _dcheck("cuMemUnmap", self._unmap_granules(driver, va, nbytes))
+
+    def _unmap_granules(self, driver: Any, va: int, nbytes: int) -> Any:
+        """cuMemUnmap each granule of ``[va, va + nbytes)``, going on past a refusal so that a
+        partly mapped range ends unmapped; the first error (0 if none)."""
+        gran = self.vmm_granularity()
+        first: Any = 0
+        for at in range(va, va + nbytes, gran):
+            (err,) = driver.cuMemUnmap(at, gran)
+            if int(err) and not int(first):
+                first = err
+        return first
 
     @_on_device
     def vmm_release(self, va: int, nbytes: int) -> None:

@@ -181,6 +181,7 @@ class SimDevice:
     def vmm_unmap(self, va: int, nbytes: int) -> None:
         """Waits for all queued work first (graphpool's CUDA device synchronizes, too)."""
         with self._lock:
+            self._refuse_if_device_capturing("cudaDeviceSynchronize")
             capture.check_unsafe("cuMemUnmap")
             interrupted = self._wait_uninterrupted()
             self._mem.unmap(va, nbytes)
@@ -385,7 +386,10 @@ class SimDevice:
             self._run_until(lambda: not st.queue)
 
     def device_synchronize(self) -> None:
+        """Wait for all work. Like cudaDeviceSynchronize it waits for the capturing streams
+        too, so it is illegal while any stream of this device captures, in every mode."""
         with self._lock:
+            self._refuse_if_device_capturing("cudaDeviceSynchronize")
             capture.check_unsafe("cudaDeviceSynchronize")
             self._run_until(self._idle)
 
@@ -441,8 +445,10 @@ class SimDevice:
         with self._lock:
             capture.check_unsafe("cudaEventSynchronize")
             state = self._event("cudaEventSynchronize", event)
-            if isinstance(state, _CaptureMark):
-                raise cuda_error("cudaEventSynchronize", "cudaErrorCapturedEvent")
+            if isinstance(state, _CaptureMark):  # CUDA: invalid value, and the capture is lost
+                if state.cap.status == CAPTURE_STATUS_ACTIVE and state.cap in capture.ongoing():
+                    capture.invalidate(state.cap)
+                raise cuda_error("cudaEventSynchronize", "cudaErrorInvalidValue", "a captured event")
             if state is not None:
                 marker = state
                 self._run_until(lambda: marker.done)
@@ -578,10 +584,7 @@ class SimDevice:
             if nodes is None:
                 raise cuda_error(call, "cudaErrorInvalidResourceHandle", f"graph exec {graph_exec}")
             st = self._stream(call, stream)
-            if st.capture is not None:  # launched into a capture: recorded as its nodes
-                for node in nodes:
-                    self._submit(call, stream, node)
-                return
+            self._refuse_if_capturing(call, st)  # CUDA refuses a graph launch into a capture
             prev = self._last_launch.get(graph_exec)
             if prev is not None and not prev.done:
                 st.queue.append(_Op("wait", marker=prev))
@@ -637,6 +640,20 @@ class SimDevice:
                 call,
                 "cudaErrorStreamCaptureUnsupported",
                 f"stream {st.handle} is capturing",
+            )
+
+    def _refuse_if_device_capturing(self, call: str) -> None:
+        """A call that waits for every stream of the device is illegal while one captures, in
+        every capture mode: invalidate those captures and raise."""
+        capturing = [
+            st.capture for st in self._streams.values() if st.capture is not None and not st.destroyed
+        ]
+        if capturing:
+            for cap in capturing:
+                capture.invalidate(cap)
+            ids = ", ".join(str(cap.id) for cap in capturing)
+            raise cuda_error(
+                call, "cudaErrorStreamCaptureUnsupported", f"invalidated capture {ids} of this device"
             )
 
     def _submit(self, call: str, stream: int, node: Node) -> None:
