@@ -470,10 +470,17 @@ MUTANTS = (
         (T_FID + "test_synchronizing_the_device_fails_in_every_mode_while_a_stream_captures",),
     ),
     Mutant(
+        "simulator: querying a captured event leaves the capture valid",
+        SIM,
+        '                    capture.invalidate(state.cap)\n                raise cuda_error("cudaEventQuery"',
+        '                    pass\n                raise cuda_error("cudaEventQuery"',
+        (T_FID + "test_an_event_recorded_in_a_capture_cannot_be_queried",),
+    ),
+    Mutant(
         "simulator: synchronizing a captured event leaves the capture valid",
         SIM,
-        '                    capture.invalidate(state.cap)\n                raise cuda_error("cudaEventSynchronize"',
-        '                    pass\n                raise cuda_error("cudaEventSynchronize"',
+        '                    capture.invalidate(state.cap)\n                    raise cuda_error("cudaEventSynchronize"',
+        '                    pass\n                    raise cuda_error("cudaEventSynchronize"',
         (T_FID + "test_synchronizing_an_event_recorded_in_a_capture_fails_and_invalidates_it",),
     ),
     Mutant(

@@ -437,7 +437,9 @@ class SimDevice:
         with self._lock:
             capture.check_unsafe("cudaEventQuery")
             state = self._event("cudaEventQuery", event)
-            if isinstance(state, _CaptureMark):
+            if isinstance(state, _CaptureMark):  # CUDA: refused, and the capture is lost
+                if state.cap.status == CAPTURE_STATUS_ACTIVE and state.cap in capture.ongoing():
+                    capture.invalidate(state.cap)
                 raise cuda_error("cudaEventQuery", "cudaErrorCapturedEvent")
             return state is None or state.done
 
@@ -445,9 +447,12 @@ class SimDevice:
         with self._lock:
             capture.check_unsafe("cudaEventSynchronize")
             state = self._event("cudaEventSynchronize", event)
-            if isinstance(state, _CaptureMark):  # CUDA: invalid value, and the capture is lost
+            if isinstance(state, _CaptureMark):
+                # CUDA 13 on the H200: during the capture refused as a captured event, and the
+                # capture is lost; after it ended, an invalid value
                 if state.cap.status == CAPTURE_STATUS_ACTIVE and state.cap in capture.ongoing():
                     capture.invalidate(state.cap)
+                    raise cuda_error("cudaEventSynchronize", "cudaErrorCapturedEvent")
                 raise cuda_error("cudaEventSynchronize", "cudaErrorInvalidValue", "a captured event")
             if state is not None:
                 marker = state
