@@ -437,9 +437,14 @@ class SimDevice:
         with self._lock:
             capture.check_unsafe("cudaEventQuery")
             state = self._event("cudaEventQuery", event)
-            if isinstance(state, _CaptureMark):  # CUDA: refused, and the capture is lost
-                if state.cap.status == CAPTURE_STATUS_ACTIVE and state.cap in capture.ongoing():
-                    capture.invalidate(state.cap)
+            if isinstance(state, _CaptureMark):
+                # CUDA 13 on the H200: refused as a captured event, and a capture still underway is
+                # lost; once an invalidated capture has ended, an invalid value
+                cap = state.cap
+                if cap.status == CAPTURE_STATUS_ACTIVE and cap in capture.ongoing():
+                    capture.invalidate(cap)
+                elif cap.ended and cap.status == CAPTURE_STATUS_INVALIDATED:
+                    raise cuda_error("cudaEventQuery", "cudaErrorInvalidValue", "its capture failed")
                 raise cuda_error("cudaEventQuery", "cudaErrorCapturedEvent")
             return state is None or state.done
 
