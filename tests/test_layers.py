@@ -1,6 +1,6 @@
 """The import graph of src/graphpool, built from the source, has no circles and points down.
 
-Layers, lowest first (DESIGN.md): errors, device (the protocol, the CUDA device and the
+Layers, lowest first: errors, device (the protocol, the CUDA device and the
 simulated one), policy, routing (which allocator and stream serve a call), the public core
 (runtime, streams, buffers, memory...), graphs (capture and graphed callables, over the
 core), the public API (``graphpool/__init__.py``), integrations and tools. A module imports

@@ -1,8 +1,7 @@
 """record_stream on the simulator, with slow work really queued on the user stream.
 
-The auditor's sketch (shared/repro/t01_record_stream_race_sketch.py) made a test: a
-block freed after ``record_stream(other)`` must not be reused, nor its bytes overwritten,
-while ``other`` still has queued work on it.
+A block freed after ``record_stream(other)`` must not be reused, nor its bytes
+overwritten, while ``other`` still has queued work on it.
 """
 
 from __future__ import annotations
