@@ -16,7 +16,8 @@ import pytest
 import graphpool as gp
 import graphpool.cupy as gcupy
 import twins
-from graphpool import routing, runtime, scenarios
+from graphpool import routing, runtime
+from graphpool.tools import scenarios
 
 
 def _settle() -> None:

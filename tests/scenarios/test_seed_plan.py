@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import scenarios
-from graphpool.scenarios import MEMORY_CASES, SHARING, f, first_pool, next_pool, settle
+from graphpool.tools import scenarios
+from graphpool.tools.scenarios import MEMORY_CASES, SHARING, f, first_pool, next_pool, settle
 
 MiB = 1 << 20
 
