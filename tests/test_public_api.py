@@ -1,4 +1,4 @@
-"""The public API of SPEC section 1: names, signatures, buffers, pool ids, backends."""
+"""The public API (README, docs/api.rst): names, signatures, buffers, pool ids, backends."""
 
 from __future__ import annotations
 
@@ -495,8 +495,8 @@ def test_import_is_cheap_and_lazy() -> None:
 
 def test_buffers_dropped_one_after_another_are_all_given_back() -> None:
     """Each dropped buffer's finalizer queues its free, however many are dropped in a row and
-    whatever the order (a compiled free list of one once reused a finalized object's memory
-    without finalizing it again: every second buffer leaked; benchmarks/NOTES.md, entry 35)."""
+    whatever the order. (A compiled free list of one once reused a finalized object's memory
+    without finalizing it again, and every second buffer leaked.)"""
     gp.set_backend("sim")
     gp.memory_stats()
     base = gp.memory_stats()["active_bytes.all.current"]

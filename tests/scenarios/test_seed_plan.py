@@ -1,4 +1,4 @@
-"""The seed's test plan (SPEC section 7), on the simulator and on the GPU with the same
+"""The scenarios' test plan (docs/behaviour.rst, "Scenarios"), on the simulator and on the GPU with the same
 assertions: CuPy arrays on the GPU, graphpool.sim.xp on the simulator."""
 
 from __future__ import annotations
