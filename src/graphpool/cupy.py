@@ -11,7 +11,9 @@ with graphpool at once (before its first allocation or free) and served from a p
 pool of its own, which lives as long as the returned ``cupy.cuda.Graph`` (a CUDA user
 object in the graph releases it). Captures begun any other way are still caught by
 detection (``gp.set_capture_detection``). ``uninstall()`` restores the allocator and the
-methods CuPy had before. ``installed()`` does both around a ``with`` block. All three are
+methods CuPy had before. ``using_allocator()`` does both around a ``with`` block (as CuPy's
+own ``cupy.cuda.using_allocator``); ``is_installed()`` says whether graphpool is CuPy's
+allocator now. ``installed`` and ``using`` are older names of ``using_allocator``. All are
 idempotent.
 
 CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
@@ -291,8 +293,9 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """Install graphpool as CuPy's allocator inside the block (if it was not already)."""
+def using_allocator() -> Iterator[None]:
+    """A context manager: graphpool is CuPy's allocator inside the ``with`` block (installed
+    on entry, uninstalled on exit unless it was installed before)."""
     was = _installed
     install()
     try:
@@ -302,7 +305,20 @@ def installed() -> Iterator[None]:
             uninstall()
 
 
-using = installed
-"""Alias of ``installed``."""
+installed = using_allocator
+"""The older name of ``using_allocator`` (a context manager, not a question: that is
+``is_installed()``)."""
+using = using_allocator
+"""The older short name of ``using_allocator``."""
 
-__all__ = ["cupy_stream", "hooked", "install", "installed", "is_installed", "malloc", "uninstall", "using"]
+__all__ = [
+    "cupy_stream",
+    "hooked",
+    "install",
+    "installed",
+    "is_installed",
+    "malloc",
+    "uninstall",
+    "using",
+    "using_allocator",
+]
