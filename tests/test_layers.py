@@ -60,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "integrations",
         (
+            "graphpool.framework_captures",
             "graphpool.cupy",
             "graphpool.numba",
             "graphpool.cuda_core",
