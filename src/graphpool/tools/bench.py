@@ -17,6 +17,12 @@ Honesty rules every comparison here follows:
 * Trace replays (``graphpool.traces``) run every allocator through the same loop over the
   same prebuilt event list, so the loop's own cost is common to all sides.
 
+Layout: ``SECTIONS`` lists the sections in order (a new section is one ``Section`` entry:
+its JSON key, its title and the function that runs it); the sections here time the cached
+pair, routing and replays, graphpool.tools.trace_bench replays the traces, and
+graphpool.tools.benchkit holds what they share (interleaved timing, progress, skips, number
+formats), so a section in a module of its own imports benchkit, never this module.
+
 Output: a table (rounded, with units) on stdout; ``--json`` prints the machine-readable
 form instead, ``--json PATH`` writes it to PATH as well as printing the table. Progress
 goes to stderr. ``--quick``: small iteration counts (the CI smoke test). Absolute times
