@@ -1,7 +1,8 @@
 """Run chosen sections of ``python -m graphpool bench`` and write their JSON (GPU scripts).
 
 Used to measure two builds (before and after a change) with the same benchmark code:
-copy this tree's ``bench.py`` and ``traces.py`` over the other build's and run this there.
+copy this tree's ``src/graphpool/tools`` over the other build's and run this there. A section
+is named by its key in ``bench.SECTIONS`` (``pair`` and ``mixed`` are short for the pairs').
 
     python benchmarks/bench_sections.py --backend cuda --sections pair,mixed,traces --json out.json
 """
@@ -15,7 +16,11 @@ import sys
 from typing import Any
 
 import graphpool as gp
-from graphpool import bench, runtime
+from graphpool import runtime
+from graphpool.tools import bench, benchkit
+
+SHORT = {"pair": "malloc_free_pair_us", "mixed": "malloc_free_mixed_us"}
+"""Short names of sections (any other section is named by its key in bench.SECTIONS)."""
 
 
 def main() -> int:
@@ -29,7 +34,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.backend:
         gp.set_backend(args.backend)
-    bench._progress = bench.Progress(True)
+    benchkit.start_progress(True)
     skipped: list[dict[str, str]] = []
     out: dict[str, Any] = {
         "backend": gp.backend(),
@@ -41,15 +46,15 @@ def main() -> int:
     gc.collect()
     gc.disable()
     try:
-        for section in args.sections.split(","):
-            if section == "pair":
-                out["malloc_free_pair_us"] = bench.bench_malloc_free(args.number, args.repeat, skipped)
-            elif section == "mixed":
-                out["malloc_free_mixed_us"] = bench.bench_mixed_sizes(args.number, args.repeat, skipped)
-            elif section == "traces":
-                out["traces"] = bench.bench_traces(args.repeat, args.quick, skipped)
-            else:
-                raise SystemExit(f"unknown section {section!r}")
+        plan = bench.Plan(args.number, args.repeat, args.quick, skipped)
+        by_key = {s.key: s for s in bench.SECTIONS}
+        for name in args.sections.split(","):
+            key = SHORT.get(name, name)
+            if key not in by_key:
+                raise SystemExit(f"unknown section {name!r} (known: {', '.join([*SHORT, *by_key])})")
+            data = by_key[key].run(plan)
+            if data is not None:
+                out[key] = data
     finally:
         gc.enable()
     out["skipped"] = skipped

@@ -17,8 +17,9 @@ import dataclasses
 import sys
 
 import graphpool as gp
-from graphpool import bench, runtime, traces
+from graphpool import runtime
 from graphpool.policy.allocator import CachingAllocator
+from graphpool.tools import trace_bench, traces
 
 
 def main() -> int:
@@ -31,9 +32,9 @@ def main() -> int:
     todo += [traces.synthetic(s) for s in range(8)]
     todo += [traces.synthetic(s, streams=2, name=f"synthetic-{s}, 2 streams") for s in range(4)]
     for tr in todo:
-        events = bench._trace_events(tr)
+        events = trace_bench._trace_events(tr)
         streams = [gp.Stream(dev) for _ in range(max(1, tr.streams))]
-        bound = bench._bind(events, [s.handle for s in streams])
+        bound = trace_bench._bind(events, [s.handle for s in streams])
         a = CachingAllocator(like.device, sizes=sizes, world=rt.world)
         live: dict[int, int] = {}
         for k, i, n, s in bound:

@@ -153,7 +153,7 @@ def cuda_core_builder() -> dict[str, Any]:
     from cuda.bindings import runtime as rt
 
     import graphpool as gp
-    from graphpool.cuda_core import GraphpoolMemoryResource, _hooked
+    from graphpool.cuda_core import GraphpoolMemoryResource, hooked
 
     dev = Device(0)
     dev.set_current()
@@ -186,7 +186,7 @@ def cuda_core_builder() -> dict[str, Any]:
     graph.launch(stream)
     stream.sync()
     row = {
-        "hooked": bool(_hooked),
+        "hooked": hooked(),
         "eager_got_the_graphs_block": eager_ptr == tmp_ptr,
         "overwritten": int((y != 7.0).sum().item()),
         "elements": N,

@@ -14,7 +14,7 @@ rm -rf /tmp/cc /tmp/cb && mkdir /tmp/cc && cp -r setup.py pyproject.toml README.
 TREES=cc
 if [ -d .baseline ]; then
   TREES="cc cb"
-  cp -r .baseline /tmp/cb && cp src/graphpool/bench.py src/graphpool/traces.py /tmp/cb/src/graphpool/
+  cp -r .baseline /tmp/cb && mkdir -p /tmp/cb/src/graphpool/tools && cp -r src/graphpool/tools/. /tmp/cb/src/graphpool/tools/
 fi
 for d in $TREES; do
   (cd /tmp/$d && PYTHONPATH=/tmp/site timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build_$d.txt" 2>&1) &

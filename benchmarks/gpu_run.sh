@@ -47,16 +47,16 @@ if [ "$PART" = final ]; then  # the suite and CuPy's tests (a subset) at once, t
 fi
 if [ "$PART" = traces ]; then  # record the traces, then pair/mixed/trace figures of this tree and .baseline/
   export PYTHONPATH=/tmp/cc/src:$DEP
-  if [ "${RECORD:-1}" = 1 ]; then  # RECORD=0: the committed traces (src/graphpool/trace_data)
+  if [ "${RECORD:-1}" = 1 ]; then  # RECORD=0: the committed traces (src/graphpool/tools/trace_data)
     mkdir -p "$OUT/trace_data"
     timeout 240 python3 benchmarks/record_traces.py --out "$OUT/trace_data" > "$OUT/record_traces.txt" 2>&1
     tail -25 "$OUT/record_traces.txt"
-    mkdir -p /tmp/cc/src/graphpool/trace_data && cp "$OUT"/trace_data/*.json.gz /tmp/cc/src/graphpool/trace_data/
+    mkdir -p /tmp/cc/src/graphpool/tools/trace_data && cp "$OUT"/trace_data/*.json.gz /tmp/cc/src/graphpool/tools/trace_data/
   fi
   if [ -d .baseline ]; then  # the tree before this stop's changes, with this tree's bench code
-    rm -rf /tmp/cb && cp -r .baseline /tmp/cb && mkdir -p /tmp/cb/src/graphpool/trace_data
-    cp src/graphpool/bench.py src/graphpool/traces.py /tmp/cb/src/graphpool/
-    if [ "${RECORD:-1}" = 1 ]; then cp "$OUT"/trace_data/*.json.gz /tmp/cb/src/graphpool/trace_data/ 2>/dev/null; fi
+    rm -rf /tmp/cb && cp -r .baseline /tmp/cb && mkdir -p /tmp/cb/src/graphpool/tools/trace_data
+    cp -r src/graphpool/tools/. /tmp/cb/src/graphpool/tools/
+    if [ "${RECORD:-1}" = 1 ]; then cp "$OUT"/trace_data/*.json.gz /tmp/cb/src/graphpool/tools/trace_data/ 2>/dev/null; fi
     sed -i 's/^license = "Apache-2.0"/license = { text = "Apache-2.0" }/; /^license-files/d' /tmp/cb/pyproject.toml
     (cd /tmp/cb && PYTHONPATH=/tmp/site timeout 300 python3 setup.py -q build_ext --inplace > "$OUT/build_baseline.txt" 2>&1)
   fi

@@ -18,7 +18,7 @@ as optimizer state, cuBLAS/cuDNN workspaces and cuFFT plans stays out of the tra
 PyTorch's programs are recorded with ``torch.cuda.memory._record_memory_history`` and
 ``_snapshot()`` and converted by ``graphpool.traces.from_torch_snapshot``; CuPy's through
 ``graphpool.traces.RecordingAllocator``. Each trace is cut to ``--max-events`` events and
-written to DIR (default: ``src/graphpool/trace_data``, the package data) as
+written to DIR (default: ``src/graphpool/tools/trace_data``, the package data) as
 ``<name>.json.gz``; a summary line per trace goes to stdout. A recording that fails prints
 its error and the others go on; the exit status is 1 if any failed. ``--quick``: small
 shapes and one step each, written to a scratch directory unless ``--out`` is given (a
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "src" / "graphpool" / "trace_data"
+DEFAULT_OUT = ROOT / "src" / "graphpool" / "tools" / "trace_data"
 MAX_EVENTS = 50_000
 HISTORY_ENTRIES = 1_000_000  # PyTorch's history ring; a recording that fills it is refused
 
@@ -49,7 +49,7 @@ def _traces() -> Any:
     src = str(ROOT / "src")
     if src not in sys.path:
         sys.path.insert(0, src)
-    from graphpool import traces
+    from graphpool.tools import traces
 
     return traces
 

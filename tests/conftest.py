@@ -49,7 +49,7 @@ class Env:
 
 
 def _cuda_spin(stream: gp.Stream) -> None:
-    from graphpool.bench import cuda_spin
+    from graphpool.tools.benchkit import cuda_spin
 
     cuda_spin(stream)
 

@@ -157,3 +157,35 @@ def test_json_to_stdout() -> None:
     assert r.stderr == ""
     data = json.loads(r.stdout)
     assert data["backend"] == "sim" and "routing" in data
+
+
+def test_a_section_runs_and_prints_from_its_registry_entry(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """bench.SECTIONS alone decides what runs, in which order, under which key and title; a
+    section that returns None has noted why in the plan's ``skipped``."""
+    from graphpool.tools import bench, benchkit
+
+    seen: list[bench.Plan] = []
+
+    def extra(plan: bench.Plan) -> dict[str, Any]:
+        seen.append(plan)
+        return {"one call (us)": 1.5, "a/b time": 0.5}
+
+    def absent(plan: bench.Plan) -> None:
+        benchkit.skip(plan.skipped, "a comparison", "not here")
+
+    monkeypatch.setattr(
+        bench,
+        "SECTIONS",
+        [bench.Section("extra", "an extra section", extra), bench.Section("absent", "never shown", absent)],
+    )
+    assert bench.run(quick=True, as_json=True, progress=False) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["extra"] == {"one call (us)": 1.5, "a/b time": 0.5} and "absent" not in results
+    assert results["skipped"] == [{"comparison": "a comparison", "why": "not here"}]
+    assert seen[0].quick and seen[0].repeat == results["meta"]["repeat"]
+    text = bench.table(results)
+    assert "== an extra section" in text and "never shown" not in text
+    assert "one call" in text and "1.5 us" in text and "0.50 x" in text
+    assert "a comparison: not here" in text

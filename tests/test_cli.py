@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import graphpool as gp
-from graphpool.__main__ import build_parser, main, version
+from graphpool.tools.cli import build_parser, main, version
 
 
 def _help(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

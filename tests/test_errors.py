@@ -62,7 +62,7 @@ def test_huge_size_is_out_of_memory_and_changes_nothing(backend: Any, huge: int)
     assert isinstance(info.value, MemoryError)
     assert isinstance(info.value, gp.GraphpoolError)
     after = gp.memory_stats()
-    assert after["num_ooms"] == before["num_ooms"] + 1  # counted (SPEC 2), nothing else moves
+    assert after["num_ooms"] == before["num_ooms"] + 1  # counted in num_ooms, nothing else moves
     after["num_ooms"] -= 1
     assert after == before
     gp.check_invariants()

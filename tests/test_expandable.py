@@ -230,7 +230,7 @@ def test_a_stream_takes_over_memory_only_from_an_idle_stream_the_device_made(
     backend: Any, exp: CachingAllocator
 ) -> None:
     """Before mapping more, a stream takes another stream's free block when that stream has
-    finished all its work (cudaMallocAsync's opportunistic reuse; NOTES entry 44); a busy
+    finished all its work (as cudaMallocAsync's opportunistic reuse does); a busy
     stream, the legacy stream and streams made outside graphpool keep theirs."""
     a = exp
     dev = a.device

@@ -113,7 +113,7 @@ def test_wait_stream_and_event_record_take_a_foreign_stream(sim: Any) -> None:
 
 
 def test_capture_on_a_foreign_stream(sim: Any) -> None:
-    xp = pytest.importorskip("graphpool.xp")
+    xp = pytest.importorskip("graphpool.sim.xp")
     f = foreign()
     x = xp.ones(100)
     g = gp.CUDAGraph()

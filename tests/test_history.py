@@ -17,8 +17,8 @@ import pytest
 
 import graphpool as gp
 from graphpool import build, runtime
-from graphpool.__main__ import main
 from graphpool.policy import history
+from graphpool.tools.cli import main
 from simenv import fresh_sim
 
 MiB = 1024 * 1024
@@ -204,7 +204,7 @@ def test_a_free_held_by_another_stream_completes_later(rec: Any) -> None:
 
 
 def test_capture_pool_and_graph_events(rec: Any) -> None:
-    xp = pytest.importorskip("graphpool.xp")
+    xp = pytest.importorskip("graphpool.sim.xp")
     kept = gp.alloc(4096)  # eager, freed during the capture: kept for the graph
     kept_ptr = kept.ptr
     g = gp.CUDAGraph()
@@ -365,7 +365,7 @@ def test_the_skipped_frames_are_the_compiled_modules() -> None:
 # --------------------------------------------------------------------- snapshot
 def test_pickle_round_trips_with_pytorchs_keys_and_plain_values(rec: Any, tmp_path: Path) -> None:
     gp.record_memory_history(True, stacks=True)
-    xp = pytest.importorskip("graphpool.xp")
+    xp = pytest.importorskip("graphpool.sim.xp")
     eager = gp.alloc(3 * MiB)
     g = gp.CUDAGraph()
     with gp.graph(g):
@@ -402,7 +402,7 @@ def test_pickle_round_trips_with_pytorchs_keys_and_plain_values(rec: Any, tmp_pa
 
 
 def test_private_pool_segments_carry_their_pool_id_and_graphs(rec: Any) -> None:
-    xp = pytest.importorskip("graphpool.xp")
+    xp = pytest.importorskip("graphpool.sim.xp")
     eager = gp.alloc(100)
     g = gp.CUDAGraph()
     with gp.graph(g):
@@ -454,7 +454,7 @@ def test_snapshot_command_with_the_demo_and_a_png(sim: Any, tmp_path: Path) -> N
 
 
 def test_levels_over_time_are_worked_back_from_the_final_state(rec: Any) -> None:
-    from graphpool import viz
+    from graphpool.tools import viz
 
     a = gp.alloc(1000)
     b = gp.alloc(5 * MiB)
@@ -470,7 +470,7 @@ def test_pytorchs_viewer_code_reads_the_snapshot(rec: Any) -> None:
     """torch.cuda._memory_viz (PyTorch's text, flame graph and HTML views) on a snapshot
     of the simulator. Runs wherever torch imports (the GPU machine has torch 2.11)."""
     mv = pytest.importorskip("torch.cuda._memory_viz")
-    xp = pytest.importorskip("graphpool.xp")
+    xp = pytest.importorskip("graphpool.sim.xp")
     gp.record_memory_history(True, stacks=True)
     keep = [gp.alloc(n) for n in (100, 4096, 3 * MiB)]
     gp.alloc(1 << 16).free()

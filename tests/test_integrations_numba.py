@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent(
     else:
         raise AssertionError("IPC handles should be refused")
     before = gp.memory_stats()
-    z = ctx.memalloc(0)  # zero bytes: a NULL pointer that holds no memory (SPEC 2)
+    z = ctx.memalloc(0)  # zero bytes: a NULL pointer that holds no memory (as gp.alloc(0))
     assert gp.memory_stats()["allocation.all.allocated"] == before["allocation.all.allocated"]
     del z
     del d, e

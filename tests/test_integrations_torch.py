@@ -183,7 +183,8 @@ def test_install_refuses_without_cuda_before_touching_pytorch() -> None:
     expected = "needs the 'cuda' backend" if gp.compiled() else "C\\+\\+ compiler"
     with pytest.raises(RuntimeError, match=expected):
         gtorch.install()
-    assert not gtorch.installed()
+    assert not gtorch.is_installed()
+    assert gtorch.installed is gtorch.is_installed  # the older name
 
 
 def test_plain_install_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,14 +3,21 @@
 Layers, lowest first: errors, device (the protocol, the CUDA device and the
 simulated one), policy, routing (which allocator and stream serve a call), the public core
 (runtime, streams, buffers, memory...), graphs (capture and graphed callables, over the
-core), the public API (``graphpool/__init__.py``), integrations and tools. A module imports
-only its own layer or the layers below, and reaches no module above it by other means:
-no module below the integrations looks one up in ``sys.modules`` (an integration registers
-what the core needs of it, as graphpool.cupy's stream follower). The graph holds every
-import a module can execute: module-level and function-level ``import`` statements and
-``import_module("...")`` calls; imports under ``if TYPE_CHECKING:`` are left out (they never
-run). A package's own
+core), the public API (``graphpool/__init__.py``), integrations (the frameworks, and the
+CuPy-like arrays ``graphpool.sim.xp``) and tools (``graphpool.tools``: the command line,
+demo, benchmarks, traces and pictures). The library is everything below the tools, and
+nothing in it imports them. A module imports only its own layer or the layers below, with
+no exception, and reaches no module above it by other means: no module below the
+integrations looks one up in ``sys.modules`` (an integration registers what the core needs
+of it, as graphpool.cupy's stream follower). The graph holds every import a module can
+execute: module-level and function-level ``import`` statements and ``import_module("...")``
+calls; imports under ``if TYPE_CHECKING:`` are left out (they never run). A package's own
 ``__init__`` running before its submodules is implied by Python, not an arrow.
+
+Three modules outside ``graphpool/tools`` keep documented names working and only forward:
+``graphpool/__main__.py`` (``python -m graphpool``), ``graphpool/traces.py`` (README's
+``graphpool.traces``) in the tools layer, and ``graphpool/xp.py`` (``from graphpool import
+xp``) beside the arrays it names.
 
 Also kept: device/cuda.py is the only module that imports cuda.bindings; the policy
 imports no device implementation, simulator or framework; outside the policy,
@@ -21,6 +28,7 @@ small modules of their own, such as policy/units.py).
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,24 +57,24 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
     ("graphs", ("graphpool.graphs", "graphpool.graphed")),
     ("api", ("graphpool",)),
-    ("integrations", ("graphpool.cupy", "graphpool.numba", "graphpool.cuda_core", "graphpool.xp")),
     (
-        "tools",
+        "integrations",
         (
-            "graphpool.scenarios",
-            "graphpool.demo",
-            "graphpool.bench",
-            "graphpool.traces",
-            "graphpool.viz",
-            "graphpool.__main__",
+            "graphpool.framework_captures",
+            "graphpool.cupy",
+            "graphpool.numba",
+            "graphpool.cuda_core",
+            "graphpool.torch",
+            "graphpool.sim.xp",
+            "graphpool.xp",
         ),
     ),
+    ("tools", ("graphpool.tools", "graphpool.__main__", "graphpool.traces")),
 ]
 
-UPWARD_ALLOWED = {
-    ("graphpool.sim", "graphpool.xp"): "`from graphpool.sim import xp`, the old home, forwarded lazily",
-}
-"""Arrows that may point up (never into a circle), each with its reason."""
+TOOLS = "graphpool.tools"
+FORWARDERS = {"graphpool.__main__", "graphpool.traces", "graphpool.xp"}
+"""Modules outside graphpool/tools that keep a documented name working by forwarding."""
 
 
 def module_name(path: Path) -> str:
@@ -103,8 +111,13 @@ def imported_names(name: str) -> set[str]:
     """Dotted names module ``name`` imports at run time (any package, any depth)."""
     path = MODULES[name]
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return names_imported_by(path.read_text(), package)
+
+
+def names_imported_by(source: str, package: str) -> set[str]:
+    """Dotted names ``source`` (a module of ``package``) imports at run time."""
     out: set[str] = set()
-    for node in _nodes(ast.parse(path.read_text())):
+    for node in _nodes(ast.parse(source)):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -190,7 +203,8 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
     assert "graphpool.runtime" in graph["graphpool.memory"]  # module level
     assert "graphpool.snapshot" in graph["graphpool.memory"]  # inside a function
-    assert "graphpool.xp" in graph["graphpool.sim"]  # import_module("...") string
+    found = names_imported_by('import importlib\nimportlib.import_module("graphpool.cupy")\n', "graphpool")
+    assert "graphpool.cupy" in found  # an import_module("...") string
     assert "graphpool.policy.allocator" not in graph["graphpool.buffer"]  # under TYPE_CHECKING
 
 
@@ -211,9 +225,61 @@ def test_imports_point_down_the_layers() -> None:
     wrong = []
     for name, targets in import_graph().items():
         for t in targets:
-            if layer_of(t) > layer_of(name) and (name, t) not in UPWARD_ALLOWED:
+            if layer_of(t) > layer_of(name):
                 wrong.append(f"{name} ({LAYERS[layer_of(name)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})")
     assert wrong == []
+
+
+def test_nothing_in_the_library_imports_the_tools() -> None:
+    """Outside graphpool/tools only the forwarders (``python -m graphpool`` and README's
+    ``graphpool.traces``) import a tool; no other module names one either."""
+    wrong = []
+    for name, path in MODULES.items():
+        if name == TOOLS or name.startswith(TOOLS + ".") or name in FORWARDERS:
+            continue
+        wrong += [f"{name} -> {t}" for t in import_graph()[name] if t == TOOLS or t.startswith(TOOLS + ".")]
+        if path.suffix == ".py":
+            for node in _nodes(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    if node.value == TOOLS or node.value.startswith(TOOLS + "."):
+                        wrong.append(f"{name}: {node.value!r}")
+    assert wrong == []
+
+
+def test_the_tools_are_the_top_layer() -> None:
+    assert LAYERS[-1][0] == "tools" and TOOLS in LAYERS[-1][1]
+    assert all(layer_of(n) == len(LAYERS) - 1 for n in MODULES if n.startswith(TOOLS + "."))
+
+
+def test_the_forwarders_only_forward() -> None:
+    """A forwarder holds a docstring, imports, ``__all__`` taken from the module it names
+    and (``__main__``) the call of its ``main``: no code of its own that could drift."""
+    for name in FORWARDERS:
+        tree = ast.parse(MODULES[name].read_text())
+        for node in tree.body:
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                continue  # the docstring
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            if isinstance(node, ast.If) and ast.unparse(node.test) == "__name__ == '__main__'":
+                assert ast.unparse(node.body[0]) == "sys.exit(main())", name
+                continue
+            raise AssertionError(f"{name} holds {ast.unparse(node)[:60]!r}")
+
+
+def test_graphpool_imports_no_tool() -> None:
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, graphpool; print([m for m in sys.modules if m.startswith('graphpool.tools')])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
 
 
 def test_policy_is_plain_python() -> None:
@@ -413,8 +479,7 @@ def test_core_modules_look_up_no_integration_by_name() -> None:
         for node in _nodes(ast.parse(path.read_text())):
             if not isinstance(node, ast.Constant) or node.value not in above:
                 continue
-            if (name, node.value) not in UPWARD_ALLOWED:
-                wrong.append(f"{name}: {node.value!r}")
+            wrong.append(f"{name}: {node.value!r}")
     assert wrong == []
 
 

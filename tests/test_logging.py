@@ -49,7 +49,7 @@ def test_segments_are_logged_with_device_size_stream_and_pool(
 
 
 def test_captures_and_private_pools_are_logged(small: Any, caplog: pytest.LogCaptureFixture) -> None:
-    xp = pytest.importorskip("graphpool.xp")
+    xp = pytest.importorskip("graphpool.sim.xp")
     caplog.set_level(logging.DEBUG, logger="graphpool")
     g = gp.CUDAGraph()
     with gp.graph(g):

@@ -253,7 +253,7 @@ def test_alloc_zero_during_capture_holds_nothing(sim: Any) -> None:
     g = gp.CUDAGraph()
     with gp.graph(g):
         z = gp.alloc(0)
-        xp_ones = __import__("graphpool.xp", fromlist=["ones"]).ones(4)
+        xp_ones = __import__("graphpool.sim.xp", fromlist=["ones"]).ones(4)
     assert z.ptr == 0
     g.replay()
     del xp_ones, z
@@ -518,7 +518,7 @@ def test_cupy_keeps_its_own_stream_after_a_graph_block(sim: Any, monkeypatch: py
     g = gp.CUDAGraph()
     with gp.graph(g):
         assert fake.current.ptr == gp.current_stream().handle != 0  # CuPy follows the capture
-        out = __import__("graphpool.xp", fromlist=["ones"]).ones(4)
+        out = __import__("graphpool.sim.xp", fromlist=["ones"]).ones(4)
     assert fake.current is users  # was Stream.null
     with gp.stream(gp.Stream()):
         assert fake.current is not users

@@ -459,7 +459,7 @@ class Sequence:
 
     def a_traces(self, name: str) -> None:
         """graphpool.traces' entries with wrong types and values."""
-        from graphpool import traces
+        from graphpool.tools import traces
 
         t = traces.synthetic(self.rng.randrange(50), 30)
         bad = self.pick([None, 5, "small", "../x", [], {"name": "x"}, b"x", t.events, 1.5, True, -3, (7,), t])

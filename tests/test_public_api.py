@@ -1,4 +1,4 @@
-"""The public API of SPEC section 1: names, signatures, buffers, pool ids, backends."""
+"""The public API (README, docs/api.rst): names, signatures, buffers, pool ids, backends."""
 
 from __future__ import annotations
 
@@ -64,19 +64,19 @@ def test_sim_xp_is_importable() -> None:
         assert callable(getattr(xp, name))
 
 
-def test_sim_xp_is_graphpool_xp() -> None:
-    """xp moved to graphpool.xp (an array client); the old import path gives the same module."""
-    import graphpool.sim
+def test_graphpool_xp_is_the_older_name_of_sim_xp() -> None:
+    """``from graphpool import xp`` (README's older spelling) gives the same functions and
+    types as ``from graphpool.sim import xp``."""
     import graphpool.xp
     from graphpool.sim import xp
 
-    assert xp is graphpool.xp is graphpool.sim.xp
-    with pytest.raises(AttributeError):
-        graphpool.sim.no_such_name  # noqa: B018
+    assert graphpool.xp.__all__ == xp.__all__
+    for name in xp.__all__:
+        assert getattr(graphpool.xp, name) is getattr(xp, name), name
 
 
 def test_importing_sim_does_not_import_the_api_arrays() -> None:
-    r = _run("import sys, graphpool.sim; assert 'graphpool.xp' not in sys.modules")
+    r = _run("import sys, graphpool.sim; assert 'graphpool.sim.xp' not in sys.modules")
     assert r.returncode == 0, r.stderr
 
 
@@ -495,8 +495,8 @@ def test_import_is_cheap_and_lazy() -> None:
 
 def test_buffers_dropped_one_after_another_are_all_given_back() -> None:
     """Each dropped buffer's finalizer queues its free, however many are dropped in a row and
-    whatever the order (a compiled free list of one once reused a finalized object's memory
-    without finalizing it again: every second buffer leaked; benchmarks/NOTES.md, entry 35)."""
+    whatever the order. (A compiled free list of one once reused a finalized object's memory
+    without finalizing it again, and every second buffer leaked.)"""
     gp.set_backend("sim")
     gp.memory_stats()
     base = gp.memory_stats()["active_bytes.all.current"]

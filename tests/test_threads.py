@@ -1,4 +1,4 @@
-"""Thread safety (SPEC 2): any number of Python threads may allocate and free at once.
+"""Thread safety: any number of Python threads may allocate and free at once.
 
 Each thread allocates and frees in a random pattern; a shared registry checks, under its
 own lock, that no two live allocations overlap. A range leaves the registry *before* its

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import bench, traces
-from graphpool.traces import Trace
+from graphpool.tools import trace_bench, traces
+from graphpool.tools.traces import Trace
 
 MiB = 1 << 20
 
@@ -78,9 +78,25 @@ def test_available_and_load_read_the_package_data(tmp_path: Path, monkeypatch: p
         traces.load("../b-trace")
 
 
+def test_graphpool_traces_is_the_documented_name_of_the_tools_module() -> None:
+    """README's ``graphpool.traces.available()``, ``load(name)`` and the recorders work
+    under that name: the same objects as graphpool.tools.traces, every public one."""
+    import graphpool.traces as documented
+
+    defined = {
+        n
+        for n, v in vars(traces).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) == traces.__name__
+    }
+    assert defined and defined <= set(documented.__all__)
+    for name in documented.__all__:
+        assert getattr(documented, name) is getattr(traces, name), name
+    assert documented.available() == traces.available()
+
+
 def test_pyproject_ships_the_trace_data() -> None:
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert '"trace_data/*.json.gz"' in text
+    assert '"tools/trace_data/*.json.gz"' in text
 
 
 @pytest.mark.parametrize("name", traces.available())
@@ -396,15 +412,15 @@ def test_traces_import_no_framework() -> None:
 # ----------------------------------------------------------------------------- replay
 def test_replay_events_free_leftovers_and_skip_zero_sizes() -> None:
     t = Trace("t", "", [(1, 0, 100, 1), (1, 1, 0, 0), (1, 2, 5, 0), (0, 1), (0, 0)])
-    assert bench._trace_events(t) == [(1, 0, 100, 1), (1, 2, 5, 0), (0, 0, 0, 1), (0, 2, 0, 0)]
+    assert trace_bench._trace_events(t) == [(1, 0, 100, 1), (1, 2, 5, 0), (0, 0, 0, 1), (0, 2, 0, 0)]
 
 
 @pytest.mark.parametrize("streams", [1, 2])
 def test_replay_through_graphpool_frees_everything(sim: Any, streams: int) -> None:
     t = traces.synthetic(5, 3000, streams=streams)
-    events = bench._trace_events(t)
+    events = trace_bench._trace_events(t)
     gp_streams = [gp.Stream() for _ in range(t.streams)]
-    sides = bench._graphpool_sides(events, gp_streams)
+    sides = trace_bench._graphpool_sides(events, gp_streams)
     gp.reset_peak_memory_stats()
     for name in ("graphpool", "policy"):
         sides[name].replay()
@@ -424,14 +440,15 @@ def test_replay_through_graphpool_frees_everything(sim: Any, streams: int) -> No
 
 def test_bench_traces_quick(backend: Any) -> None:
     skipped: list[dict[str, str]] = []
-    r = bench.bench_traces(2, quick=True, skipped=skipped)
+    r = trace_bench.bench_traces(2, quick=True, skipped=skipped)
     assert r["rounds"] == {"warm": 2, "cold": 2}
     assert list(r["traces"]) == ["synthetic-0"]  # quick: the short synthetic trace only
     row = r["traces"]["synthetic-0"]
     ran = list(r["sides"])
     assert ran[:3] == ["graphpool", "policy", "expandable"]
-    assert row["operations"] == len(bench._trace_events(traces.synthetic(0, bench.QUICK_TRACE_OPS)))
-    assert row["peak live (bytes)"] == traces.peak_live_bytes(traces.synthetic(0, bench.QUICK_TRACE_OPS))
+    quick = traces.synthetic(0, trace_bench.QUICK_TRACE_OPS)
+    assert row["operations"] == len(trace_bench._trace_events(quick))
+    assert row["peak live (bytes)"] == traces.peak_live_bytes(quick)
     for side in ran:
         assert row[f"{side}, warm (us)"] > 0 and row[f"{side}, cold (us)"] > 0
     assert "policy, peak reserved (bytes)" not in row  # the same allocator as graphpool's
@@ -598,9 +615,9 @@ def test_bench_traces_compares_with_cupy_torch_and_malloc_async(
     monkeypatch.setattr(gcuda, "_load", lambda: rt)
     monkeypatch.setattr(gp, "backend", lambda: "cuda")
     trace = traces.synthetic(3, 1500, streams=2)
-    monkeypatch.setattr(bench, "_trace_list", lambda quick, skipped: [trace])
+    monkeypatch.setattr(trace_bench, "_trace_list", lambda quick, skipped: [trace])
     skipped: list[dict[str, str]] = []
-    r = bench.bench_traces(2, quick=True, skipped=skipped)
+    r = trace_bench.bench_traces(2, quick=True, skipped=skipped)
     assert skipped == []
     assert list(r["sides"]) == [
         "graphpool",
@@ -626,7 +643,7 @@ def test_bench_traces_compares_with_cupy_torch_and_malloc_async(
             )
     assert "torch raw, peak reserved (bytes)" not in row and row["graphpool/torch raw time, warm"] > 0
     # each allocation on the stream of its trace event: stream index k -> the k-th stream made
-    wanted = [e[3] for e in bench._trace_events(trace) if e[0] == 1]
+    wanted = [e[3] for e in trace_bench._trace_events(trace) if e[0] == 1]
     for name, ledger in ledgers.items():
         handles = list(dict.fromkeys(ledger.streams))
         assert len(handles) == 2, name

@@ -16,7 +16,8 @@ import pytest
 import graphpool as gp
 import graphpool.cupy as gcupy
 import twins
-from graphpool import routing, runtime, scenarios
+from graphpool import routing, runtime
+from graphpool.tools import scenarios
 
 
 def _settle() -> None:
@@ -170,7 +171,8 @@ def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
     with gp.stream(s):
         assert cp.cuda.get_current_stream().ptr == 0  # no longer followed
     del a
-    with gcupy.installed():
+    assert gcupy.installed is gcupy.using is gcupy.using_allocator  # the older names
+    with gcupy.using_allocator():
         assert cp.cuda.get_allocator() is gcupy.malloc
         b = cp.ones(1 << 16, dtype=cp.float32)
         assert gp.memory_allocated() == base + 4 * (1 << 16)

@@ -33,7 +33,7 @@ def main() -> dict[str, Any]:
     out: dict[str, Any] = {"torch": torch.__version__}
     gtorch.install()
     gtorch.install()  # idempotent
-    out["installed"] = gtorch.installed()
+    out["installed"] = gtorch.is_installed()
     out["backend"] = (
         torch._C._cuda_getAllocatorBackend() if hasattr(torch._C, "_cuda_getAllocatorBackend") else None
     )

@@ -117,9 +117,9 @@ def make_graphed_callable(
     the same arrays on every call, overwritten by the next one. Cost of a call: one
     device copy per changed array argument plus one graph launch.
     """
-    from graphpool.graphed import make_graphed_callable as _make
+    from graphpool import graphed
 
-    return _make(fn, sample_args, pool=pool, warmup=warmup)
+    return graphed.GraphedCallable(fn, sample_args, pool=pool, warmup=warmup)
 
 
 @overload

@@ -17,7 +17,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from graphpool import _warnings, runtime
+from graphpool import runtime
+from graphpool.framework_captures import CaptureHooks
 from graphpool.memory import alloc
 from graphpool.streams import Stream, cuda_stream_handle, current_stream, resolve_handle
 
@@ -158,10 +159,6 @@ def resource_class() -> type[MemoryResource]:
     return _cls
 
 
-_hooked: dict[str, Any] = {}
-_adopted: dict[tuple[int, int], Any] = {}
-
-
 def _builder_key(builder: Any) -> tuple[int, int]:
     stream = builder.stream
     device = getattr(getattr(stream, "device", None), "device_id", None)
@@ -169,37 +166,21 @@ def _builder_key(builder: Any) -> tuple[int, int]:
     return index, stream_handle(stream)
 
 
-def _begin_building(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """cuda.core's ``GraphBuilder.begin_building``, then graphpool registers the capture."""
-    out = _hooked["begin_building"](self, *args, **kwargs)
-    if runtime.get().name == "cuda":
-        key = _builder_key(self)
-        try:
-            _adopted[key] = runtime.allocator(key[0]).adopt_capture(
-                key[1], label=f"cuda.core GraphBuilder on stream 0x{key[1]:x}"
-            )
-        except Exception as exc:  # never break the user's capture; detection still covers it
-            _warnings.warn(f"graphpool could not register the GraphBuilder's capture: {exc}", RuntimeWarning)
-    return out
-
-
-def _end_building(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """cuda.core's ``GraphBuilder.end_building``; graphpool stops routing to its pool, which the
-    graph keeps until it and every executable made from it are destroyed."""
-    try:
-        return _hooked["end_building"](self, *args, **kwargs)
-    finally:
-        key = _builder_key(self)
-        rec = _adopted.pop(key, None)
-        if rec is not None:
-            runtime.allocator(key[0]).end_adopted(rec)
+_HOOKS = CaptureHooks(
+    "begin_building",
+    "end_building",
+    "cuda.core GraphBuilder capture",
+    key=_builder_key,
+    active=lambda: runtime.get().name == "cuda",
+)
+"""cuda.core's ``GraphBuilder.begin_building``/``end_building``, wrapped by ``install_hooks``."""
 
 
 def install_hooks() -> bool:
     """Register captures begun with cuda.core's ``GraphBuilder`` (idempotent). False when its
     class cannot be patched (an extension type): detection covers such captures."""
     with _lock:
-        if _hooked:
+        if _HOOKS.hooked:
             return True
         try:
             from cuda.core import GraphBuilder
@@ -208,24 +189,19 @@ def install_hooks() -> bool:
                 from cuda.core.experimental import GraphBuilder
             except ImportError:
                 return False
-        try:
-            begin, end = GraphBuilder.begin_building, GraphBuilder.end_building
-            GraphBuilder.begin_building = _begin_building
-            GraphBuilder.end_building = _end_building
-        except (AttributeError, TypeError):
-            return False
-        _hooked.update(begin_building=begin, end_building=end, owner=GraphBuilder)
-        return True
+        return _HOOKS.install(GraphBuilder)
+
+
+def hooked() -> bool:
+    """Whether cuda.core's ``GraphBuilder.begin_building``/``end_building`` are graphpool's
+    wrappers now."""
+    return _HOOKS.hooked
 
 
 def uninstall_hooks() -> None:
     """Give cuda.core's GraphBuilder its own methods back."""
     with _lock:
-        owner = _hooked.get("owner")
-        if owner is not None:
-            owner.begin_building = _hooked["begin_building"]
-            owner.end_building = _hooked["end_building"]
-        _hooked.clear()
+        _HOOKS.uninstall()
 
 
 def __getattr__(name: str) -> type[MemoryResource]:
@@ -234,4 +210,11 @@ def __getattr__(name: str) -> type[MemoryResource]:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["GraphpoolMemoryResource", "install_hooks", "resource_class", "stream_handle", "uninstall_hooks"]
+__all__ = [
+    "GraphpoolMemoryResource",
+    "hooked",
+    "install_hooks",
+    "resource_class",
+    "stream_handle",
+    "uninstall_hooks",
+]

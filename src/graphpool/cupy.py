@@ -11,7 +11,9 @@ with graphpool at once (before its first allocation or free) and served from a p
 pool of its own, which lives as long as the returned ``cupy.cuda.Graph`` (a CUDA user
 object in the graph releases it). Captures begun any other way are still caught by
 detection (``gp.set_capture_detection``). ``uninstall()`` restores the allocator and the
-methods CuPy had before. ``installed()`` does both around a ``with`` block. All three are
+methods CuPy had before. ``using_allocator()`` does both around a ``with`` block (as CuPy's
+own ``cupy.cuda.using_allocator``); ``is_installed()`` says whether graphpool is CuPy's
+allocator now. ``installed`` and ``using`` are older names of ``using_allocator``. All are
 idempotent.
 
 CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
@@ -26,8 +28,9 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from graphpool import _warnings, routing, runtime
+from graphpool import routing, runtime
 from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.framework_captures import CaptureHooks
 from graphpool.memory import alloc
 from graphpool.streams import Stream, current_stream, resolve_handle
 
@@ -54,10 +57,6 @@ _previous: Any = None
 _gp_streams: weakref.WeakValueDictionary[tuple[int, int], Stream] = weakref.WeakValueDictionary()
 """graphpool Stream objects wrapping CuPy's stream handles, by (device, handle); an entry
 lives while a buffer of that stream does, so the cache never outgrows what is in use."""
-_hooked: dict[str, Any] = {}
-"""CuPy's own ``begin_capture``/``end_capture`` while ours replace them (and their class)."""
-_adopted: dict[tuple[int, int], Any] = {}
-"""(device, stream handle) -> the allocator's record of a capture begun through CuPy's API."""
 _cp_streams: dict[tuple[int, int], Any] = {}
 """CuPy stream objects wrapping graphpool's stream handles, by (device, handle)."""
 
@@ -188,58 +187,26 @@ def _stream_key(cs: Any) -> tuple[int, int]:
     return device, int(cs.ptr)
 
 
-def _begin_capture(self: Any, mode: Any = None) -> None:
-    """CuPy's ``Stream.begin_capture``, then graphpool registers the capture (a private pool)."""
-    _hooked["begin_capture"](self, mode)
-    if not _installed or runtime.get().name != "cuda":
-        return
-    key = _stream_key(self)
-    try:
-        _adopted[key] = runtime.allocator(key[0]).adopt_capture(
-            key[1], label=f"CuPy capture on stream 0x{key[1]:x}"
-        )
-    except Exception as exc:  # never break the user's capture; detection still covers it
-        _warnings.warn(f"graphpool could not register CuPy's capture: {exc}", RuntimeWarning)
-
-
-def _end_capture(self: Any) -> Any:
-    """CuPy's ``Stream.end_capture``; graphpool stops routing to the capture's pool (which the
-    returned graph keeps alive until it and its executable are destroyed)."""
-    try:
-        return _hooked["end_capture"](self)
-    finally:
-        rec = _adopted.pop(_stream_key(self), None) if _cp is not None else None
-        if rec is not None:
-            runtime.allocator(_stream_key(self)[0]).end_adopted(rec)
+_HOOKS = CaptureHooks(
+    "begin_capture",
+    "end_capture",
+    "CuPy capture",
+    key=_stream_key,
+    active=lambda: _installed and runtime.get().name == "cuda",
+)
+"""CuPy's ``Stream.begin_capture``/``end_capture``, wrapped while graphpool is CuPy's allocator."""
 
 
 def _hook(cupy: Any) -> None:
-    """Replace CuPy's begin_capture/end_capture on the class that defines them."""
-    if _hooked:
-        return
+    """Wrap CuPy's begin_capture/end_capture on the class that defines them."""
     owner: Any = next((k for k in type(cupy.cuda.Stream.null).__mro__ if "begin_capture" in vars(k)), None)
-    if owner is None:
-        return
-    try:
-        begin, end = owner.begin_capture, owner.end_capture
-        owner.begin_capture = _begin_capture
-        owner.end_capture = _end_capture
-    except (AttributeError, TypeError):  # an extension type: detection covers CuPy's captures
-        return
-    _hooked.update(begin_capture=begin, end_capture=end, owner=owner)
-
-
-def _unhook() -> None:
-    owner = _hooked.get("owner")
     if owner is not None:
-        owner.begin_capture = _hooked["begin_capture"]
-        owner.end_capture = _hooked["end_capture"]
-    _hooked.clear()
+        _HOOKS.install(owner)
 
 
 def hooked() -> bool:
     """Whether CuPy's ``Stream.begin_capture``/``end_capture`` are graphpool's wrappers now."""
-    return bool(_hooked)
+    return _HOOKS.hooked
 
 
 def install() -> None:
@@ -280,7 +247,7 @@ def uninstall() -> None:
         routing.remove_follower(_FOLLOWER)
         if _cp.cuda.get_allocator() is malloc:
             _cp.cuda.set_allocator(_previous)
-        _unhook()
+        _HOOKS.uninstall()
         _previous = None
         _installed = False
 
@@ -291,8 +258,9 @@ def is_installed() -> bool:
 
 
 @contextlib.contextmanager
-def installed() -> Iterator[None]:
-    """Install graphpool as CuPy's allocator inside the block (if it was not already)."""
+def using_allocator() -> Iterator[None]:
+    """A context manager: graphpool is CuPy's allocator inside the ``with`` block (installed
+    on entry, uninstalled on exit unless it was installed before)."""
     was = _installed
     install()
     try:
@@ -302,7 +270,20 @@ def installed() -> Iterator[None]:
             uninstall()
 
 
-using = installed
-"""Alias of ``installed``."""
+installed = using_allocator
+"""The older name of ``using_allocator`` (a context manager, not a question: that is
+``is_installed()``)."""
+using = using_allocator
+"""The older short name of ``using_allocator``."""
 
-__all__ = ["cupy_stream", "hooked", "install", "installed", "is_installed", "malloc", "uninstall", "using"]
+__all__ = [
+    "cupy_stream",
+    "hooked",
+    "install",
+    "installed",
+    "is_installed",
+    "malloc",
+    "uninstall",
+    "using",
+    "using_allocator",
+]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
@@ -100,8 +100,8 @@ class GraphedCallable:
         fn: Callable[..., Any],
         sample_args: Sequence[Any],
         *,
-        warmup: int = WARMUP_ITERATIONS,
         pool: PoolId | tuple[int, int] | None = None,
+        warmup: int = WARMUP_ITERATIONS,
     ) -> None:
         _check_warmup(warmup, "warmup")
         if not callable(fn):
@@ -204,70 +204,6 @@ def _same_constant(a: Any, b: Any) -> bool:
         return False
 
 
-def make_graphed_callable(
-    fn: Callable[..., Any],
-    sample_args: Sequence[Any],
-    *,
-    pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = WARMUP_ITERATIONS,
-) -> GraphedCallable:
-    """Capture ``fn(*sample_args)`` once and return a callable that replays it.
-
-    ``fn`` is run ``warmup`` times eagerly on a side stream, then captured on copies of
-    the array arguments into a private pool (or ``pool``, to share one, e.g. from
-    ``graph_pool_handle()``). The callable takes arguments of the same shapes and
-    dtypes, copies them in, replays and returns the static outputs (one array, or a
-    tuple as ``fn`` returned), overwritten by the next call. Cost of a call: one device
-    copy per changed array argument plus one graph launch.
-    """
-    return GraphedCallable(fn, sample_args, warmup=warmup, pool=pool)
-
-
-@overload
-def make_graphed_callables(
-    callables: Callable[..., Any],
-    sample_args: Sequence[Any],
-    *,
-    pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = WARMUP_ITERATIONS,
-    num_warmup_iters: int | None = None,
-) -> GraphedCallable: ...
-
-
-@overload
-def make_graphed_callables(
-    callables: tuple[Callable[..., Any], ...],
-    sample_args: tuple[Sequence[Any], ...],
-    *,
-    pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = WARMUP_ITERATIONS,
-    num_warmup_iters: int | None = None,
-) -> tuple[GraphedCallable, ...]: ...
-
-
-def make_graphed_callables(
-    callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
-    sample_args: Sequence[Any] | tuple[Sequence[Any], ...],
-    *,
-    pool: PoolId | tuple[int, int] | None = None,
-    warmup: int = WARMUP_ITERATIONS,
-    num_warmup_iters: int | None = None,
-) -> GraphedCallable | tuple[GraphedCallable, ...]:
-    """PyTorch's ``make_graphed_callables`` forms, forward only.
-
-    One callable and its sample arguments gives one graphed callable, as
-    ``make_graphed_callable``. A tuple of callables and a tuple holding each one's
-    sample-argument tuple gives a tuple of graphed callables, captured in that order into
-    one shared private pool (``pool``, or a new ``graph_pool_handle()``), so they take
-    less memory than separate pools; like PyTorch's, call them in the order they were
-    captured (``set_replay_checks("warn")`` reports when a replay breaks that).
-    ``num_warmup_iters`` is PyTorch's name for ``warmup`` (given, it wins).
-    """
-    return graph_callables(
-        callables, sample_args, pool=pool, warmup=warmup, num_warmup_iters=num_warmup_iters
-    )
-
-
 def graph_callables(
     callables: Callable[..., Any] | tuple[Callable[..., Any], ...],
     sample_args: Sequence[Any] | tuple[Sequence[Any], ...],
@@ -276,7 +212,12 @@ def graph_callables(
     warmup: int = WARMUP_ITERATIONS,
     num_warmup_iters: int | None = None,
 ) -> GraphedCallable | tuple[GraphedCallable, ...]:
-    """``make_graphed_callables`` without its overloads (for callers that hold the union)."""
+    """``graphpool.make_graphed_callables``: one callable with its sample arguments gives one
+    graphed callable; a tuple of callables and a tuple of their sample-argument tuples gives a
+    tuple of graphed callables captured in that order into one shared private pool (``pool``,
+    or a new ``graph_pool_handle()``). ``num_warmup_iters`` is PyTorch's name for ``warmup``
+    (given, it wins). graphpool/__init__.py gives it its typed overloads and loads this module
+    (and NumPy) on the first call only."""
     runs = (
         _check_warmup(warmup, "warmup")
         if num_warmup_iters is None
@@ -300,6 +241,11 @@ def graph_callables(
         for fn, args in zip(callables, sample_args, strict=True)
     )
 
+
+make_graphed_callable = GraphedCallable
+"""The older name, here, of what ``graphpool.make_graphed_callable`` makes."""
+make_graphed_callables = graph_callables
+"""The older name, here, of ``graph_callables`` (``graphpool.make_graphed_callables``)."""
 
 __all__ = [
     "MAX_WARMUP_ITERATIONS",

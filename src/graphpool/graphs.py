@@ -124,8 +124,9 @@ class CUDAGraph:
                 dev.end_capture(s.handle)
                 raise
 
-        # The replay checker, on now or later, reads every allocation's footprint (captures
-        # begun outside graphpool, which it never checks, record none: entry 31).
+        # Record every allocation's footprint: the replay checker may be turned on after this
+        # capture and still needs it then. (Captures begun outside graphpool record none:
+        # the checker never checks them, and the record would cost each of their allocations.)
         self._rec = alloc.begin_capture(pid, begin, stream=s.handle, label=self.label, footprint=True)
         self._alloc = alloc
         self._stream = s

@@ -134,6 +134,11 @@ def install() -> None:
         _installed = True
 
 
-def installed() -> bool:
+def is_installed() -> bool:
     """Whether ``install()`` made graphpool PyTorch's allocator in this process."""
     return _installed
+
+
+installed = is_installed
+"""The older name of ``is_installed`` (a question, returning a bool; graphpool.cupy's
+``installed`` is a context manager, whence the clearer names)."""

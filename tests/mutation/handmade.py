@@ -160,10 +160,10 @@ MUTANTS = (
     Mutant(
         "integrations: the CuPy begin_capture hook does not register the capture",
         "cupy.py",
-        '    _hooked["begin_capture"](self, mode)\n    if not _installed or runtime.get().name != "cuda":',
-        '    _hooked["begin_capture"](self, mode)\n    if True:',
+        '    active=lambda: _installed and runtime.get().name == "cuda",',
+        "    active=lambda: False,",
         (T_CUPY + "test_cupys_begin_capture_registers_the_capture_with_detection_off",),
-        "`_begin_capture` returns right after CuPy's own begin_capture",
+        "the hooks on CuPy's begin_capture never register the capture",
     ),
     Mutant(
         "integrations: the cached CuPy stream wrapper reused across devices",

@@ -17,7 +17,7 @@ def settle() -> int:
 
 
 def total(arr: Any) -> float:
-    """The sum of an array (CuPy's or graphpool.xp's), on the host."""
+    """The sum of an array (CuPy's or graphpool.sim.xp's), on the host."""
     return float(arr.sum().item())
 
 

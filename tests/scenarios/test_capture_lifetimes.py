@@ -1,4 +1,4 @@
-"""Capture lifetimes beyond the seed's plan (SPEC sections 3 and 4), on both backends:
+"""Capture lifetimes beyond the scenarios (docs/behaviour.rst: private pools, CUDA graphs), on both backends:
 blocks freed during capture, record_stream during capture, joined streams, repeated
 capture/replay/reset cycles, abandoned and revived pools, eager threads during capture."""
 

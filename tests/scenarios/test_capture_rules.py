@@ -1,6 +1,7 @@
-"""Capture rules under threads, abandonment, other devices and long runs (SPEC 3).
+"""Capture rules under threads, abandonment, other devices and long runs (docs/behaviour.rst,
+"Private pools for graph capture").
 
-One test per finding of the capture-rules review; each failed on the code before its fix.
+One test per way these rules were found broken; each failed on the code before its fix.
 The `backend` fixture runs them on the simulator and, marked gpu, on a real GPU with CuPy.
 """
 

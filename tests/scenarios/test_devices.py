@@ -1,4 +1,5 @@
-"""One allocator per device (SPEC section 2): statistics, caches and captures stay per device.
+"""One allocator per device (docs/behaviour.rst, "The caching allocator"): statistics, caches
+and captures stay per device.
 
 Runs on the simulator (two devices) and on GPU machines with two or more GPUs."""
 

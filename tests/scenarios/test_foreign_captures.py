@@ -1,8 +1,9 @@
-"""Captures begun outside graphpool (SPEC 3), on both backends, through the Device protocol's
-own capture calls: what a raw ``cudaStreamBeginCapture`` or a library capturing internally
-does. Detection (on by default) gives each such capture a private pool, released when the
-device reports its graph and every executable graph made from it destroyed (a CUDA user
-object); with detection off the cupy#9655 hazard is back, which shows the tests can fail."""
+"""Captures begun outside graphpool (docs/behaviour.rst, "Private pools for graph capture"),
+on both backends, through the Device protocol's own capture calls: what a raw
+``cudaStreamBeginCapture`` or a library capturing internally does. Detection (on by
+default) gives each such capture a private pool, released when the device reports its
+graph and every executable graph made from it destroyed (a CUDA user object); with
+detection off the cupy#9655 hazard is back, which shows the tests can fail."""
 
 from __future__ import annotations
 

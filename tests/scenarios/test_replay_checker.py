@@ -13,8 +13,8 @@ import pytest
 from scenario_common import settle
 
 import graphpool as gp
-from graphpool import scenarios
 from graphpool.errors import CUDAError
+from graphpool.tools import scenarios
 
 N = 1000
 

@@ -1,4 +1,4 @@
-"""The seed's test plan (SPEC section 7), on the simulator and on the GPU with the same
+"""The scenarios' test plan (docs/behaviour.rst, "Scenarios"), on the simulator and on the GPU with the same
 assertions: CuPy arrays on the GPU, graphpool.sim.xp on the simulator."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import scenarios
-from graphpool.scenarios import MEMORY_CASES, SHARING, f, first_pool, next_pool, settle
+from graphpool.tools import scenarios
+from graphpool.tools.scenarios import MEMORY_CASES, SHARING, f, first_pool, next_pool, settle
 
 MiB = 1 << 20
 

@@ -111,7 +111,7 @@ class Dev:
 
 
 def _cuda_spin(handle: int) -> None:
-    from graphpool.bench import cuda_spin
+    from graphpool.tools.benchkit import cuda_spin
 
     cuda_spin(gp.Stream._wrap(0, handle))
 

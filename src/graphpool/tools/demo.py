@@ -2,7 +2,7 @@
 
 The scenarios are the test plan PyTorch's graph-pool design was checked against (they are
 described in docs/behaviour.rst, "Scenarios"). Runs on the GPU with CuPy arrays when a GPU
-(and CuPy) is usable, else on the simulated device with ``graphpool.xp``. Every figure
+(and CuPy) is usable, else on the simulated device with ``graphpool.sim.xp``. Every figure
 printed is measured in this run.
 
 How to read the tables (each table also prints its own key):
@@ -30,9 +30,9 @@ from typing import Any
 
 import graphpool as gp
 from graphpool import runtime
-from graphpool import scenarios as sc
 from graphpool.policy.units import fmt_bytes
-from graphpool.scenarios import SHARING
+from graphpool.tools import scenarios as sc
+from graphpool.tools.scenarios import SHARING
 
 MiB = 1 << 20
 
@@ -183,19 +183,19 @@ def run(backend: str | None = None) -> int:
 
         gcupy.install()
         xp = cupy
-        from graphpool.bench import cuda_spin as spin
+        from graphpool.tools.benchkit import cuda_spin as spin
 
         dev = runtime.get().device(0)
         where = f"CUDA, {dev.name}, CuPy {cupy.__version__}"
     else:
-        from graphpool import xp as simxp
+        from graphpool.sim import xp as simxp
 
         xp = simxp
 
         def spin(st: gp.Stream) -> None:
             runtime.get().device(st.device).launch_sleep(st.handle, rounds=50)  # type: ignore[attr-defined]
 
-        where = "the simulated device (no GPU here); arrays from graphpool.xp"
+        where = "the simulated device (no GPU here); arrays from graphpool.sim.xp"
     build = "compiled by mypyc" if gp.compiled() else "plain Python"
     print(f"graphpool demo on {where}; allocator {build}\n")
     t0 = time.perf_counter()

@@ -63,22 +63,32 @@ class TwoSuccessive:
     reserved: int  # reserved bytes with everything alive
 
 
-def two_successive(xp: Any, share: str, n: int = 1000) -> TwoSuccessive:
-    """g1 continues g0's work; eager work with replays in between."""
-    settle()
+def _capture_two(
+    share: str, first: Callable[[], Any], second: Callable[[Any], Any]
+) -> tuple[gp.CUDAGraph, gp.CUDAGraph, Any, Any]:
+    """Capture g0 running ``first()`` and then g1 running ``second`` on g0's output, on a side
+    stream that first waits for the current stream (which then waits for it), their pools
+    shared as ``share`` says. Returns (g0, g1, g0's output, g1's output)."""
     s = gp.Stream()
-    a = xp.ones(n, dtype=xp.float32)
     g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
     s.wait_stream(gp.current_stream())
     with gp.stream(s):
-        first = first_pool(share)
-        g0.capture_begin(*first)
-        b = f5(a.copy(), 1)
+        pool = first_pool(share)
+        g0.capture_begin(*pool)
+        out0 = first()
         g0.capture_end()
-        g1.capture_begin(*next_pool(share, g0, first))
-        b = f5(b, 1)
+        g1.capture_begin(*next_pool(share, g0, pool))
+        out1 = second(out0)
         g1.capture_end()
     gp.current_stream().wait_stream(s)
+    return g0, g1, out0, out1
+
+
+def two_successive(xp: Any, share: str, n: int = 1000) -> TwoSuccessive:
+    """g1 continues g0's work; eager work with replays in between."""
+    settle()
+    a = xp.ones(n, dtype=xp.float32)
+    g0, g1, _, b = _capture_two(share, lambda: f5(a.copy(), 1), lambda b: f5(b, 1))
     c = a.copy()
     for _ in range(2):
         c = f(c, 3)
@@ -98,18 +108,9 @@ def concurrent_replay(
 ) -> tuple[float, float]:
     """Replays of g0 (94 per element) and g1 (156) overlap on two streams; (b, c) per element."""
     settle()
-    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
-    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    s0, s1 = gp.Stream(), gp.Stream()
     a = xp.ones(n, dtype=xp.float32)
-    s.wait_stream(gp.current_stream())
-    with gp.stream(s):
-        first = first_pool(share)
-        g0.capture_begin(*first)
-        b = f5(a.copy(), 1)
-        g0.capture_end()
-        g1.capture_begin(*next_pool(share, g0, first))
-        c = f5(a.copy(), 2)
-        g1.capture_end()
+    g0, g1, b, c = _capture_two(share, lambda: f5(a.copy(), 1), lambda b: f5(a.copy(), 2))
     # Line the replays up behind a long kernel so that they run at the same time.
     gp.synchronize()
     with gp.stream(s0):
