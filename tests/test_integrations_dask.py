@@ -7,6 +7,7 @@ worker (its processes are the slow part: about 2 s to start, 2 s to restart).
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 from collections.abc import Iterator
@@ -145,6 +146,30 @@ def test_refused_buffer_raises_the_reason_on_any_use() -> None:
     with pytest.raises(gd.TransferError, match="no IPC here"):
         again.ptr  # noqa: B018
     assert "no IPC here" in repr(r)
+
+
+def test_a_workers_row_counts_graphs_their_pools_and_kept_blocks(sim: Any) -> None:
+    from graphpool import xp
+
+    a = xp.ones(1000)
+    t = xp.ones(100)  # an ordinary block, freed during the capture: kept for the graph
+    s = gp.Stream()
+    s.wait_stream(gp.current_stream())
+    g = gp.CUDAGraph()
+    with gp.graph(g, stream=s):
+        b = a + 1
+        del t
+    row = gd._worker_figures()
+    stats = gp.memory_stats()
+    assert (row["backend"], row["device"]) == ("sim", 0)
+    assert row["reserved"] == stats["reserved_bytes.all.current"] and row["OOMs"] == 0
+    assert row["peak allocated"] == stats["allocated_bytes.all.peak"]
+    assert row["graphs"] == 1 and row["graph pools"] == 2 * MiB and row["kept for graphs"] == 512
+    del g
+    gc.collect()
+    row = gd._worker_figures()
+    assert row["graphs"] == 0 and row["kept for graphs"] == 0 and row["graph pools"] == 2 * MiB  # b lives
+    del a, b
 
 
 def test_serializer_never_fails_on_the_sender_and_never_spills(sim: Any) -> None:
@@ -301,6 +326,14 @@ def test_new_options_after_an_allocation_are_refused_with_the_way_out(client: di
     w0 = sorted(client.scheduler_info()["workers"])[0]
     held = client.submit(_alloc, 1024, workers=[w0], pure=False)
     distributed.wait(held, timeout=TIMEOUT)
+    allocated = gd.memory_stats(client)[w0]["allocated_bytes.all.current"]
+    same = gd.GraphpoolSetup(backend="sim", integrations=())  # the backend it has: nothing replaced
+    try:
+        client.register_plugin(same)
+        assert client.run(_state, workers=[w0])[w0]["applied"][-1] == same.settings
+        assert gd.memory_stats(client)[w0]["allocated_bytes.all.current"] == allocated
+    finally:
+        client.unregister_worker_plugin(same.name)
     late = gd.GraphpoolSetup(backend="sim", alloc_conf="max_split_size_mb:128", integrations=())
     try:
         with pytest.raises(RuntimeError, match=f"worker {w0}.*before the first allocation.*client.restart"):

@@ -274,7 +274,11 @@ def apply(settings: Settings, *, where: str = "this process") -> bool:
                     f"GraphpoolSetup on {where}: {exc}. Register the plugin before the workers "
                     "allocate, or restart them (client.restart()) to apply it"
                 ) from None
-        if settings.backend is not None and (not _state.applied or gp.backend() != settings.backend):
+        # Switch only to another backend: a new runtime would strand what the worker holds.
+        # runtime._runtime is None until graphpool's first use here (runtime.get() would make
+        # one of the default backend, initializing CUDA on a GPU machine for nothing).
+        current = runtime._runtime
+        if settings.backend is not None and (current is None or current.name != settings.backend):
             gp.set_backend(settings.backend)
         installed, skipped = install_integrations(settings.integrations, gp.backend())
         for name, why in skipped.items():
