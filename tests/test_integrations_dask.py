@@ -30,7 +30,7 @@ CONF = "max_split_size_mb:64,garbage_collection_threshold:0.6"
 FRACTION = 0.25
 TIMEOUT = 60  # a transfer that hangs fails the test instead of the suite
 
-pytestmark = pytest.mark.xdist_group("dask")  # one pytest-xdist worker runs the cluster
+on_the_cluster = pytest.mark.xdist_group("dask")  # one pytest-xdist worker runs the cluster's tests
 
 
 # --------------------------------------------------------------------------- no cluster
@@ -235,12 +235,14 @@ def _check_configured(states: dict[str, dict[str, Any]], setup: gd.GraphpoolSetu
         assert s["fraction"] == FRACTION
 
 
+@on_the_cluster
 def test_setup_runs_once_per_worker_with_its_settings(client: distributed.Client) -> None:
     setup = client.plugin  # type: ignore[attr-defined]
     _check_configured(client.run(_state), setup)
     assert set(client.run(gd.apply, setup.settings).values()) == {False}  # applied already
 
 
+@on_the_cluster
 def test_integrations_a_worker_cannot_import_are_logged_not_fatal(client: distributed.Client) -> None:
     states = client.run(_state)
     logs = client.get_worker_logs()
@@ -257,6 +259,7 @@ def _alloc(nbytes: int) -> gp.DeviceBuffer:
     return gp.alloc(nbytes)
 
 
+@on_the_cluster
 def test_memory_stats_and_summary_cover_every_worker(client: distributed.Client) -> None:
     workers = sorted(client.scheduler_info()["workers"])
     before = gd.memory_stats(client)
@@ -294,6 +297,7 @@ def _read_bytes(buf: Any) -> tuple[str, bytes]:
     return type(buf).__name__, data
 
 
+@on_the_cluster
 def test_a_device_buffer_sent_to_another_worker_arrives_or_is_refused_clearly(
     client: distributed.Client,
 ) -> None:
@@ -322,6 +326,7 @@ def test_a_device_buffer_sent_to_another_worker_arrives_or_is_refused_clearly(
     )  # on its own worker the buffer is intact and usable
 
 
+@on_the_cluster
 def test_new_options_after_an_allocation_are_refused_with_the_way_out(client: distributed.Client) -> None:
     w0 = sorted(client.scheduler_info()["workers"])[0]
     held = client.submit(_alloc, 1024, workers=[w0], pure=False)
@@ -345,9 +350,56 @@ def test_new_options_after_an_allocation_are_refused_with_the_way_out(client: di
     del held
 
 
+@on_the_cluster
 def test_a_restart_applies_the_setup_again(client: distributed.Client) -> None:
     old = {s["pid"] for s in client.run(_state).values()}
     client.restart()
     states = client.run(_state)
     assert not old & {s["pid"] for s in states.values()}  # fresh processes
     _check_configured(states, client.plugin)  # type: ignore[attr-defined]
+
+
+# --------------------------------------------------------------------------- on the GPU
+def _cupy_array(n: int) -> Any:
+    import cupy
+
+    return cupy.arange(n, dtype=cupy.float64)
+
+
+def _cupy_sum(a: Any) -> float:
+    return float(a.sum())
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_cupy_arrays_come_from_graphpool_and_travel(tmp_path: Any) -> None:
+    """GraphpoolSetup(backend="cuda") installs graphpool as CuPy's allocator on each worker; a
+    CuPy array made there counts in that worker's graphpool statistics, and travels to another
+    worker (Dask copies CuPy arrays through the host: what TransferError advises)."""
+    from gpu_guard import cuda_unusable
+
+    reason = cuda_unusable()
+    if reason is not None:
+        pytest.skip(reason)
+    pytest.importorskip("cupy")
+    with (
+        distributed.LocalCluster(
+            n_workers=2,
+            threads_per_worker=1,
+            processes=True,
+            dashboard_address=None,
+            local_directory=str(tmp_path),
+        ) as cluster,
+        distributed.Client(cluster) as c,
+    ):
+        c.register_plugin(gd.GraphpoolSetup(backend="cuda", memory_fraction=0.2, integrations=("cupy",)))
+        w0, w1 = sorted(c.scheduler_info()["workers"])
+        for s in c.run(gd.worker_state).values():
+            assert s.installed == ["cupy"] and "cupy" not in s.skipped
+        before = gd.memory_stats(c)[w0]["allocated_bytes.all.current"]
+        n = 3 * MiB // 8  # float64: the sum below is exact
+        made = c.submit(_cupy_array, n, workers=[w0], pure=False)
+        distributed.wait(made, timeout=TIMEOUT)
+        assert gd.memory_stats(c)[w0]["allocated_bytes.all.current"] - before == 3 * MiB
+        total = c.submit(_cupy_sum, made, workers=[w1], allow_other_workers=False, pure=False)
+        assert total.result(timeout=TIMEOUT) == float(n * (n - 1) // 2)
+        assert w0 in gd.memory_summary(c) and w1 in gd.memory_summary(c)
