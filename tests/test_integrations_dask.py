@@ -182,6 +182,11 @@ def test_serializer_never_fails_on_the_sender_and_never_spills(sim: Any) -> None
         with pytest.raises(gd.TransferError, match="CUDA IPC") as info:
             deserialize(header, frames)  # outside a worker (the client): the error itself
         assert "4096 B" in str(info.value) and "NumPy" in str(info.value)
+    else:  # sent through IPC: it opens here too (and is claimed, so nothing stays held)
+        assert header["sub-header"]["graphpool"] == "ipc"
+        opened = deserialize(header, frames)
+        assert type(opened).__name__ == "IpcBuffer" and opened.nbytes == 4096
+        opened.close()
     # without a context (a worker spilling to disk) device memory is refused, not written
     with pytest.raises(TypeError, match="DeviceBuffer"):
         serialize(buf, serializers=("dask", "pickle"), on_error="raise")

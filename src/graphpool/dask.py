@@ -29,6 +29,7 @@ import pickle
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -449,50 +450,75 @@ def _refusal(exc: BaseException) -> tuple[dict[str, Any], list[bytes]]:
     return {"graphpool": "refused"}, [frame]
 
 
-def _serialize_buffer(
-    buf: DeviceBuffer | RefusedBuffer, context: dict[str, Any] | None = None
-) -> tuple[dict[str, Any], list[bytes]]:
-    """Send ``buf`` to another process of this machine as a CUDA IPC handle, or send the
+_IpcBuffer: Any = getattr(gp, "IpcBuffer", None)
+"""graphpool's IpcBuffer where graphpool has IPC (memory another process exported), else None."""
+
+
+def _serialize_buffer(buf: Any, context: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[bytes]]:
+    """Send a DeviceBuffer to another process of this machine through CUDA IPC, or send the
     reason it cannot go. Never fail here: a sender that fails to serialize a task's result
     makes Dask retry the transfer for ever. Without a ``context`` (spilling to disk, not a
-    transfer) decline: device memory stays in the worker's memory, not on its disk."""
+    transfer) decline: device memory stays in the worker's memory, not on its disk.
+
+    The buffer goes as graphpool's ``multiprocessing`` reducer sends it (registered with
+    ``ForkingPickler`` where graphpool has IPC): its stream synchronized, its IPC handle held
+    for the receiver until opened; it arrives as an IpcBuffer. An IpcBuffer goes on as its
+    handle, a RefusedBuffer as its reason."""
     if context is None:
         raise NotImplementedError("graphpool device memory is not written to disk")
     if isinstance(buf, RefusedBuffer):
         return _refusal(object.__getattribute__(buf, "_error"))
-    export = getattr(buf, "ipc_handle", None)
-    if export is None:
-        where = f"worker {_state.address}" if _state.address else "this process"
+    if _IpcBuffer is not None and isinstance(buf, _IpcBuffer):
+        try:
+            return {"graphpool": "handle"}, [pickle.dumps(buf.handle)]
+        except Exception as exc:
+            return _refusal(exc)
+    where = f"worker {_state.address}" if _state.address else "this process"
+    what = f"a graphpool DeviceBuffer ({buf.nbytes} B on device {buf.device}) held by {where}"
+    advice = (
+        "Return host data from the task (a NumPy copy), or a CuPy array (Dask sends those), or run "
+        "the tasks that use the buffer on the worker that holds it (client.submit(..., workers=[address]))"
+    )
+    if not hasattr(buf, "ipc_handle"):
         return _refusal(
             TransferError(
-                f"a graphpool DeviceBuffer ({buf.nbytes} B on device {buf.device}) held by {where} "
-                "cannot be sent to another process: device memory crosses processes only through "
-                "CUDA IPC, which this graphpool does not have (DeviceBuffer.ipc_handle). Return host "
-                "data from the task (a NumPy copy), or a CuPy array (Dask sends those), or run the "
-                "tasks that use the buffer on the worker that holds it (client.submit(..., "
-                "workers=[address]))"
+                f"{what} cannot be sent to another process: device memory crosses processes only "
+                f"through CUDA IPC, which this graphpool does not have (DeviceBuffer.ipc_handle). {advice}"
             )
         )
     try:
-        handle = export()
-    except Exception as exc:
+        frame = bytes(ForkingPickler.dumps(buf))
+    except GraphpoolError as exc:  # IpcError: memory that cannot be shared, and why
         return _refusal(exc)
-    return {"graphpool": "ipc"}, [pickle.dumps(handle)]
+    except Exception as exc:
+        return _refusal(
+            TransferError(
+                f"{what} could not be exported through CUDA IPC ({type(exc).__name__}: {exc}). {advice}"
+            )
+        )
+    return {"graphpool": "ipc"}, [frame]
 
 
 def _deserialize_buffer(header: dict[str, Any], frames: list[bytes]) -> Any:
-    """Open the IPC handle (an ``IpcBuffer``); or, for a refusal, a ``RefusedBuffer`` in a
-    worker (see its docstring) and the error itself anywhere else (the client)."""
-    payload = pickle.loads(frames[0])
-    if header.get("graphpool") == "ipc":
-        open_ipc = getattr(gp, "open_ipc", None)
-        if open_ipc is None:
-            payload = TransferError("a graphpool IPC handle arrived, but this graphpool has no open_ipc")
-        else:
-            try:
-                return open_ipc(payload)
-            except Exception as exc:
-                payload = exc
+    """Open what arrived (an IpcBuffer); or, for a refusal or a failed open, a
+    ``RefusedBuffer`` in a worker (see its docstring) and the error itself anywhere else (the
+    client)."""
+    kind = header.get("graphpool")
+    try:
+        payload = pickle.loads(frames[0])
+        if kind == "ipc":
+            return payload  # the reducer's receiving side opened it
+        if kind == "handle":
+            open_ipc = getattr(gp, "open_ipc", None)
+            if open_ipc is None:
+                raise TransferError("a graphpool IPC handle arrived, but this graphpool has no open_ipc")
+            return open_ipc(payload)
+    except Exception as exc:
+        payload = exc
+    if not isinstance(payload, BaseException):
+        payload = TransferError(
+            f"a graphpool transfer arrived in a form this graphpool cannot read ({kind!r})"
+        )
     if _state.address is not None:
         return RefusedBuffer(payload)
     raise payload
@@ -502,9 +528,10 @@ def _register() -> None:
     """Make Dask send DeviceBuffers with the functions above (its registries are untyped)."""
     serializers: Any = dask_serialize
     deserializers: Any = dask_deserialize
-    for cls in (DeviceBuffer, RefusedBuffer):
-        serializers.register(cls)(_serialize_buffer)
-        deserializers.register(cls)(_deserialize_buffer)
+    for cls in (DeviceBuffer, RefusedBuffer, _IpcBuffer):
+        if cls is not None:
+            serializers.register(cls)(_serialize_buffer)
+            deserializers.register(cls)(_deserialize_buffer)
 
 
 _register()
