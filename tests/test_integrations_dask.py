@@ -193,6 +193,43 @@ def test_serializer_never_fails_on_the_sender_and_never_spills(sim: Any) -> None
     buf.free()
 
 
+class _Unshareable:
+    """Stands for a DeviceBuffer whose IPC export fails (graphpool's reducer raising)."""
+
+    nbytes = 1024
+    device = 0
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def ipc_handle(self) -> None:
+        raise self.error
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        raise self.error
+
+
+def test_a_failed_export_travels_as_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    context = {"sender": {}, "recipient": {}}
+    header, frames = gd._serialize_buffer(
+        _Unshareable(gp.GraphpoolError("in an expandable segment")), context
+    )
+    assert header == {"graphpool": "refused"}
+    with pytest.raises(gp.GraphpoolError, match="in an expandable segment"):
+        gd._deserialize_buffer(header, frames)  # the client: graphpool's own error, as it was
+    header, frames = gd._serialize_buffer(_Unshareable(ValueError("odd")), context)
+    with pytest.raises(gd.TransferError, match=r"could not be exported through CUDA IPC \(ValueError: odd\)"):
+        gd._deserialize_buffer(header, frames)
+    monkeypatch.setattr(gd._state, "address", "tcp://here:1")  # in a worker: a placeholder
+    got = gd._deserialize_buffer(header, frames)
+    assert isinstance(got, gd.RefusedBuffer)
+    with pytest.raises(gd.TransferError, match="odd"):
+        got.ptr  # noqa: B018
+    header, frames = gd._serialize_buffer(got, context)  # and onward, still refused
+    with pytest.raises(gd.TransferError, match="odd"):
+        gd._deserialize_buffer(header, frames).nbytes  # noqa: B018
+
+
 # --------------------------------------------------------------------------- one cluster
 def _state() -> dict[str, Any]:
     """What a worker's graphpool looks like (runs in the worker)."""
