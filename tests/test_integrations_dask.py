@@ -128,6 +128,12 @@ def test_summary_table_names_every_worker_and_sums_them() -> None:
     assert all(h in lines[0] for h in ("reserved", "peak allocated", "OOMs", "graphs", "kept for graphs"))
 
 
+def test_memory_across_workers_wants_a_client() -> None:
+    for call in (gd.memory_stats, gd.memory_summary):
+        with pytest.raises(TypeError, match=r"takes a distributed\.Client, not str"):
+            call("tcp://127.0.0.1:8786")  # type: ignore[arg-type]
+
+
 def test_refused_buffer_raises_the_reason_on_any_use() -> None:
     why = gd.TransferError("no IPC here")
     r = gd.RefusedBuffer(why)

@@ -7,12 +7,14 @@ fraction, and the integrations (CuPy, Numba, ...) the worker can import. The sch
 keeps it, so a worker that joins later or comes back from ``client.restart()`` gets it too.
 ``memory_stats(client)`` and ``memory_summary(client)`` read every worker's allocator.
 
-A ``DeviceBuffer`` is device memory of one process. A task result that another worker
-needs travels through CUDA IPC when graphpool has it (``DeviceBuffer.ipc_handle()`` in the
-sender, ``graphpool.open_ipc`` in the receiver: the receiver gets an ``IpcBuffer``);
-otherwise the dependent task fails with ``TransferError``, saying what to send instead.
-Without this module's serializer Dask would retry such a transfer for ever. Device memory
-is never spilled to disk (the spill refuses it and keeps it in memory).
+A ``DeviceBuffer`` is device memory of one process. A task result that another worker (or
+the client) needs travels through CUDA IPC where graphpool has it, as graphpool's
+``multiprocessing`` reducer sends it: it arrives as an ``IpcBuffer``. Otherwise the worker
+gets a ``RefusedBuffer`` and the task using it fails with ``TransferError`` (or the export's
+``IpcError``), saying what to send instead. Without this module's serializer Dask would retry
+such a transfer for ever. Device memory is never spilled to disk (the spill refuses it and
+keeps it in memory). Both ends need this module imported: the plugin imports it on every
+worker.
 
 Importing this module imports ``distributed`` (``pip install 'graphpool[dask]'``); nothing
 else in graphpool imports it.
