@@ -20,6 +20,7 @@ from graphpool.policy.units import fmt_bytes
 
 pytest.importorskip("distributed", reason="graphpool.dask needs distributed (the test extra brings it)")
 
+import dask
 import distributed
 from distributed.protocol.serialize import deserialize, serialize
 
@@ -254,8 +255,12 @@ def _state() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[distributed.Client]:
-    """Two worker processes with GraphpoolSetup registered twice (the second changes nothing)."""
+    """Two worker processes with GraphpoolSetup registered twice (the second changes nothing).
+    Dask's active memory manager is off: it may drop either replica of a buffer whose transfer
+    was refused, the original included (docs/behaviour.rst), and the transfer test checks
+    that the original is intact."""
     with (
+        dask.config.set({"distributed.scheduler.active-memory-manager.start": False}),
         distributed.LocalCluster(
             n_workers=2,
             threads_per_worker=1,
