@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.numba",
             "graphpool.cuda_core",
             "graphpool.torch",
+            "graphpool.dask",
             "graphpool.sim.xp",
             "graphpool.xp",
         ),
@@ -294,6 +295,18 @@ def test_policy_is_plain_python() -> None:
             else:
                 top = imported.split(".")[0]
                 assert top in sys.stdlib_module_names or top == lock, (path.name, imported)
+
+
+def test_only_the_dask_integration_imports_dask() -> None:
+    """Dask's ``distributed`` is an extra (``graphpool[dask]``): graphpool.dask imports it, and no
+    other module imports graphpool.dask or Dask."""
+    users = {
+        name
+        for name in MODULES
+        if any(n.split(".")[0] in ("dask", "distributed") for n in imported_names(name))
+    }
+    assert users == {"graphpool.dask"}
+    assert [name for name, targets in import_graph().items() if "graphpool.dask" in targets] == []
 
 
 def test_only_the_cuda_module_imports_cuda_bindings() -> None:

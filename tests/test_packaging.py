@@ -51,6 +51,14 @@ def test_cuda_extras_pin_the_cuda_major() -> None:
     assert "sphinx" in " ".join(extras["test"]) and "mypy" in " ".join(extras["test"])
 
 
+def test_the_dask_extra_brings_distributed_and_ci_installs_it() -> None:
+    """graphpool[dask] brings distributed; the test extra includes it, so CI runs the Dask tests
+    (tests/test_integrations_dask.py skips only where distributed is missing)."""
+    extras = _project()["project"]["optional-dependencies"]
+    assert [r for r in extras["dask"] if r.startswith("distributed")], extras["dask"]
+    assert "graphpool[dask]" in extras["test"]
+
+
 def test_versions_agree() -> None:
     assert _project()["project"]["version"] == graphpool.__version__
 
