@@ -390,8 +390,11 @@ def test_guard_wraps_once_and_leaves_non_handlers_alone() -> None:
     assert isinstance(g, GuardedHandler) and g.handler is h and inspect.unwrap(g) is h
     assert gp.guard_signal_handler(g) is g
     assert "guard_signal_handler" in repr(g)
-    for other in (signal.SIG_DFL, signal.SIG_IGN, None):
+    for other in (signal.SIG_DFL, signal.SIG_IGN, None, 0, 1):
         assert interrupts.guard(other) is other
+    for bad in ("0", 2, 1.0, [0], object()):  # refused where they were passed, naming the kind
+        with pytest.raises(TypeError, match=rf"guard_signal_handler: handler must be .*not {type(bad).__name__}"):
+            gp.guard_signal_handler(bad)  # type: ignore[arg-type]
 
 
 def test_importing_graphpool_guards_the_default_sigint_handler_in_both_builds() -> None:

@@ -209,10 +209,21 @@ handoff(GuardedHandler.__call__)
 def guard(handler: Any) -> Any:
     """``handler`` wrapped so that it never runs inside an allocator's critical section (it runs
     right after the section instead). Idempotent; ``signal.SIG_DFL``, ``SIG_IGN`` and None
-    (no Python code runs for those) come back unchanged."""
-    if isinstance(handler, GuardedHandler) or not callable(handler):
+    (no Python code runs for those) come back unchanged; anything else that is not callable is
+    refused (TypeError), as ``signal.signal`` would refuse it, but here, where it was passed."""
+    if isinstance(handler, GuardedHandler):
         return handler
+    if not callable(handler):
+        if handler is None or (type(handler) in (int, signal.Handlers) and handler in _DISPOSITIONS):
+            return handler
+        raise TypeError(
+            "guard_signal_handler: handler must be a callable taking (signum, frame), "
+            f"signal.SIG_DFL, signal.SIG_IGN or None, not {type(handler).__name__}"
+        )
     return GuardedHandler(handler)
+
+
+_DISPOSITIONS: Final = (signal.SIG_DFL, signal.SIG_IGN)
 
 
 def run_pending() -> None:
