@@ -12,10 +12,10 @@ are the only Python code a handler can run in. Each test here fails with the gua
 
 from __future__ import annotations
 
+import _thread
 import inspect
 import logging
 import os
-import _thread
 import random
 import signal
 import subprocess
@@ -257,7 +257,10 @@ def test_a_handler_after_the_section_or_outside_runs_at_once() -> None:
     with interrupted(("place",), lambda frame: frames.append(frame.f_back)):  # type: ignore[arg-type]
         ptr = a.malloc(512, stream=0)
     # the malloc frame of a finished call (the lock released, as before the check): not waiting
+    # for the lock; a handoff, but this guard is not SIGINT's installed handler, so no signal
+    # delivered again would come back to it: it runs at once
     assert frames[0].f_code is CachingAllocator._malloc.__code__  # malloc's body
+    assert signal.getsignal(signal.SIGINT) is not guarded
     guarded(signal.SIGINT, frames[0])
     assert len(log) == 1
     guarded(signal.SIGINT, sys._getframe())  # no allocator frame at all
@@ -393,7 +396,8 @@ def test_guard_wraps_once_and_leaves_non_handlers_alone() -> None:
     for other in (signal.SIG_DFL, signal.SIG_IGN, None, 0, 1):
         assert interrupts.guard(other) is other
     for bad in ("0", 2, 1.0, [0], object()):  # refused where they were passed, naming the kind
-        with pytest.raises(TypeError, match=rf"guard_signal_handler: handler must be .*not {type(bad).__name__}"):
+        refused = rf"guard_signal_handler: handler must be .*not {type(bad).__name__}"
+        with pytest.raises(TypeError, match=refused):
             gp.guard_signal_handler(bad)  # type: ignore[arg-type]
 
 

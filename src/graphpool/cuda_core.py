@@ -18,8 +18,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from graphpool import _warnings, runtime
-from graphpool.memory import alloc
 from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.memory import alloc
 from graphpool.streams import (
     CU_STREAM_LEGACY,
     CU_STREAM_PER_THREAD,
