@@ -34,7 +34,9 @@ Python's next check for signals (``_thread.interrupt_main``, ``_Again``) instead
 the frame has left: the handler then runs in the caller, where the result has its owner. This costs
 nothing until a signal comes: no code of the hot path changes. It needs the guard to be the
 installed handler of the signal (only then does the signal come back to it); a guard called
-some other way runs its handler at once, as before.
+some other way runs its handler at once, as before. The guard is Python code too, in both
+builds: a second signal that arrives while a guard decides about a first, or at a guard's
+entry, is delivered again the same way, never run inside the guard.
 
 graphpool guards Python's default SIGINT handler when it is imported, in both builds
 (``guard_default_sigint``), and again before each IPython cell (ipykernel puts the default
@@ -100,7 +102,8 @@ def in_critical(frame: FrameType | None = None) -> bool:
 
 
 _handoffs: set[CodeType] = set()
-"""The code of the functions registered with ``handoff`` (plain-Python build only)."""
+"""The code of the functions registered with ``handoff``: the handoffs of the plain-Python
+build, and in both builds the guard's own ``__call__`` (see below the class)."""
 
 _cast: Final = getattr(typing.cast, "__code__", None)
 """``typing.cast``'s code: called inside handoffs, its frame counts as its caller's."""
@@ -158,7 +161,7 @@ _AGAIN: Any = _Again()
 
 class GuardedHandler:
     """A signal handler that waits while the interrupted code is inside an allocator's critical
-    section, and then runs (``guard``). ``handler`` is the handler it wraps."""
+    section or a handoff, and then runs (``guard``). ``handler`` is the handler it wraps."""
 
     __slots__ = ("handler",)
 
@@ -174,8 +177,8 @@ class GuardedHandler:
         global _deciding
         if _deciding:
             # A second signal, arrived while a guard decides about a first (its checks are
-            # Python code, where Python checks for signals): run here, a handler that raised
-            # would leave the guard into the code the first one interrupted. Delivered again.
+            # Python code, where Python checks for signals). Not run here: raising, its handler
+            # would leave the guard into the code the first signal interrupted. Delivered again.
             if _installed(signum, self):
                 _AGAIN[signum]
                 return None
