@@ -12,6 +12,7 @@ are the only Python code a handler can run in. Each test here fails with the gua
 
 from __future__ import annotations
 
+import _thread
 import inspect
 import logging
 import os
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+import typing
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -255,7 +257,10 @@ def test_a_handler_after_the_section_or_outside_runs_at_once() -> None:
     with interrupted(("place",), lambda frame: frames.append(frame.f_back)):  # type: ignore[arg-type]
         ptr = a.malloc(512, stream=0)
     # the malloc frame of a finished call (the lock released, as before the check): not waiting
+    # for the lock; a handoff, but this guard is not SIGINT's installed handler, so no signal
+    # delivered again would come back to it: it runs at once
     assert frames[0].f_code is CachingAllocator._malloc.__code__  # malloc's body
+    assert signal.getsignal(signal.SIGINT) is not guarded
     guarded(signal.SIGINT, frames[0])
     assert len(log) == 1
     guarded(signal.SIGINT, sys._getframe())  # no allocator frame at all
@@ -388,8 +393,12 @@ def test_guard_wraps_once_and_leaves_non_handlers_alone() -> None:
     assert isinstance(g, GuardedHandler) and g.handler is h and inspect.unwrap(g) is h
     assert gp.guard_signal_handler(g) is g
     assert "guard_signal_handler" in repr(g)
-    for other in (signal.SIG_DFL, signal.SIG_IGN, None):
+    for other in (signal.SIG_DFL, signal.SIG_IGN, None, 0, 1):
         assert interrupts.guard(other) is other
+    for bad in ("0", 2, 1.0, [0], object()):  # refused where they were passed, naming the kind
+        refused = rf"guard_signal_handler: handler must be .*not {type(bad).__name__}"
+        with pytest.raises(TypeError, match=refused):
+            gp.guard_signal_handler(bad)  # type: ignore[arg-type]
 
 
 def test_importing_graphpool_guards_the_default_sigint_handler_in_both_builds() -> None:
@@ -764,3 +773,227 @@ def test_a_deferred_handler_that_raises_at_the_end_of_a_malloc_gives_the_block_b
     a.check_invariants()
     assert a.memory_stats()["allocated_bytes.all.current"] == 0
     assert a.memory_stats()["reserved_bytes.all.current"] > 0  # the segment stays cached
+
+
+# ----------------------------------------------------------------------- handoffs
+@posix
+@main_only
+def test_a_signal_inside_a_handoff_runs_its_handler_in_the_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real signal (Python delivers it, and the guard delivers it again through
+    ``_thread.interrupt_main``) landing in a registered handoff: its handler runs once, in the
+    caller, after the handoff returned; not in the handoff, nor in the guard's own frames."""
+    got: list[str] = []
+    inside: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        got.append(frame.f_code.co_name if frame is not None else "")
+
+    def handoff() -> int:
+        signal.raise_signal(signal.SIGUSR1)  # Python checks right after the call, here
+        inside.append(len(got))
+        return 1
+
+    monkeypatch.setattr(interrupts, "_handoffs", {*interrupts._handoffs})
+    interrupts.handoff(handoff)
+    guarded = gp.guard_signal_handler(handler)
+    old = signal.signal(signal.SIGUSR1, guarded)
+    try:
+        handoff()
+        caller = sys._getframe().f_code.co_name
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert inside == [0]
+    assert got == [caller]
+    # a guard that is not the signal's installed handler is never called again: it runs at once
+    frame = sys._getframe()
+    monkeypatch.setattr(interrupts, "_handoffs", {frame.f_code})
+    guarded(signal.SIGUSR1, frame)
+    assert got == [caller, caller]
+
+
+class _Trip:
+    """``_Trip()[signum]`` marks ``signum`` arrived (as the guard's ``_AGAIN`` does): Python runs
+    its handler at the next check, in the frame that made this subscript's caller run."""
+
+    __getitem__ = _thread.interrupt_main
+
+
+@posix
+@main_only
+def test_a_second_signal_while_the_guard_decides_waits_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGUSR2 arrives while the guard's own code runs for a SIGUSR1 that landed in a handoff (the
+    guard asks each allocator's lock whether this thread owns it: Python code, where Python
+    checks for signals). Its handler must not run there (raising, it would leave the guard and
+    enter the handoff): both run in the caller, after the handoff."""
+    got: list[tuple[int, str]] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        got.append((signum, frame.f_code.co_name if frame is not None else ""))
+
+    class TrippingLock:
+        """Asked by the guard, it makes SIGUSR2 arrive (once): Python checks for it right after,
+        in the guard's own frame."""
+
+        armed = True
+
+        def _is_owned(self) -> bool:
+            if self.armed:
+                self.armed = False
+                _Trip()[signal.SIGUSR2]
+            return False
+
+    lock = TrippingLock()
+    keep = interrupts.section(lock)  # registered while this lives
+    inside: list[int] = []
+
+    def handoff() -> None:
+        signal.raise_signal(signal.SIGUSR1)
+        inside.append(len(got))
+
+    monkeypatch.setattr(interrupts, "_handoffs", {*interrupts._handoffs, handoff.__code__})
+    old1 = signal.signal(signal.SIGUSR1, gp.guard_signal_handler(handler))
+    old2 = signal.signal(signal.SIGUSR2, gp.guard_signal_handler(handler))
+    try:
+        handoff()
+        here = sys._getframe().f_code.co_name
+    finally:
+        signal.signal(signal.SIGUSR1, old1)
+        signal.signal(signal.SIGUSR2, old2)
+    del keep
+    assert not lock.armed  # the guard asked it
+    assert inside == [0], got  # no handler ran before the handoff's end
+    assert sorted(got) == [(signal.SIGUSR1, here), (signal.SIGUSR2, here)]
+
+
+def test_typing_cast_called_by_a_handoff_counts_as_its_caller() -> None:
+    def window() -> None:
+        pass
+
+    interrupts.handoff(window, len)  # a builtin (as a compiled function) has no code: skipped
+    try:
+        cast_code = typing.cast.__code__  # type: ignore[attr-defined]
+        assert interrupts.in_handoff(SimpleNamespace(f_code=window.__code__, f_back=None))  # type: ignore[arg-type]
+        inner = SimpleNamespace(f_code=cast_code, f_back=SimpleNamespace(f_code=window.__code__))
+        assert interrupts.in_handoff(inner)  # type: ignore[arg-type]
+        elsewhere = SimpleNamespace(f_code=cast_code, f_back=sys._getframe())
+        assert not interrupts.in_handoff(elsewhere)  # type: ignore[arg-type]
+        assert not interrupts.in_handoff(None)
+    finally:
+        interrupts._handoffs.discard(window.__code__)
+
+
+class Emulated:
+    """Python's signal checks, emulated at every bytecode (``sys.settrace`` opcode events: CPython
+    checks at fewer points, calls and loops, so this is the stricter test). The signal "arrives"
+    before the ``at``-th traced bytecode; the guarded handler is then called with that frame, as
+    Python calls it, and a signal the guard delivers again (``interrupts._AGAIN``, which this
+    replaces) is checked again at the next bytecode. Counts the bytecodes (``seen``)."""
+
+    def __init__(self, guarded: GuardedHandler, at: int) -> None:
+        self.guarded = guarded
+        self.at = at
+        self.seen = 0
+        self.tripped = False
+
+    def __getitem__(self, signum: int) -> None:  # what the guard calls to deliver it again
+        assert signum == signal.SIGINT
+        self.tripped = True
+
+    def trace(self, frame: FrameType, event: str, arg: object) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            self.seen += 1
+            if self.seen == self.at:
+                self.tripped = True
+            if self.tripped:
+                self.tripped = False
+                self.guarded(signal.SIGINT, frame)  # its exception enters the traced code here
+        return self.trace
+
+
+def _alloc_free() -> None:
+    gp.alloc(4096).free()
+
+
+def _alloc_drop() -> None:
+    b = gp.alloc(4096)
+    del b  # the finalizer frees it
+
+
+def _alloc_on_stream_record_drop() -> None:
+    b = gp.alloc(4096, _HANDOFF_STREAMS[0])
+    b.record_stream(_HANDOFF_STREAMS[1])
+    del b
+
+
+def _with_block() -> None:
+    with gp.alloc(1 << 20):
+        pass
+
+
+_HANDOFF_STREAMS: list[gp.Stream] = []
+HANDOFF_OPS = {
+    f.__name__.strip("_"): f for f in (_alloc_free, _alloc_drop, _alloc_on_stream_record_drop, _with_block)
+}
+
+
+def _run_emulated(op: Callable[[], None], at: int, monkeypatch: pytest.MonkeyPatch) -> tuple[int, int]:
+    """``op()`` with a guarded SIGINT arriving before its ``at``-th bytecode (``Emulated``); then
+    everything freed. Returns (bytecodes traced, handler runs)."""
+    ran: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        ran.append(signum)
+        raise Interrupt
+
+    emu = Emulated(GuardedHandler(handler), at)
+    monkeypatch.setattr(interrupts, "_AGAIN", emu)
+    old = signal.signal(signal.SIGINT, emu.guarded)  # the guard delivers again only its own signal
+    try:
+        sys.settrace(emu.trace)
+        try:
+            op()
+        finally:
+            sys.settrace(None)
+        if emu.tripped:  # delivered again after op's last bytecode: Python's next check is here
+            emu.guarded(signal.SIGINT, sys._getframe())
+    except Interrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGINT, old)
+    return emu.seen, len(ran)
+
+
+@main_only
+@pytest.mark.parametrize("op", list(HANDOFF_OPS))
+def test_a_guarded_handler_at_any_bytecode_of_an_allocation_or_free_loses_no_owner(
+    op: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain-Python build: between the allocator's release and the DeviceBuffer's creation, and
+    between a buffer marking itself freed and its block reaching the allocator, a handler that
+    raised lost the allocation (allocated, with no owner). Every bytecode is tried. Compiled,
+    those steps have no bytecode and the same checks hold."""
+    gp.set_backend("sim")
+    _HANDOFF_STREAMS[:] = [gp.Stream(), gp.Stream()]
+    fn = HANDOFF_OPS[op]
+    fn()  # warm: routes kept, segments cached
+    gp.synchronize()
+    gp.alloc(512).free()  # carries out the frees a finalizer queued
+    total, _ = _run_emulated(fn, 0, monkeypatch)  # no signal: how many bytecodes
+    assert total > 0
+    missed = []
+    for at in range(1, total + 1):
+        seen, n = _run_emulated(fn, at, monkeypatch)
+        assert n <= 1, f"{op}: the handler ran {n} times for one signal (bytecode {at})"
+        if n == 0 and at <= seen:
+            missed.append(at)
+        gp.synchronize()
+        gp.alloc(512).free()
+        st = gp.memory_stats()
+        assert st["allocated_bytes.all.current"] == 0, f"{op}: an owner was lost (signal at bytecode {at})"
+    assert not missed, f"{op}: signals never handled, at bytecodes {missed}"
+    gp.check_invariants()
+    gp.synchronize()
+    gp.empty_cache()
+    assert gp.memory_stats()["reserved_bytes.all.current"] == 0
+    _HANDOFF_STREAMS.clear()

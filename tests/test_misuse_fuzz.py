@@ -20,7 +20,10 @@ arrays, streams, events, captures, replays) with misuse:
   ``make_graphed_callable(s)``'s warm-up counts, ``CUDAGraph(keep_graph=...)`` with
   ``instantiate``/``raw_cuda_graph``, ``reset()`` inside a graph block, ``graphpool.cupy.malloc``
   before ``install()``, the limit setters and ``set_allocator_config``, and a size object whose
-  ``__index__`` answers differently each time.
+  ``__index__`` answers differently each time;
+* the other public entries that take arguments (``guard_signal_handler``, the out-of-memory
+  observers, ``set_capture_detection``, ``set_replay_checks``, ``dump_snapshot``,
+  ``torch_snapshot``, the limit getters and statistics readers) with wrong values.
 
 Every call must return or raise a ``TypeError``, ``ValueError``, ``BufferError`` or
 ``GraphpoolError`` (which covers ``OutOfMemoryError``) with a message, or a kind the call
@@ -556,6 +559,39 @@ class Sequence:
             (lambda: gp.set_memory_limit(bad), ()),
             (lambda: gp.set_per_process_memory_fraction(bad if bad != 0 else 2.5), ()),
             (flaky_alloc, ()),
+        ]
+        fn, also = self.pick(calls)
+        self.call(name, fn, also=also)
+
+    def a_other_entries(self, name: str) -> None:
+        """The remaining public entries that take arguments: signal guards, out-of-memory
+        observers, capture detection, replay checks, snapshots, limits and statistics readers."""
+        gp = self.gp
+        bad = self.pick(["0", -1, 2, 7, 1.5, None, True, [0], 2**65, object(), "bogus"])
+        observer = self.pick([bad, lambda device, requested, stats: None])
+
+        def attach_detach() -> None:
+            gp.attach_out_of_memory_observer(observer)
+            gp.detach_out_of_memory_observer(observer)
+
+        def detection() -> None:
+            try:
+                gp.set_capture_detection(bad)
+            finally:
+                gp.set_capture_detection(True)
+
+        calls: list[tuple[Callable[[], Any], tuple[type[Exception], ...]]] = [
+            (lambda: gp.guard_signal_handler(bad), ()),
+            (attach_detach, ()),
+            (lambda: gp.detach_out_of_memory_observer(bad), ()),
+            (detection, ()),
+            (lambda: gp.set_replay_checks(bad), ()),
+            (lambda: gp.dump_snapshot(5 if isinstance(bad, str) else bad), ()),  # writes no file
+            (lambda: gp.torch_snapshot(bad), ()),
+            (lambda: self.pick([gp.get_memory_limit, gp.get_per_process_memory_fraction])(bad), ()),
+            (lambda: self.pick([gp.max_memory_allocated, gp.max_memory_reserved])(bad), ()),
+            (lambda: self.pick([gp.memory_allocated, gp.memory_reserved, gp.memory_summary])(bad), ()),
+            (lambda: self.pick([gp.reset_accumulated_memory_stats, gp.check_invariants])(bad), ()),
         ]
         fn, also = self.pick(calls)
         self.call(name, fn, also=also)

@@ -11,6 +11,7 @@ import gc
 import importlib
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -234,6 +235,49 @@ def test_deallocate_on_another_stream_orders_reuse(core: Any, request: pytest.Fi
     assert sim.read(ptr, 4096, s.handle) == b"\xaa" * 4096  # t's write came first
     other.close(s)
     again.close(s)
+
+
+@pytest.mark.parametrize("given", ["int", "stream"])
+def test_deallocate_on_the_per_thread_default_stream_waits_for_the_legacy_stream(
+    core: Any, given: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuda.core deallocates with its default stream, the per-thread one (handle 2) under
+    per-thread default streams, from finalizers too: not refused (that would leak), but that
+    handle names another stream on the thread that carries the free out later. Reuse waits for
+    the legacy stream instead (CUDA orders it after every thread's per-thread stream); no event
+    is ever recorded on handle 2."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    sim = runtime.get().device(0)
+    recorded: list[int] = []
+    real_record = sim.record_event
+
+    def record_event(event: int, stream: int) -> None:
+        recorded.append(stream)
+        real_record(event, stream)
+
+    monkeypatch.setattr(sim, "record_event", record_event)
+    buf = mr.allocate(4096, stream=s)
+    ptr = int(buf.handle)
+    sim.launch_sleep(0, rounds=50)  # the legacy stream is busy
+    ptds = 2 if given == "int" else types.SimpleNamespace(__cuda_stream__=lambda: (0, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: the free is ordered
+        buf.close(ptds)  # MemoryResource.deallocate(ptr, size, stream)
+    other = mr.allocate(4096, stream=s)
+    assert int(other.handle) != ptr  # not while the legacy stream's work so far may run
+    assert recorded and 2 not in recorded and set(recorded) == {0}
+    sim.stream_synchronize(0)
+    again = mr.allocate(4096, stream=s)
+    assert int(again.handle) == ptr
+    other.close(s)
+    again.close(s)
+    # the legacy stream's handle (1) is graphpool's legacy stream: the same wait, by the same name
+    buf = mr.allocate(4096, stream=s)
+    recorded.clear()
+    buf.close(1)
+    mr.allocate(512, stream=s).close(s)  # carries the queued free out
+    assert recorded == [0]
 
 
 def test_stream_handle_forms(core: Any) -> None:

@@ -196,8 +196,9 @@ def guard_signal_handler(
     of Python code, which in the plain-Python build is the whole allocator and compiled is the
     code it calls in the middle of an update (the device's, the history's). graphpool installs
     ``guard_signal_handler(signal.default_int_handler)`` for SIGINT itself
-    (docs/behaviour.rst, "Interrupts"). Idempotent; ``signal.SIG_DFL`` and ``SIG_IGN`` come
-    back unchanged. The wrapper's ``handler`` attribute is the handler it wraps.
+    (docs/behaviour.rst, "Interrupts"). Idempotent; ``signal.SIG_DFL``, ``SIG_IGN`` and None
+    come back unchanged, anything else not callable is refused (TypeError). The wrapper's
+    ``handler`` attribute is the handler it wraps.
     """
     guarded: Callable[[int, FrameType | None], Any] = _interrupts.guard(handler)
     return guarded

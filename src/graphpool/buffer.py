@@ -29,6 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from graphpool.errors import DoubleFreeError
+from graphpool.policy import interrupts
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
@@ -239,3 +240,14 @@ class DeviceBuffer:
     def __repr__(self) -> str:
         state = "" if self._live else ", freed"
         return f"<graphpool.DeviceBuffer 0x{self._ptr:x}, {self._nbytes} bytes, device {self.device}{state}>"
+
+
+# Plain-Python build: a guarded signal handler waits until these have handed their block on
+# (policy/interrupts.py, "Handoffs"): a buffer being made, and a free on its way to the allocator.
+interrupts.handoff(
+    DeviceBuffer.__init__,
+    DeviceBuffer.free,
+    DeviceBuffer.__del__,
+    DeviceBuffer._free_after,
+    DeviceBuffer.__deepcopy__,
+)

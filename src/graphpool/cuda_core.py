@@ -18,9 +18,17 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from graphpool import runtime
+from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.framework_captures import CaptureHooks
 from graphpool.memory import alloc
-from graphpool.streams import Stream, cuda_stream_handle, current_stream, resolve_handle
+from graphpool.streams import (
+    CU_STREAM_LEGACY,
+    CU_STREAM_PER_THREAD,
+    Stream,
+    cuda_stream_handle,
+    current_stream,
+    resolve_handle,
+)
 
 if TYPE_CHECKING:
     from cuda.core import MemoryResource
@@ -106,7 +114,14 @@ def _make_class() -> type[MemoryResource]:
             """Return a buffer to graphpool; ``stream``'s work so far finishes before reuse.
 
             Never takes the allocator's lock (it may run from a finalizer): the DeviceBuffer
-            is dropped and its free is queued.
+            is dropped and its free is queued. CUDA's per-thread default stream (2) is not
+            refused, unlike everywhere else: a deallocation cannot fail cleanly (cuda.core
+            deallocates from its buffers' finalizers, with the default stream, which is the
+            per-thread one under per-thread default streams, and a refusal there leaks the
+            memory). Its handle names the calling thread's stream only in this call, and the
+            free is carried out later, maybe on another thread; so reuse waits for the legacy
+            default stream instead, which CUDA orders after the work queued so far on every
+            blocking stream, every thread's per-thread default stream included.
             """
             if int(ptr) == 0:  # a null buffer holds nothing
                 return
@@ -115,6 +130,8 @@ def _make_class() -> type[MemoryResource]:
                 return
             if stream is not None:
                 handle = stream_handle(stream)
+                if handle in (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
+                    handle = LEGACY_STREAM  # (graphpool's name of the legacy stream)
                 if handle != buf.stream.handle:
                     # Reuse waits for the freeing stream's work, as after record_stream. No
                     # wait_stream: were ``stream`` capturing, the buffer's stream would join it.

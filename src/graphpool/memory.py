@@ -9,7 +9,7 @@ from typing import Any, Final, SupportsFloat, SupportsIndex
 
 from graphpool import routing, runtime
 from graphpool.buffer import _KEY, DeviceBuffer
-from graphpool.policy import observers
+from graphpool.policy import interrupts, observers
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.limits import check_fraction, check_limit_bytes
 from graphpool.policy.private_pools import PoolId
@@ -78,6 +78,9 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
         return DeviceBuffer(None, 0, s, a, _KEY)
     block = a.malloc_owned(size, stream=route.handle)  # validates the size
     return DeviceBuffer(block, n, s, a, _KEY)
+
+
+interrupts.handoff(alloc)  # plain: a guarded handler waits until the block has its buffer (interrupts.py)
 
 
 def _find_current(ident: int) -> Entry:

@@ -2613,3 +2613,16 @@ class CachingAllocator:
         from graphpool.policy.check import check_invariants
 
         check_invariants(self)
+
+
+# Plain-Python build: after these released the lock, their result is still on its way to its
+# owner; a guarded signal handler waits until it is there (policy/interrupts.py, "Handoffs").
+interrupts.handoff(
+    CachingAllocator.malloc,
+    CachingAllocator.malloc_owned,
+    CachingAllocator._malloc,
+    CachingAllocator._signals_after_malloc,
+    CachingAllocator._run_locked,
+    CachingAllocator.free_owned,
+    CachingAllocator.defer_free,
+)

@@ -24,6 +24,20 @@ runs at once, so a deferred handler is never lost. Handlers run in the main thre
 Python runs them: another thread's check sees a pending handler but leaves it to the main
 thread. Like POSIX signals, a signal deferred twice runs once.
 
+Handoffs (plain-Python build): a result changes hands outside any lock. ``gp.alloc`` gets a
+block from the allocator, whose lock is released by then, and makes the DeviceBuffer that owns
+it; a buffer's ``free`` or finalizer marks the buffer freed and then hands the block to the
+allocator. Compiled, those steps have no bytecode; plain, a handler that raised between them
+would lose the allocation. Their functions are registered (``handoff``), and a signal whose
+interrupted frame runs one of them (or ``typing.cast`` called by one) is delivered again at
+Python's next check for signals (``_thread.interrupt_main``, ``_Again``) instead of now, until
+the frame has left: the handler then runs in the caller, where the result has its owner. This costs
+nothing until a signal comes: no code of the hot path changes. It needs the guard to be the
+installed handler of the signal (only then does the signal come back to it); a guard called
+some other way runs its handler at once, as before. The guard is Python code too, in both
+builds: a second signal that arrives while a guard decides about a first, or at a guard's
+entry, is delivered again the same way, never run inside the guard.
+
 graphpool guards Python's default SIGINT handler when it is imported, in both builds
 (``guard_default_sigint``), and again before each IPython cell (ipykernel puts the default
 handler back before running one).
@@ -31,13 +45,15 @@ handler back before running one).
 
 from __future__ import annotations
 
+import _thread
 import signal
 import sys
 import threading
+import typing
 import weakref
 from collections.abc import Callable
-from types import FrameType
-from typing import Any
+from types import CodeType, FrameType
+from typing import Any, Final
 
 Handler = Callable[[int, FrameType | None], Any]
 """A Python-level signal handler, as ``signal.signal`` takes it."""
@@ -85,9 +101,67 @@ def in_critical(frame: FrameType | None = None) -> bool:
     return any(_owned(s.lock) for s in list(_sections))
 
 
+_handoffs: set[CodeType] = set()
+"""The code of the functions registered with ``handoff``: the handoffs of the plain-Python
+build, and in both builds the guard's own ``__call__`` (see below the class)."""
+
+_cast: Final = getattr(typing.cast, "__code__", None)
+"""``typing.cast``'s code: called inside handoffs, its frame counts as its caller's."""
+
+
+def handoff(*functions: object) -> None:
+    """Register ``functions`` as ownership handoffs (module docstring). A compiled function has
+    no code object and is skipped: compiled, a handoff has no bytecode a handler could run in."""
+    for fn in functions:
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, CodeType):
+            _handoffs.add(code)
+
+
+def in_handoff(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (the interrupted frame) runs a registered handoff."""
+    if frame is None:
+        return False
+    code = frame.f_code
+    if code is _cast and frame.f_back is not None:
+        code = frame.f_back.f_code
+    return code in _handoffs
+
+
+_getsignal: Final[Callable[[int], Any]] = getattr(sys.modules.get("_signal"), "getsignal", signal.getsignal)
+"""``signal.getsignal`` without its Python wrapper (which maps the result to an enum): Python
+code, where Python would check for signals while the guard decides."""
+
+_deciding = False
+"""True while a guard decides what to do with a signal (``GuardedHandler.__call__``)."""
+
+
+def _installed(signum: int, guard: GuardedHandler) -> bool:
+    """Whether ``guard`` is the installed handler of ``signum``: only then does a signal
+    delivered again come back to it."""
+    try:
+        return _getsignal(signum) is guard
+    except (ValueError, OSError):  # not a signal number Python handles here
+        return False
+
+
+class _Again:
+    """``_AGAIN[signum]`` delivers ``signum`` again at Python's next check for signals.
+
+    ``_thread.interrupt_main(signum)`` only marks the signal as arrived. Called through a
+    ``CALL``, Python would check for signals right after it, in the guard's own frame, and
+    run the handler there; through the subscript slot no check follows, so the next one is in
+    the interrupted code (``__getitem__`` is a builtin: not bound, it gets ``signum`` only)."""
+
+    __getitem__ = _thread.interrupt_main
+
+
+_AGAIN: Any = _Again()
+
+
 class GuardedHandler:
     """A signal handler that waits while the interrupted code is inside an allocator's critical
-    section, and then runs (``guard``). ``handler`` is the handler it wraps."""
+    section or a handoff, and then runs (``guard``). ``handler`` is the handler it wraps."""
 
     __slots__ = ("handler",)
 
@@ -100,9 +174,28 @@ class GuardedHandler:
         return self.handler
 
     def __call__(self, signum: int, frame: FrameType | None) -> Any:
-        if in_critical(frame):
-            if all(s != signum for _, s, _ in pending):  # a signal is not queued twice
-                pending.append((self.handler, signum, frame))
+        global _deciding
+        if _deciding:
+            # A second signal, arrived while a guard decides about a first (its checks are
+            # Python code, where Python checks for signals). Not run here: raising, its handler
+            # would leave the guard into the code the first signal interrupted. Delivered again.
+            if _installed(signum, self):
+                _AGAIN[signum]
+                return None
+            return self.handler(signum, frame)
+        _deciding = True
+        try:
+            if in_critical(frame):
+                if all(s != signum for _, s, _ in pending):  # a signal is not queued twice
+                    pending.append((self.handler, signum, frame))
+                return None
+            later = in_handoff(frame) and _installed(signum, self)
+        finally:
+            _deciding = False
+        if later:
+            # Delivered again until the handoff has left the frame (module docstring). No
+            # call from here on: Python checks for signals after each call.
+            _AGAIN[signum]
             return None
         return self.handler(signum, frame)
 
@@ -110,13 +203,30 @@ class GuardedHandler:
         return f"graphpool.guard_signal_handler({self.handler!r})"
 
 
+# A signal checked for at the entry of a guard, or after its decision (Python handles signals
+# one after the other, and each guard is Python code): delivered again too, not run inside the
+# guard, which runs inside the code the first signal interrupted.
+handoff(GuardedHandler.__call__)
+
+
 def guard(handler: Any) -> Any:
     """``handler`` wrapped so that it never runs inside an allocator's critical section (it runs
     right after the section instead). Idempotent; ``signal.SIG_DFL``, ``SIG_IGN`` and None
-    (no Python code runs for those) come back unchanged."""
-    if isinstance(handler, GuardedHandler) or not callable(handler):
+    (no Python code runs for those) come back unchanged; anything else that is not callable is
+    refused (TypeError), as ``signal.signal`` would refuse it, but here, where it was passed."""
+    if isinstance(handler, GuardedHandler):
         return handler
+    if not callable(handler):
+        if handler is None or (type(handler) in (int, signal.Handlers) and handler in _DISPOSITIONS):
+            return handler
+        raise TypeError(
+            "guard_signal_handler: handler must be a callable taking (signum, frame), "
+            f"signal.SIG_DFL, signal.SIG_IGN or None, not {type(handler).__name__}"
+        )
     return GuardedHandler(handler)
+
+
+_DISPOSITIONS: Final = (signal.SIG_DFL, signal.SIG_IGN)
 
 
 def run_pending() -> None:
