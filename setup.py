@@ -27,6 +27,8 @@ COMPILED = [
     "src/graphpool/policy/pools.py",
     "src/graphpool/policy/stats.py",
     "src/graphpool/policy/private_pools.py",
+    "src/graphpool/policy/logs.py",
+    "src/graphpool/policy/heap.py",
     "src/graphpool/policy/allocator.py",
     "src/graphpool/routing.py",
     "src/graphpool/memory.py",

@@ -19,6 +19,8 @@ COMPILED = (
     "policy/pools",
     "policy/stats",
     "policy/private_pools",
+    "policy/logs",
+    "policy/heap",
     "policy/allocator",
     "routing",
     "memory",

@@ -1,42 +1,69 @@
 """CachingAllocator: the caching policy of one device, with private pools for capture.
 
-Plain Python over a ``Device`` (device/protocol.py). Requests round to 512 B, go to
-the small (<= 1 MiB) or large pool, and take the best-fitting free block of their own
-stream; what no block fits comes from a new segment. Freed blocks merge with free
-neighbours and return to the pool they came from.
+Plain Python over a ``Device`` (device/protocol.py). Requests round to 512 B, go to the small
+(<= 1 MiB) or large pool, and take the best-fitting free block of their own stream; what no
+block fits comes from a new segment. Freed blocks merge with free neighbours and return to
+the pool they came from. While a capture is underway, its stream's requests are served from
+its private pool.
 
-Captures: while one is underway on this device (``_capturing`` > 0), requests on a
-stream that belongs to a registered capture are served from that capture's private
-pool. Captures begun outside graphpool (CuPy's ``Stream.begin_capture``, a raw
-``cudaStreamBeginCapture``) are *detected*: with detection on (the default) every
-malloc asks the device for its stream's capture id (one cheap query, from C on the CUDA
-backend) and adopts an unknown capture into a private pool of its own, released when the
-device reports the graph and all its executable instances destroyed (a CUDA user object,
-see ``Device.attach_release``). During a capture only a block of an underway capture's own
-pool goes back at once; every other free is kept for the graphs (``_captures_for_free``).
-No event is ever recorded into a capture (``_insert_events``, the one place events are
-recorded, asks the device first).
+The class is built in layers, one module per concern, each layer a base class of the next
+(single inheritance of native classes: compiled by mypyc, every field read stays a native
+read, where traits would cost a table lookup per attribute):
 
-CUDA's capture rules are process-wide, so the captures of every allocator of a runtime
-are counted in one shared ``CaptureWorld``. While any is underway the allocator never
-queries events, never synchronizes and never frees device memory: those acts each go
-through one method that checks it (``_query_event``, ``_synchronize_events``,
-``_release_segment``); driver allocations and event queries run under the relaxed
-capture mode, so they never invalidate a capture graphpool has not seen yet.
+=========================  ====================================================================
+heap.Heap                  blocks, split and merge, the segment registry, pointer lookups
+                           and errors, the ownership of allocations
+captures.Captures          routing during captures, begin/adopt/end/abort/release/sweep,
+                           private pools, blocks kept for graphs
+stream_uses.StreamUses     frees that wait: record_stream events, deferrals, orphans
+segments.Segments          device malloc, limits, garbage collection, oversize release,
+                           giving segments back, the out-of-memory error
+expandable.Expandable      expandable segments: grow, shrink, stream takeover
+reports.Reports            statistics, snapshots, the history, the invariant check
+CachingAllocator (here)    the lock protocol, the hand-written malloc and free, the fallback
+                           chain, every public method
+=========================  ====================================================================
 
-Finalizers never take the lock: ``defer_free`` queues a pointer that the next call drains.
-The lock is reentrant, so every locked call marks the allocator ``_busy``: a call that
-re-enters on the same thread (user code run by garbage collection inside a call) must not
-see half-updated state. ``free`` then queues the pointer; anything else raises.
+A layer calls only down, with three exceptions declared where they are needed: ``_drain``
+(declared by the heap, defined here: it owns the free path) and ``_insert_events`` /
+``_flush_deferred`` (declared by captures.py, defined by stream_uses.py). docs/architecture.rst
+follows an allocation through them.
 
-Signals: a call holding the lock is a critical section for a guarded signal handler
-(policy/interrupts.py, both builds): a handler whose signal lands there runs right after the
-lock is released (each locked call tests ``_signals`` then), never with the lock held.
-Out-of-memory observers and the OOM log line run after the release too (``_after_oom``).
-Every call out to Python code in the middle of an update (the device, the history, logging)
-finds the state consistent or rolls its update back if it raises: an unguarded handler's
-exception there, the only place one can land compiled, breaks no invariant
-(docs/behaviour.rst, "Interrupts", states what a device call that raised may have cost).
+Note [The hand-written hot path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+``_malloc`` and ``_free`` are the cached pair every allocation pays for, so they write out
+what the layers below would otherwise do in calls: the rounding (``SizeConfig.round_size``),
+the capture test and routing (captures.py is called only while a capture is registered or
+the stream is not the legacy one), the best fit (``FreeList.best_fit`` written as one
+bisect), the split (the rule of ``_split_rest``'s docstring), and the statistics. Compiled,
+each call saved is tens of instructions of a pair of about 4,000; callgrind counts them
+(benchmarks/pair_instructions.py). What they write out must agree with the layer's own
+method: the property machines (tests/property) run both paths. Other details of the pair:
+the address is returned as the int object filed in ``_active``, so a free given that same
+object finds the block without boxing a new int; ``malloc_owned``'s Block is returned
+itself and never filed, saving the dictionary insert and lookup.
+
+Note [Signals and the lock]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Every public call takes the allocator's reentrant lock and marks the allocator ``_busy``:
+a call that re-enters on the same thread (user code run by garbage collection inside a
+call) must not see half-updated state, so ``free`` then queues the pointer and anything
+else raises. Finalizers never take the lock: ``defer_free`` queues a pointer that the next
+call drains (``_pending``, ``_drain``).
+
+A call holding the lock is a critical section for a guarded signal handler
+(policy/interrupts.py, both builds): a handler whose signal lands there runs right after
+the lock is released (each call tests ``_signals`` then), never with the lock held. The
+lock is taken with ``with`` on C methods (compiled through ``_Held``), and nothing runs
+between setting ``_busy`` and the ``try`` that clears it, so a KeyboardInterrupt can
+neither keep the lock nor leave the allocator busy. Out-of-memory observers and the OOM log
+line run after the release too (``_after_oom``). Every call out to Python code in the
+middle of an update (the device, the history, logging) finds the state consistent or rolls
+its update back if it raises: an unguarded handler's exception there, the only place one
+can land compiled, breaks no invariant (docs/behaviour.rst, "Interrupts", states what a
+device call that raised may have cost). A handler that raises after a call completed makes
+the caller lose its result: malloc and ``begin_capture`` give theirs back (``_undo_malloc``,
+the ``undo`` of ``_run_locked``).
 """
 
 from __future__ import annotations
@@ -44,7 +71,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from bisect import bisect_left, bisect_right, insort
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final, NoReturn, SupportsIndex, TypeVar, cast
@@ -59,13 +86,14 @@ from graphpool.device.protocol import (
 from graphpool.errors import (
     CaptureError,
     DoubleFreeError,
-    ForeignPointerError,
     GraphpoolError,
     OutOfMemoryError,
 )
-from graphpool.policy import interrupts, observers
+from graphpool.policy import interrupts, logs, observers
 from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.freelist import Bins, FreeList, bisect_sizes, past_tails
+from graphpool.policy.heap import LEGACY as _LEGACY
+from graphpool.policy.heap import Heap
 from graphpool.policy.history import History
 from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import DEFAULT, SizeConfig
@@ -78,11 +106,10 @@ from graphpool.policy.private_pools import (
     new_graph_pool_id,
     new_release_token,
 )
-from graphpool.policy.stats import PoolStats
 from graphpool.policy.units import fmt_bytes
 
 _Lock: Callable[[], Any]
-try:  # the C lock, built with the compiled modules (graphpool/policy/_lock.c; NOTES entry 36)
+try:  # the C lock, built with the compiled modules (graphpool/policy/_lock.c)
     from graphpool.policy._lock import RLock as _CLock
 
     _Lock = _CLock
@@ -94,31 +121,9 @@ except ImportError:
     except ImportError:  # no fastrlock wheel (PyPy): the stdlib's reentrant lock, slower
         _Lock = threading.RLock
 
-_log = logging.getLogger("graphpool")
-_cached: Any = getattr(_log, "_cache", None)
-_LEVELS: dict[int, bool] = _cached if isinstance(_cached, dict) else {}
-"""The logger's own cache of ``isEnabledFor`` answers (cleared in place on level changes)."""
-_log.isEnabledFor(logging.DEBUG)  # fill it for the levels the allocator tests
-_log.isEnabledFor(logging.INFO)
+T = TypeVar("T")
 
-
-def _enabled(level: int) -> bool:
-    """``_log.isEnabledFor(level)``, read from the logger's cache when it holds the answer.
-
-    Compiled, that read runs no Python code, so no signal handler can run inside it (Python
-    runs handlers between bytecodes, and ``isEnabledFor`` is bytecode): the allocator tests the
-    level in the middle of updates, where a KeyboardInterrupt would leave a block filed
-    nowhere (benchmarks/NOTES.md, entry 25). A miss (the first test after a level change)
-    asks the logger itself, which fills the cache.
-    """
-    if _log.disabled:
-        return False
-    hit = _LEVELS.get(level)
-    return _log.isEnabledFor(level) if hit is None else hit
-
-
-"""Slow paths only (segments, captures, pools, out-of-memory, limits), each behind an
-``isEnabledFor`` test: the cached malloc and free never touch it (docs/behaviour.rst, "Logging")."""
+_COMPILED: Final = not __file__.endswith(".py")  # as graphpool.build.compiled() tells
 
 
 def _thread_alive(ident: int) -> bool:
@@ -126,29 +131,34 @@ def _thread_alive(ident: int) -> bool:
     return any(t.ident == ident for t in threading.enumerate())
 
 
-T = TypeVar("T")
-
-_COMPILED: Final = not __file__.endswith(".py")  # as graphpool.build.compiled() tells
-_LEGACY: Final = 0
-"""The legacy stream's handle (device/protocol.py's LEGACY_STREAM), a constant compiled in."""
-_NO_CAPTURES: Final[tuple[CaptureRecord, ...]] = ()
 SWEEP_EVERY: Final = 64
 """Allocations off any capture, while captures begun outside graphpool are underway, between
 two queries of whether those captures ended (``_route``). A sweep also asks the device which
 graphs were destroyed (a Python call on CUDA); at 16 it cost about as much per allocation as
-the rest of an allocation beside a capture (benchmarks/NOTES.md, entry 40)."""
+the rest of an allocation beside a capture."""
+
+
+_NO_CAPTURES: Final[tuple[CaptureRecord, ...]] = ()
+
+
+def _takeable(b: Block, stream: int, done: dict[int, int]) -> bool:
+    """Whether free-list block ``b`` may join a run that ``stream`` takes over: no pending use,
+    and ``stream``'s own or filed before its stream last answered idle (``done``, _take_idle)."""
+    if b.allocated or b.holds:
+        return False
+    return b.stream == stream or b.gc_base < done.get(b.stream, 0)
 
 
 class _Held:
     """The allocator lock's calls, bound once: what ``with self._held`` and ``free_owned`` use in
-    the compiled build (benchmarks/NOTES.md, entry 24).
+    the compiled build.
 
     Compiled, ``with`` on a native class calls its ``__enter__``/``__exit__`` directly, where
     ``with`` on the lock itself looks both methods up on the lock's type at every call; these
     call the lock's C methods, bound here once. No Python code runs between the acquire and
     the ``try`` of the ``with``, so a signal still cannot keep the lock. The plain-Python build
     does not use this class: there ``_held`` is the lock itself, whose enter and exit are C
-    code (a Python-level ``__enter__`` could be interrupted after acquiring; entry 15).
+    code (a Python-level ``__enter__`` could be interrupted after acquiring).
     """
 
     __slots__ = ("_enter", "_acquire", "_try", "_release")
@@ -185,15 +195,7 @@ def _reentered(call: str) -> NoReturn:
     )
 
 
-def _takeable(b: Block, stream: int, done: dict[int, int]) -> bool:
-    """Whether free-list block ``b`` may join a run that ``stream`` takes over: no pending use,
-    and ``stream``'s own or filed before its stream last answered idle (``done``, _take_idle)."""
-    if b.allocated or b.holds:
-        return False
-    return b.stream == stream or b.gc_base < done.get(b.stream, 0)
-
-
-class CachingAllocator:
+class CachingAllocator(Heap):
     """The allocator of one device. Every public method is thread-safe."""
 
     def __init__(
@@ -204,46 +206,23 @@ class CachingAllocator:
         world: CaptureWorld | None = None,
         detect: bool = True,
     ) -> None:
-        self.device = device
-        self.sizes = sizes
         # Reentrant, and uncontended its acquire and release make no OS call (a threading.Lock
-        # makes two; entry 8): graphpool's C lock compiled (argument-free C methods, entry 36),
-        # else CuPy's fastrlock, else threading.RLock.
+        # makes two): graphpool's C lock compiled (argument-free C methods), else CuPy's
+        # fastrlock, else threading.RLock.
         self._lock = _Lock()
         # Its calls as the hot path makes them: bound once, compiled (``_Held``); plain Python,
         # the lock itself. Tests that swap ``_lock`` for a hooked lock swap this too.
         self._held: _Held = _Held(self._lock) if _COMPILED else cast(_Held, self._lock)
-        self._busy = False  # a locked call is running (see the module docstring)
-        self._queued = False  # the free being carried out was queued by a finalizer (_drain)
+        self._busy = False  # a locked call is running (Note [Signals and the lock])
         # Signal handlers deferred until a critical section ends (policy/interrupts.py): the
         # shared list, tested after each section (a native attribute read, compiled).
         self._signals = interrupts.pending
         self._section = interrupts.section(self._lock)  # what the guard asks (interrupts.py)
-        self._small = FreeList(True)
-        self._large = FreeList(False)
-        self._small_limit = sizes.small_size
-        self._total = device.mem_info()[1]
-        self._apply_sizes(sizes)
-        self._active: dict[int, Block] = {}
-        self.stats = PoolStats()
-        # Block objects absorbed by merges, reused by splits. The last one waits apart in
-        # ``_spare1``: the steady cycle (split, merge) then never resizes the list
-        # (benchmarks/NOTES.md, entry 13).
-        self._spare: list[Block] = []
-        self._spare1: Block | None = None
-        self._segments: dict[int, Block] = {}  # base address -> first block
-        # Expandable segments (sizes.expandable_segments): base -> segment, and the segment
-        # of each (is_small, stream) of the ordinary pool; the device's mapping granularity.
-        self._exp: dict[int, ExpandableSegment] = {}
-        self._exp_of: dict[tuple[bool, int], ExpandableSegment] = {}
-        self._gran = 0
-        self._seg_bases: list[int] = []  # sorted base addresses
-        # finalizer work: frees (int), frees after a stream use ((ptr, stream)), releases (records)
-        self._pending: deque[Any] = deque()
-        self._waiting: dict[int, deque[tuple[int, Block]]] = {}  # stream -> (event, block)
-        self._event_pool: list[int] = []
-        # Captures. ``_capturing`` counts the registered captures of this device (the hot
-        # path's only capture test); ``_world`` counts those of every device of the runtime.
+        self._serial = 0  # allocations so far: each block's ``serial`` tells allocations apart
+        self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
+        super().__init__(device, sizes)
+        # ``_capturing`` counts the registered captures of this device (the hot path's only
+        # capture test); ``_world`` counts those of every device of the runtime.
         self._world = world if world is not None else CaptureWorld()
         self._capturing = 0
         self._captures: dict[int, CaptureRecord] = {}  # capture id -> record, while underway
@@ -251,42 +230,28 @@ class CachingAllocator:
         self._foreign: dict[int, CaptureRecord] = {}  # stream -> underway capture begun outside
         self._tokens: dict[int, CaptureRecord] = {}  # release token -> record (Device.attach_release)
         self._dead: set[int] = set()  # ids of captures that can never end (their thread died)
+        self._freeable: dict[PoolId, PrivatePool] = {}  # pools no capture uses, holding segments
+        self._capture_seq = 0
+        # Detection of captures begun outside graphpool: the device's capture-id query, bound
+        # once (on CUDA a C function).
+        self._detect = bool(detect)
+        self._query: Callable[[int], int] = device.capture_id
+        # The stream handle malloc queried last, and the same as an int object (see _malloc).
+        self._qstream = -1
+        self._qkey: Any = -1
+        self._sweep_due = SWEEP_EVERY  # allocations off capture until the next _sweep (_route)
+        self._waiting: dict[int, deque[tuple[int, Block]]] = {}  # stream -> (event, block)
+        self._event_pool: list[int] = []
         self._deferred: list[Block] = []  # record_stream frees waiting for all captures to end
         # frees whose user stream vanished (a device sync, later), or whose user streams take part
         # in a capture that is not registered (their events wait until it ends; _insert_events)
         self._orphans: list[Block] = []
-        self._pools: dict[PoolId, PrivatePool] = {}
-        self._freeable: dict[PoolId, PrivatePool] = {}
-        self._capture_seq = 0
-        self._serial = 0
+        self._queued = False  # the free being carried out was queued by a finalizer (_drain)
         # Caps on reserved memory (policy/limits.py), swapped whole by their setters; the
         # description of the cap that refused the last driver allocation, for the OOM message.
         self.limits = MemoryLimits(self._total)
         self._limit_hit: str | None = None
-        self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
-        # The event history (policy/history.py), None while not recording: malloc and free
-        # test it once each.
-        self._history: History | None = None
-        # Detection of captures begun outside graphpool: the device's capture-id query,
-        # bound once (on CUDA a C function; benchmarks/NOTES.md).
-        self._detect = bool(detect)
-        self._query: Callable[[int], int] = device.capture_id
-        # The stream handle malloc queried last, and the same as an int object (see malloc).
-        self._qstream = -1
-        self._qkey: Any = -1
-        self._sweep_due = SWEEP_EVERY  # allocations off capture until the next _sweep (_route)
-
-    def _apply_sizes(self, sizes: SizeConfig) -> None:
-        """Take ``sizes`` and the figures malloc reads from it. With no ``max_split_size``,
-        ``_max_split`` is past any block (no block is oversize: one int test in malloc)."""
-        self.sizes = sizes
-        self._small_limit = sizes.small_size
-        self._max_split = self._total + 1 if sizes.max_split_size is None else sizes.max_split_size
-        self._non_split = sizes.non_split_rounding()
-        self._divisions = bool(sizes.roundup_power2_divisions)
-        self._gc_threshold = sizes.garbage_collection_threshold
-        self._expandable = sizes.expandable_segments
-        self._small.grows = self._large.grows = sizes.expandable_segments
+        self._gran = 0  # the device's mapping granularity, asked on first use (_round_gran)
 
     def configure(self, sizes: SizeConfig) -> None:
         """Replace the size policy (``gp.set_allocator_config``): only before the first allocation,
@@ -351,7 +316,6 @@ class CachingAllocator:
                 raise
         return out
 
-    # ------------------------------------------------------------------ malloc
     def malloc(self, nbytes: SupportsIndex, *, stream: int) -> int:
         """Hand out at least ``nbytes`` for work on ``stream``; return the address.
 
@@ -568,12 +532,6 @@ class CachingAllocator:
         else:
             self._free_block(block, True)
 
-    def _refuses(self, bsize: int, size: int) -> bool:
-        """Whether a request of ``size`` may not take an oversize free block of ``bsize`` bytes
-        (PyTorch's ``get_free_block``): a request under ``max_split_size`` never takes one; a
-        larger one only when the block wastes less than ``max_non_split_rounding``."""
-        return size < self._max_split or bsize >= size + self._non_split
-
     @staticmethod
     def _check_size_type(nbytes: Any) -> int:
         if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__"):
@@ -615,8 +573,8 @@ class CachingAllocator:
         if note is None:  # not raised by this allocator, or already followed up
             return
         fns, nbytes, stats = note
-        if _enabled(logging.INFO):
-            _log.info("%s", err)
+        if logs.enabled(logging.INFO):
+            logs.log.info("%s", err)
         if not fns:
             return
         errors = observers.call(fns, self.device.index, nbytes, stats)
@@ -720,7 +678,7 @@ class CachingAllocator:
         try:
             if self._history is not None:
                 self._history.segment_alloc(head.ptr, head.size, head.stream, owner)
-            if _enabled(logging.DEBUG):
+            if logs.enabled(logging.DEBUG):
                 self._log_segment(what, head)
         except BaseException:
             head.pool.insert(head)
@@ -741,7 +699,6 @@ class CachingAllocator:
             fl.owner.stats.num_alloc_retries += 1
         return None
 
-    # ------------------------------------------------------- expandable segments
     def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
         """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
         segment; out of memory and no capture underway, wait for pending stream uses, look
@@ -840,47 +797,6 @@ class CachingAllocator:
         block = cur
         assert block is not None and block.size >= size
         fl.remove(block)
-        return block
-
-    def _merge_free(self, block: Block) -> Block:
-        """File a free block that is in no free list, merged with its free neighbours of the
-        same stream (ordinary pool; no statistics change but the inactive splits'); return the
-        merged block."""
-        fl = block.pool
-        k = self.stats.kind(fl.is_small)
-        merged = False
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
-            fl.remove(nxt)
-            block.size += nxt.size
-            after = block.next = nxt.next
-            if after is not None:
-                after.prev = block
-            nxt.prev = nxt.next = None
-            self._keep_spare(nxt)
-            k.add("inactive_split", -1)
-            merged = True
-        before = block.prev
-        if (
-            before is not None
-            and not before.allocated
-            and before.holds == 0
-            and before.stream == block.stream
-        ):
-            fl.remove(before)
-            before.size += block.size
-            after = before.next = block.next
-            if after is not None:
-                after.prev = before
-            block.prev = block.next = None
-            self._keep_spare(block)
-            block = before
-            k.add("inactive_split", -1)
-            merged = True
-        if merged and block.prev is None and block.next is None:  # a whole segment again
-            k.add("inactive_split", -1)
-            k.add("inactive_split_bytes", -block.size)
-        fl.insert(block)
         return block
 
     def _rehome(self) -> None:
@@ -1168,7 +1084,7 @@ class CachingAllocator:
     def _log_segment(self, what: str, head: Block) -> None:
         """Log a segment's allocation or release (DEBUG; the caller checked the level)."""
         owner = head.pool.owner
-        _log.debug(
+        logs.log.debug(
             "device %d: segment %s at 0x%x, %d bytes, stream 0x%x, %s",
             self.device.index,
             what,
@@ -1210,8 +1126,8 @@ class CachingAllocator:
         reserved = self.stats.current("reserved_bytes")
         why = limits.refusal(reserved, nbytes, fmt_bytes) or "a memory limit"
         self._limit_hit = why
-        if _enabled(logging.INFO):
-            _log.info(
+        if logs.enabled(logging.INFO):
+            logs.log.info(
                 "device %d: a new segment of %d bytes refused by %s (%d bytes reserved)",
                 self.device.index,
                 nbytes,
@@ -1248,7 +1164,6 @@ class CachingAllocator:
             "then call empty_cache()" + ("; or raise the limit." if limit else ".")
         )
 
-    # -------------------------------------------------------------------- free
     def free(self, ptr: object) -> None:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError.
 
@@ -1508,10 +1423,6 @@ class CachingAllocator:
                 self._register_foreign(s, cid, None, "", False)
         return capturing
 
-    def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
-        """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
-        return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
-
     def _captures_for_free(self, block: Block) -> tuple[CaptureRecord, ...]:
         """The captures a free made now keeps ``block`` for. O(underway captures).
 
@@ -1569,91 +1480,6 @@ class CachingAllocator:
             # captures use it and it stays whatever either does
             CachingAllocator._set_creator(head, rec if creator.failed else None)
 
-    def _free_block(self, block: Block, freed: bool) -> None:
-        """Return a block with no holds to its free list, merging free neighbours.
-
-        ``freed``: the user is freeing it now (not a hold ending), for the statistics.
-        """
-        fl = block.pool
-        size = block.size
-        requested = block.requested
-        block.requested = 0
-        block.owner = None
-        block.stream_uses = None
-        d_cnt = d_bytes = 0
-        # A merged block takes the free-list entry of a neighbour it absorbed when the
-        # order allows (FreeList.replace): no list resize in the usual cycle.
-        old: Block | None = None
-        old_size = 0
-        nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
-            # absorb the free block after this one (of its stream: _take_idle); keep its object
-            old = nxt
-            old_size = nxt.size
-            d_cnt = -1
-            d_bytes = -nxt.size
-            block.size = size + nxt.size
-            after = block.next = nxt.next
-            if after is not None:
-                after.prev = block
-            nxt.prev = nxt.next = None
-            self._keep_spare(nxt)
-        prev = block.prev
-        if prev is not None and not prev.allocated and prev.holds == 0 and prev.stream == block.stream:
-            # the free block before absorbs this one
-            if old is not None:
-                fl.remove(old)
-            old = prev
-            old_size = prev.size
-            d_cnt -= 1
-            d_bytes -= prev.size
-            prev.size += block.size
-            after = prev.next = block.next
-            if after is not None:
-                after.prev = prev
-            block.prev = block.next = None
-            self._keep_spare(block)
-            block = prev
-        if old is None:
-            fl.insert(block)
-        else:
-            fl.replace(old, old_size, block)
-        if block.prev is not None or block.next is not None:
-            d_cnt += 1
-            d_bytes += block.size
-        self.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
-        if fl.owner is not None:
-            fl.owner.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
-
-    def _keep_spare(self, block: Block) -> None:
-        """Keep a Block object a merge absorbed, for a later split (``_spare1`` first)."""
-        if self._spare1 is None:
-            self._spare1 = block
-        else:
-            self._spare.append(block)
-
-    def _hold(self, block: Block) -> None:
-        """Keep a freed block out of its free list (an event, a graph, a deferral)."""
-        if block.holds == 0:
-            for st in self._scopes(block.pool):
-                st.hold(block.pool.is_small, block.size, 1)
-        block.holds += 1
-
-    def _unhold(self, block: Block) -> None:
-        """Drop one hold; the last one returns the block to its free list."""
-        block.holds -= 1
-        if block.holds == 0:
-            for st in self._scopes(block.pool):
-                st.hold(block.pool.is_small, block.size, -1)
-            h = self._history
-            if h is None:
-                self._free_block(block, False)
-                return
-            # the block is back in its list before the history (a call out) hears of it
-            ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.pool.owner
-            self._free_block(block, False)
-            h.free_completed(ptr, requested, stream, owner)
-
     def _check_pointer(self, ptr: Any, what: str) -> None:
         """Raise the right error unless ``ptr`` is a live allocation not yet queued for a free.
 
@@ -1666,38 +1492,6 @@ class CachingAllocator:
                 name = "this allocation" if type(ptr) is Block else f"0x{ptr:x}"
                 raise DoubleFreeError(f"{what}: {name} is already queued to be freed")
 
-    def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
-        """Raise the right error for a pointer that is not a live allocation."""
-        if type(ptr) is Block:  # (its address may have changed since: a freed Block is reused)
-            if not self._mine(ptr.pool):
-                raise ForeignPointerError(
-                    f"{what}: this Block belongs to another allocator than device {self.device.index}'s"
-                )
-            raise DoubleFreeError(
-                f"{what}: this Block is no live allocation of malloc_owned: freed already, or a "
-                "raw allocation's block (free those by their address)"
-            )
-        if type(ptr) is not int:
-            raise TypeError(f"{what}: expected an int device address, got {type(ptr).__name__}")
-        b = self._containing(ptr)
-        if b is not None:
-            if b.owned and b.ptr == ptr:
-                raise ForeignPointerError(
-                    f"{what}: 0x{ptr:x} is owned by a graphpool DeviceBuffer: free it with the "
-                    "buffer's free() (or drop the buffer), not by its address"
-                )
-            if b.allocated:
-                raise ForeignPointerError(
-                    f"{what}: 0x{ptr:x} points inside the allocation at 0x{b.ptr:x}, not to its start"
-                )
-            raise DoubleFreeError(
-                f"{what}: 0x{ptr:x} is not allocated on device {self.device.index} (was it freed already?)"
-            )
-        raise ForeignPointerError(
-            f"{what}: 0x{ptr:x} was not allocated by graphpool on device {self.device.index}"
-        )
-
-    # ------------------------------------------------------------ stream uses
     def record_stream(self, ptr: object, stream: int) -> None:
         """Mark ``stream`` as a user of the allocation at ``ptr`` (docs/behaviour.rst, "Streams")."""
         self._run_locked("record_stream", lambda: self._record_stream(ptr, stream))
@@ -1863,7 +1657,6 @@ class CachingAllocator:
             if deferred:
                 self._deferred[:0] = deferred
 
-    # ------------------------------------------------------------- the cache
     def empty_cache(self) -> None:
         """Return every unsplit free segment of the ordinary and freeable pools to the driver."""
         self._run_locked("empty_cache", self._empty_cache)
@@ -1913,7 +1706,7 @@ class CachingAllocator:
                     del self._pools[pid]
                     if self._history is not None:
                         self._history.pool("pool_release", pool)
-                    if _enabled(logging.DEBUG):
+                    if logs.enabled(logging.DEBUG):
                         self._log_pool("released", pool)
         finally:
             self.device.exchange_capture_mode(prev)
@@ -1966,7 +1759,7 @@ class CachingAllocator:
         finally:
             if self._history is not None:
                 self._history.segment_free(block.ptr, block.size, block.stream, owner)
-            if _enabled(logging.DEBUG):
+            if logs.enabled(logging.DEBUG):
                 self._log_segment("released", block)
 
     def _drain(self) -> None:
@@ -2021,7 +1814,6 @@ class CachingAllocator:
             self._pending.append(rec)
             raise
 
-    # --------------------------------------------------------------- capture
     def begin_capture(
         self,
         pool_id: PoolId,
@@ -2072,7 +1864,7 @@ class CachingAllocator:
         try:  # the calls out before the record is filed: raising, it is as if ``begin`` had raised
             if self._history is not None:
                 self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=False)
-            if _enabled(logging.DEBUG):
+            if logs.enabled(logging.DEBUG):
                 self._log_capture("began", rec)
         except BaseException:
             self._capturing -= 1
@@ -2085,7 +1877,7 @@ class CachingAllocator:
 
     def _log_capture(self, what: str, rec: CaptureRecord) -> None:
         """Log a capture's begin or end (DEBUG; the caller checked the level)."""
-        _log.debug(
+        logs.log.debug(
             "device %d: capture %d %s on stream 0x%x (%s), private pool %s",
             self.device.index,
             rec.capture_id,
@@ -2097,7 +1889,7 @@ class CachingAllocator:
 
     def _log_pool(self, what: str, pool: PrivatePool) -> None:
         """Log a private pool's creation or release (DEBUG; the caller checked the level)."""
-        _log.debug("device %d: private pool %s %s", self.device.index, tuple(pool.id), what)
+        logs.log.debug("device %d: private pool %s %s", self.device.index, tuple(pool.id), what)
 
     def _new_record(self, pool_id: PoolId, stream: int, label: str) -> CaptureRecord:
         """A record for a capture into ``pool_id`` (made or revived), with the pool's use counted.
@@ -2112,7 +1904,7 @@ class CachingAllocator:
             try:
                 if self._history is not None:
                     self._history.pool("pool_create", pool)
-                if _enabled(logging.DEBUG):
+                if logs.enabled(logging.DEBUG):
                     self._log_pool("created", pool)
             except BaseException:  # a call out raised: the pool, unused, goes as if never made
                 del self._pools[pool_id]
@@ -2212,7 +2004,7 @@ class CachingAllocator:
         self._world.active += 1
         if self._history is not None:
             self._history.capture("capture_begin", stream, rec.pool, cid, rec.label, foreign=True)
-        if _enabled(logging.DEBUG):
+        if logs.enabled(logging.DEBUG):
             self._log_capture("begun outside graphpool adopted", rec)
         return rec
 
@@ -2317,7 +2109,7 @@ class CachingAllocator:
             self._history.capture(
                 "capture_end", rec.stream, rec.pool, rec.capture_id, rec.label, failed=rec.failed
             )
-        if _enabled(logging.DEBUG):
+        if logs.enabled(logging.DEBUG):
             self._log_capture("failed" if rec.failed else "ended", rec)
         if not self._capturing:
             self._flush_deferred()
@@ -2398,12 +2190,11 @@ class CachingAllocator:
                 del self._pools[pool.id]
                 if self._history is not None:
                     self._history.pool("pool_release", pool)
-                if _enabled(logging.DEBUG):
+                if logs.enabled(logging.DEBUG):
                     self._log_pool("released", pool)
             else:
                 self._freeable[pool.id] = pool
 
-    # -------------------------------------------------------------- queries
     def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:
         """The flattened statistics of the device, or of one private pool."""
         return self._run_locked("memory_stats", lambda: self._memory_stats(pool))
@@ -2442,41 +2233,6 @@ class CachingAllocator:
     def _reset_accumulated(self) -> None:
         for st in [self.stats] + [p.stats for p in self._pools.values()]:
             st.reset_accumulated()
-
-    def lookup(self, ptr: int) -> Block | None:
-        """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too)."""
-        block = self._active.get(ptr)
-        return block if block is not None else self._owned_at(ptr)
-
-    def _live_block(self, ptr: object) -> Block | None:
-        """The live allocation ``ptr`` names: a Block of ``malloc_owned`` still owned, or the
-        raw allocation filed at address ``ptr``."""
-        if type(ptr) is Block:
-            return ptr if ptr.owned and self._mine(ptr.pool) else None
-        return self._active.get(ptr) if type(ptr) is int else None
-
-    def _mine(self, fl: FreeList) -> bool:
-        """Whether ``fl`` is one of this allocator's free lists (ordinary or a private pool's)."""
-        if fl is self._small or fl is self._large:
-            return True
-        owner = fl.owner
-        return owner is not None and self._pools.get(owner.id) is owner
-
-    def _containing(self, ptr: int) -> Block | None:
-        """The block of a segment that holds address ``ptr``, if any. O(log segments + blocks)."""
-        i = bisect_right(self._seg_bases, ptr) - 1
-        if i < 0:
-            return None
-        b: Block | None = self._segments[self._seg_bases[i]]
-        while b is not None and b.ptr + b.size <= ptr:
-            b = b.next
-        return b if b is not None and b.ptr <= ptr else None
-
-    def _owned_at(self, ptr: int) -> Block | None:
-        """The allocation of ``malloc_owned`` that starts at ``ptr``, if any (such blocks are
-        not filed by address)."""
-        b = self._containing(ptr)
-        return b if b is not None and b.ptr == ptr and b.owned else None
 
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
@@ -2560,7 +2316,6 @@ class CachingAllocator:
             out.append(seg)
         return out
 
-    # -------------------------------------------------------------- history
     def record_history(self, max_entries: int | None, stacks: bool = True) -> None:
         """Record events (policy/history.py) in a ring buffer of ``max_entries``; None stops
         recording and drops the events. Called again while recording, it keeps the newest
