@@ -21,6 +21,7 @@ COMPILED = (
     "policy/private_pools",
     "policy/logs",
     "policy/heap",
+    "policy/captures",
     "policy/allocator",
     "routing",
     "memory",

@@ -22,7 +22,8 @@ from graphpool.device.protocol import (
 )
 from graphpool.errors import CaptureError, DoubleFreeError, OutOfMemoryError
 from graphpool.policy import private_pools
-from graphpool.policy.allocator import SWEEP_EVERY, CachingAllocator
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.captures import SWEEP_EVERY
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
     CaptureRecord,

@@ -18,7 +18,7 @@ import graphpool as gp
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODES
 from graphpool.errors import GraphpoolError
-from graphpool.policy.allocator import SWEEP_EVERY
+from graphpool.policy.captures import SWEEP_EVERY
 
 N = 1 << 18  # 1 MiB of float32
 
