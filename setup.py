@@ -30,6 +30,7 @@ COMPILED = [
     "src/graphpool/policy/logs.py",
     "src/graphpool/policy/heap.py",
     "src/graphpool/policy/captures.py",
+    "src/graphpool/policy/stream_uses.py",
     "src/graphpool/policy/allocator.py",
     "src/graphpool/routing.py",
     "src/graphpool/memory.py",

@@ -22,6 +22,7 @@ COMPILED = (
     "policy/logs",
     "policy/heap",
     "policy/captures",
+    "policy/stream_uses",
     "policy/allocator",
     "routing",
     "memory",
