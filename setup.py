@@ -31,6 +31,7 @@ COMPILED = [
     "src/graphpool/policy/heap.py",
     "src/graphpool/policy/captures.py",
     "src/graphpool/policy/stream_uses.py",
+    "src/graphpool/policy/segments.py",
     "src/graphpool/policy/allocator.py",
     "src/graphpool/routing.py",
     "src/graphpool/memory.py",

@@ -23,6 +23,7 @@ COMPILED = (
     "policy/heap",
     "policy/captures",
     "policy/stream_uses",
+    "policy/segments",
     "policy/allocator",
     "routing",
     "memory",
