@@ -24,6 +24,7 @@ COMPILED = (
     "policy/captures",
     "policy/stream_uses",
     "policy/segments",
+    "policy/expandable",
     "policy/allocator",
     "routing",
     "memory",
