@@ -33,6 +33,7 @@ COMPILED = [
     "src/graphpool/policy/stream_uses.py",
     "src/graphpool/policy/segments.py",
     "src/graphpool/policy/expandable.py",
+    "src/graphpool/policy/reports.py",
     "src/graphpool/policy/allocator.py",
     "src/graphpool/routing.py",
     "src/graphpool/memory.py",

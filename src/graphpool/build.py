@@ -25,6 +25,7 @@ COMPILED = (
     "policy/stream_uses",
     "policy/segments",
     "policy/expandable",
+    "policy/reports",
     "policy/allocator",
     "routing",
     "memory",

@@ -13,7 +13,7 @@ from graphpool.policy.freelist import FreeList
 from graphpool.policy.stats import POOL_NAMES, STAT_NAMES, PoolStats
 
 if TYPE_CHECKING:
-    from graphpool.policy.allocator import CachingAllocator
+    from graphpool.policy.reports import Reports
 
 
 def _expect(cond: bool, what: str) -> None:
@@ -91,7 +91,7 @@ def _check_freelist(fl: FreeList, blocks_in_fl: set[int]) -> None:
             blocks_in_fl.add(id(b))
 
 
-def _check_expandable(a: CachingAllocator) -> None:
+def _check_expandable(a: Reports) -> None:
     """Each expandable segment is one segment of the ordinary pool whose blocks tile exactly
     its mapped prefix, a whole number of granules within its reservation; one per stream
     and kind."""
@@ -108,7 +108,7 @@ def _check_expandable(a: CachingAllocator) -> None:
         _expect(a._gran > 0 and seg.mapped % a._gran == 0, f"{seg}: not whole granules")
 
 
-def check_invariants(a: CachingAllocator) -> None:
+def check_invariants(a: Reports) -> None:
     """Raise AssertionError if any invariant of ``a`` does not hold."""
     sizes = a.sizes
     _expect(a._seg_bases == sorted(a._segments), "segment bases out of sync")
@@ -180,7 +180,7 @@ def check_invariants(a: CachingAllocator) -> None:
     _check_captures(a, all_blocks, heads)
 
 
-def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Block]) -> None:
+def _check_captures(a: Reports, all_blocks: list[Block], heads: list[Block]) -> None:
     """Captures and holds: every hold is accounted for, exactly (held blocks can be audited)."""
     _expect(a._capturing == len(a._captures), "captures-underway count != registered captures")
     _expect(a._world.active >= a._capturing, "the runtime's capture count is below this device's")
