@@ -127,8 +127,6 @@ def test_size_config_rounding_helpers() -> None:
     assert DEFAULT.segment_size(10 * MiB - 512) == 20 * MiB
     assert DEFAULT.segment_size(10 * MiB) == 10 * MiB
     assert DEFAULT.segment_size(10 * MiB + 512) == 12 * MiB
-    assert DEFAULT.should_split(True, 512) and not DEFAULT.should_split(True, 0)
-    assert not DEFAULT.should_split(False, MiB) and DEFAULT.should_split(False, MiB + 512)
 
 
 def test_least_segment_of_a_small_request_is_a_small_segment() -> None:

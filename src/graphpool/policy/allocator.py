@@ -71,7 +71,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from bisect import insort
 from collections.abc import Callable
 from typing import Any, Final, NoReturn, SupportsIndex, TypeVar, cast
 
@@ -483,11 +482,25 @@ class CachingAllocator(Reports):
     def _slow_block(
         self, fl: FreeList, size: int, stream: int, nbytes: int, rec: CaptureRecord | None
     ) -> Block:
-        """No cached block fits: get a segment from the driver, or a block the retry freed.
+        """No cached block fits: the fallback chain, each step tried only when those before it
+        found nothing. The returned block is in no free list.
 
-        Out of memory and no capture underway: wait for pending stream uses, look in the
-        cache again, release every cached unsplit segment and retry once; then try the
-        smallest segment that holds the request. The returned block is in no free list.
+        First, with no driver call: graphs the device reports destroyed are released, ended
+        captures begun outside are noticed, and with a garbage-collection threshold old free
+        segments go back (``_collect``). Then, as PyTorch's ``alloc_block ||
+        release_available_cached_blocks && alloc_block || release_cached_blocks && alloc_block``:
+
+        1. a new segment of the usual size (``_device_malloc``); with expandable segments,
+           ``_slow_expandable``'s chain instead (takeover, grow, retry);
+        2. out of memory with ``max_split_size`` set, in the ordinary pool: give back free
+           oversize segments of this stream, and ask again (``_release_oversize``);
+        3. out of memory: wait for pending stream uses and take a fitting block they freed,
+           else release every cached unsplit segment and ask again (``_before_retry``);
+        4. the smallest segment that holds the request (``SizeConfig.least_segment``);
+        5. out of memory (``_raise_oom``).
+
+        Steps 2 and 3 free or wait for device work, so they are skipped while any capture is
+        underway in the process.
         """
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
         if self._tokens:
@@ -518,19 +531,10 @@ class CachingAllocator(Reports):
                     seg = least
         if ptr is None:
             self._raise_oom(nbytes, seg, fl, stream)
-        head = Block(ptr, seg, stream, fl)
-        self._segments[ptr] = head
-        insort(self._seg_bases, ptr)
-        for st in self._scopes(fl):
-            st.num_device_alloc += 1
-            k = st.kind(fl.is_small)
-            k.add("segment", 1)
-            k.add("reserved_bytes", seg)
+        head = self._add_segment(ptr, seg, stream, fl)
         owner = fl.owner
-        if owner is not None:
-            owner.segment_count += 1
-            if rec is not None:  # may go back with the capture if it fails (see _touch)
-                self._set_creator(head, rec)
+        if owner is not None and rec is not None:  # may go back with the capture if it fails
+            self._set_creator(head, rec)  # (see _touch)
         self._segment_made(head, "allocated", owner)
         return head
 

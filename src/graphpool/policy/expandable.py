@@ -33,7 +33,6 @@ to the segment's stream after one device synchronize (``_rehome``), so it can sh
 
 from __future__ import annotations
 
-from bisect import insort
 from typing import Any
 
 from graphpool.device.protocol import (
@@ -219,13 +218,7 @@ class Expandable(Segments):
             seg = ExpandableSegment(va, reserve, need, stream, fl.is_small)
             self._exp[va] = seg
             self._exp_of[(fl.is_small, stream)] = seg
-            head = Block(va, need, stream, fl)
-            self._segments[va] = head
-            insort(self._seg_bases, va)
-            self.stats.num_device_alloc += 1
-            k = self.stats.kind(fl.is_small)
-            k.add("segment", 1)
-            k.add("reserved_bytes", need)
+            head = self._add_segment(va, need, stream, fl)
             self._segment_made(head, "allocated (expandable)", None)
             return head
         tail = self._segments[seg.base]

@@ -19,7 +19,7 @@ the queued frees alike.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import deque
 from typing import Any, Final, NoReturn
 
@@ -106,7 +106,7 @@ class Heap:
         return size < self._max_split or bsize >= size + self._non_split
 
     def _free_block(self, block: Block, freed: bool) -> None:
-        """Return a block with no holds to its free list, merging free neighbours.
+        """Return a block with no holds to its free list, merged with its free neighbours.
 
         ``freed``: the user is freeing it now (not a hold ending), for the statistics.
         """
@@ -122,33 +122,21 @@ class Heap:
         old: Block | None = None
         old_size = 0
         nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
-            # absorb the free block after this one (of its stream: _take_idle); keep its object
+        if nxt is not None and self._mergeable(block, nxt):
             old = nxt
             old_size = nxt.size
             d_cnt = -1
             d_bytes = -nxt.size
-            block.size = size + nxt.size
-            after = block.next = nxt.next
-            if after is not None:
-                after.prev = block
-            nxt.prev = nxt.next = None
-            self._keep_spare(nxt)
+            self._join(block, nxt)
         prev = block.prev
-        if prev is not None and not prev.allocated and prev.holds == 0 and prev.stream == block.stream:
-            # the free block before absorbs this one
+        if prev is not None and self._mergeable(block, prev):
             if old is not None:
                 fl.remove(old)
             old = prev
             old_size = prev.size
             d_cnt -= 1
             d_bytes -= prev.size
-            prev.size += block.size
-            after = prev.next = block.next
-            if after is not None:
-                after.prev = prev
-            block.prev = block.next = None
-            self._keep_spare(block)
+            self._join(prev, block)
             block = prev
         if old is None:
             fl.insert(block)
@@ -162,37 +150,23 @@ class Heap:
             fl.owner.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
 
     def _merge_free(self, block: Block) -> Block:
-        """File a free block that is in no free list, merged with its free neighbours of the
-        same stream (ordinary pool; no statistics change but the inactive splits'); return the
-        merged block."""
+        """File a free block that is in no free list, merged with its free neighbours (the merge
+        rule of ``_free_block``, for a block already counted free: stream takeover and
+        ``empty_cache``'s rehoming); no statistics change but the inactive splits'. Returns
+        the merged block."""
         fl = block.pool
         k = self.stats.kind(fl.is_small)
         merged = False
         nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
+        if nxt is not None and self._mergeable(block, nxt):
             fl.remove(nxt)
-            block.size += nxt.size
-            after = block.next = nxt.next
-            if after is not None:
-                after.prev = block
-            nxt.prev = nxt.next = None
-            self._keep_spare(nxt)
+            self._join(block, nxt)
             k.add("inactive_split", -1)
             merged = True
         before = block.prev
-        if (
-            before is not None
-            and not before.allocated
-            and before.holds == 0
-            and before.stream == block.stream
-        ):
+        if before is not None and self._mergeable(block, before):
             fl.remove(before)
-            before.size += block.size
-            after = before.next = block.next
-            if after is not None:
-                after.prev = before
-            block.prev = block.next = None
-            self._keep_spare(block)
+            self._join(before, block)
             block = before
             k.add("inactive_split", -1)
             merged = True
@@ -201,6 +175,57 @@ class Heap:
             k.add("inactive_split_bytes", -block.size)
         fl.insert(block)
         return block
+
+    @staticmethod
+    def _mergeable(block: Block, other: Block) -> bool:
+        """The merge rule: free neighbour ``other`` merges with ``block`` when nothing holds it
+        and it is of ``block``'s stream (blocks are cached per stream; expandable.py's stream
+        takeover gives blocks a new stream, and they merge with that stream's only)."""
+        return not other.allocated and other.holds == 0 and other.stream == block.stream
+
+    def _join(self, first: Block, second: Block) -> None:
+        """``first`` absorbs the adjacent ``second`` (its next block); ``second``'s object is
+        kept for a later split. Free lists and statistics are the caller's."""
+        first.size += second.size
+        after = first.next = second.next
+        if after is not None:
+            after.prev = first
+        second.prev = second.next = None
+        self._keep_spare(second)
+
+    def _add_segment(self, ptr: int, nbytes: int, stream: int, fl: FreeList) -> Block:
+        """File a new segment of ``nbytes`` at ``ptr`` (one block, in no free list: the caller
+        hands it out) and count it in the device's and its private pool's statistics."""
+        head = Block(ptr, nbytes, stream, fl)
+        self._segments[ptr] = head
+        insort(self._seg_bases, ptr)
+        for st in self._scopes(fl):
+            st.num_device_alloc += 1
+            k = st.kind(fl.is_small)
+            k.add("segment", 1)
+            k.add("reserved_bytes", nbytes)
+        if fl.owner is not None:
+            fl.owner.segment_count += 1
+        return head
+
+    def _forget_segment(self, head: Block) -> ExpandableSegment | None:
+        """Unfile the whole free segment ``head`` (out of its free list already) and uncount it:
+        ``_add_segment`` undone. Returns its expandable segment, if it is one; the device's
+        memory is the caller's to give back."""
+        seg = self._exp.pop(head.ptr, None) if self._exp else None
+        if seg is not None:
+            del self._exp_of[(seg.is_small, seg.stream)]
+        del self._segments[head.ptr]
+        self._seg_bases.remove(head.ptr)
+        fl = head.pool
+        for st in self._scopes(fl):
+            st.num_device_free += 1
+            k = st.kind(fl.is_small)
+            k.add("segment", -1)
+            k.add("reserved_bytes", -head.size)
+        if fl.owner is not None:
+            fl.owner.segment_count -= 1
+        return seg
 
     def _keep_spare(self, block: Block) -> None:
         """Keep a Block object a merge absorbed, for a later split (``_spare1`` first)."""

@@ -61,9 +61,7 @@ class Segments(StreamUses):
         take reserved memory past a limit (policy/limits.py): the caller's retry and
         out-of-memory error are the same.
         """
-        limits = self.limits
-        if limits.cap is not None and self.stats.current("reserved_bytes") + nbytes > limits.cap:
-            self._refuse_by_limit(limits, nbytes)
+        if not self._map_allowed(nbytes):
             return None
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         ptr: int | None = None
@@ -81,8 +79,9 @@ class Segments(StreamUses):
         return ptr
 
     def _map_allowed(self, nbytes: int) -> bool:
-        """Whether mapping ``nbytes`` more keeps reserved memory within the limits (a refusal
-        is noted for the out-of-memory message, as ``_device_malloc`` does)."""
+        """The limit rule: whether ``nbytes`` more of device memory (a segment, or a mapping that
+        grows an expandable one) keeps reserved memory within the limits. A refusal is noted
+        for the out-of-memory message and logged."""
         limits = self.limits
         if limits.cap is not None and self.stats.current("reserved_bytes") + nbytes > limits.cap:
             self._refuse_by_limit(limits, nbytes)
@@ -208,25 +207,13 @@ class Segments(StreamUses):
         """Give a whole free segment back to the driver: the one place device memory is freed."""
         if self._world.active:
             raise CaptureError("graphpool: no device memory is freed while a capture is underway")
-        seg = self._exp.get(block.ptr) if self._exp else None
         # The allocator forgets the segment first, then the device gives it back: a device call
         # that raises (a driver error, or a signal handler's exception after the free took
         # effect) never leaves a freed segment filed, to be handed out or freed a second time.
         # What that costs when the driver did not free it: the memory stays with the driver.
-        if seg is not None:
-            del self._exp[seg.base]
-            del self._exp_of[(seg.is_small, seg.stream)]
-        del self._segments[block.ptr]
-        self._seg_bases.remove(block.ptr)
-        fl = block.pool
-        for st in self._scopes(fl):
-            st.num_device_free += 1
-            k = st.kind(fl.is_small)
-            k.add("segment", -1)
-            k.add("reserved_bytes", -block.size)
-        owner = fl.owner
+        seg = self._forget_segment(block)
+        owner = block.pool.owner
         if owner is not None:
-            owner.segment_count -= 1
             self._set_creator(block, None)
         try:
             if seg is None:
