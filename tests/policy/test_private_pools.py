@@ -1,4 +1,5 @@
-"""Private pools for graph capture (SPEC section 3), on a scripted FakeDevice.
+"""Private pools for graph capture, on a scripted FakeDevice (docs/behaviour.rst, "Private
+pools for graph capture").
 
 A capture here is ``allocator.begin_capture(pid, begin=lambda: dev.begin(s), stream=s)``,
 then ``dev.end(s)`` and ``allocator.end_capture(rec)`` (or ``abort_capture``); the graph's
@@ -1188,9 +1189,10 @@ def test_a_queued_record_streamed_free_adopting_a_capture_still_counts_as_made_d
 
 
 # ---------------------------------------------------------------- frees during a capture
-# Issue 24: an ordinary block allocated during a capture on a stream outside it went back
-# to its free list at once (the eager rule); a released graph recorded its replay-stream
-# events into a capture not seen yet; a free after a detected capture ended was kept for it.
+# Three rules, each once broken: an ordinary block allocated during a capture on a stream
+# outside it is kept for the graph, not returned at once; a released graph records no
+# replay-stream event into a capture not seen yet; a free after a detected capture ended is
+# not kept for it.
 
 
 def _capture(a: CachingAllocator, dev: FakeDevice, kind: str) -> CaptureRecord:

@@ -1,4 +1,5 @@
-"""Every policy rule of SPEC section 2, with exact figures, on a scripted FakeDevice.
+"""Every policy rule of docs/behaviour.rst, "The caching allocator", with exact figures, on a
+scripted FakeDevice.
 
 Each test drives ``CachingAllocator(FakeDevice(...))`` directly, reads the flattened
 ``memory_stats()`` and calls ``check_invariants()`` after each step. Some tests shrink the
@@ -764,7 +765,7 @@ def test_request_larger_than_the_device_fails_without_touching_state() -> None:
     calls = list(dev.calls)
     with pytest.raises(OutOfMemoryError):
         a.malloc((1 << 30) + 1, stream=S1)
-    before["num_ooms"] += 1  # counted, as SPEC 2 says (it can never fit)
+    before["num_ooms"] += 1  # counted, as docs/behaviour.rst says (it can never fit)
     assert a.memory_stats() == before
     assert dev.calls == calls
     ok(a)

@@ -35,13 +35,16 @@ Note [The hand-written hot path]
 what the layers below would otherwise do in calls: the rounding (``SizeConfig.round_size``),
 the capture test and routing (captures.py is called only while a capture is registered or
 the stream is not the legacy one), the best fit (``FreeList.best_fit`` written as one
-bisect), the split (the rule of ``_split_rest``'s docstring), and the statistics. Compiled,
-each call saved is tens of instructions of a pair of about 4,000; callgrind counts them
-(benchmarks/pair_instructions.py). What they write out must agree with the layer's own
-method: the property machines (tests/property) run both paths. Other details of the pair:
-the address is returned as the int object filed in ``_active``, so a free given that same
-object finds the block without boxing a new int; ``malloc_owned``'s Block is returned
-itself and never filed, saving the dictionary insert and lookup.
+bisect), the split rule (written only there: a small block splits when the rest holds a
+``min_block``; a large one when the rest is more than ``small_size`` and the block is under
+``max_split_size``; in a growing expandable segment whenever the rest holds a
+``min_block``), the lookup of a raw address (heap.py's ``_live_block``) and the statistics.
+Compiled, each call saved is tens of instructions of a pair of about 4,000; callgrind counts
+them (benchmarks/pair_instructions.py). What they write out must agree with the layers' own
+methods: the property machines and the differential test (tests/property) check both. Other
+details of the pair: the address is returned as the int object filed in ``_active``, so a
+free given that same object finds the block without boxing a new int; ``malloc_owned``'s
+Block is returned itself and never filed, saving the dictionary insert and lookup.
 
 Note [Signals and the lock]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -266,7 +269,7 @@ class CachingAllocator(Reports):
         gives that same Block to ``free_owned`` or ``defer_free``.
 
         The block is not filed by address: no dictionary insert here and no lookup at its
-        free (together about a fifth of a cached pair; benchmarks/NOTES.md, entry 39). Its
+        free (together about a fifth of a cached pair). Its
         address is still known to ``lookup`` and to the errors for a wrong ``free``.
         """
         return cast(Block, self._malloc(nbytes, stream, True))
@@ -274,7 +277,7 @@ class CachingAllocator(Reports):
     def _malloc(self, nbytes: SupportsIndex, stream: int, owned: bool) -> object:
         """The one body of ``malloc`` and ``malloc_owned``: the address as the int object
         filed in ``_active`` (a raw allocation; a free given that same object finds the
-        block by identity, NOTES entry 36), or the Block itself (``owned``)."""
+        block by identity), or the Block itself (``owned``)."""
         # ``nbytes`` is typed SupportsIndex, not int: compiled by mypyc, an ``int`` parameter
         # would admit a bool and refuse numpy integers before the check below could run.
         requested = nbytes if type(nbytes) is int else self._check_size_type(nbytes)
@@ -297,7 +300,7 @@ class CachingAllocator(Reports):
                     if self._capturing or (self._detect and stream != _LEGACY):
                         # The query takes the handle as an int object: the last one is kept, so
                         # a run of calls on one stream boxes none (CUDA's handles are pointers,
-                        # a new int object each; entry 27).
+                        # a new int object each).
                         key = self._qkey
                         if stream != self._qstream:
                             self._qstream = -1  # no moment where the kept pair disagrees
@@ -354,7 +357,8 @@ class CachingAllocator(Reports):
                         # A remainder up to small_size stays with the block (PyTorch's rule), but
                         # in a growing segment any remainder splits off, oversize blocks too: it
                         # merges back with its neighbours there, and splitting it lowers peak
-                        # reserved (PyTorch's should_split with expandable segments; entry 44).
+                        # reserved (PyTorch's should_split with expandable segments; Note
+                        # [Expandable segments and the wilderness rule] in expandable.py).
                         if fl.grows:
                             split = remaining >= m
                         else:
@@ -637,7 +641,7 @@ class CachingAllocator(Reports):
         """Free the allocation at ``ptr``: the one body of ``free`` and of a free queued by a
         finalizer (whose thread and moment are unknown: ``_queued``, see _free_held)."""
         # The lookup takes the caller's int object as it came: compiled, ``ptr`` narrowed to int
-        # is unboxed, and boxing it again allocates (addresses are large ints; entry 24).
+        # is unboxed, and boxing it again allocates (addresses are large ints).
         key: object = ptr
         block: Block | None = None
         if type(ptr) is Block:  # malloc_owned's allocation, given by its owner: no lookup

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native (entry 31)
+if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native
     from mypy_extensions import i64
 
     from graphpool.policy.freelist import FreeList
@@ -23,7 +23,7 @@ class Block:
 
     An allocation is filed by address in the allocator's ``_active`` when ``malloc`` made it
     (a raw address); ``owned`` when ``malloc_owned`` made it: its DeviceBuffer holds the
-    block itself and frees it by it, with no lookup (benchmarks/NOTES.md, entry 39).
+    block itself and frees it by it, with no lookup (policy/heap.py, "Ownership").
     ``pool`` is the free list the block returns to (it fixes small/large and which
     private pool owns the memory); ``stream`` is the stream it was allocated on and
     the only stream whose requests may reuse it. ``holds`` counts what keeps a freed

@@ -126,7 +126,7 @@ class Captures(Heap):
             if self._foreign:  # a capture begun outside may have ended: stop routing to it
                 # (one query per such capture), at every SWEEP_EVERY-th call that finds its
                 # stream not capturing: beside a capture each sweep would double the query
-                # cost of an allocation (entry 31). Statistics, snapshots and empty_cache
+                # cost of an allocation. Statistics, snapshots and empty_cache
                 # sweep first (_settle), so what they report is never stale.
                 self._sweep_due -= 1
                 if self._sweep_due <= 0:

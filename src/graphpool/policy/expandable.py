@@ -72,7 +72,7 @@ class Expandable(Segments):
         that other streams, each with all its work done, hold: the smallest run of adjacent
         free blocks of those streams and ``stream`` with room, its other streams' blocks made
         ``stream``'s and merged; returned out of the list. None when no such run has room
-        (NOTES entry 44).
+        (Note [Stream takeover] in the module doc).
 
         This is cudaMallocAsync's opportunistic reuse, with expandable segments only (the
         option off keeps PyTorch's per-stream policy exactly). A free block was freed in its
@@ -91,7 +91,7 @@ class Expandable(Segments):
         done = fl.idle_at
         now = fl.calls
         device: Any = self.device  # untyped: compiled, a truthy non-bool answer is read as plain
-        for t, bins in fl.bins.items():  # Python reads it, not refused (the review's finding)
+        for t, bins in fl.bins.items():  # Python reads it, not refused
             if t == stream or t == LEGACY or not bins.sizes:
                 continue
             mark = done.get(t, 0)
@@ -266,7 +266,7 @@ class Expandable(Segments):
         tail.next = block
         if tail.prev is None and not tail.allocated and tail.holds == 0:
             # the refused free tail was the segment's only block: with a neighbour now, it is an
-            # inactive split block too (the differential test found this uncounted; entry 43)
+            # inactive split block too (the differential test checks it)
             k.add("inactive_split", 1)
             k.add("inactive_split_bytes", tail.size)
         k.add("inactive_split", 1)

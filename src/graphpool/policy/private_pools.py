@@ -105,9 +105,9 @@ class Writes:
     allocation, in order.
 
     Two flat lists, not a list of tuples: a capture adds one entry per allocation, and a
-    tuple is an object the garbage collector tracks (benchmarks/NOTES.md, entry 28). An
+    tuple is an object the garbage collector tracks. An
     allocation with the address and size of the one before adds nothing: the footprint is
-    the same (a loop's temporary handed the same block again; entry 31). Iterating gives
+    the same (a loop's temporary handed the same block again). Iterating gives
     ``(ptr, size)`` pairs.
     """
 
