@@ -72,7 +72,7 @@ def abort(a: CachingAllocator, dev: FakeDevice, rec: CaptureRecord) -> None:
 def owner(a: CachingAllocator, ptr: int) -> PoolId | None:
     blk = a.lookup(ptr)
     assert blk is not None
-    return None if blk.pool.owner is None else blk.pool.owner.id
+    return None if blk.free_list.private_pool is None else blk.free_list.private_pool.id
 
 
 def pstats(a: CachingAllocator, pid: PoolId) -> dict[str, int]:
@@ -177,7 +177,7 @@ def test_capturing_stream_gets_private_memory_others_do_not() -> None:
     q = a.malloc(1000, stream=S2)  # eager, while S1 captures
     assert owner(a, p) == P
     assert owner(a, q) is None
-    assert a.lookup(p).owner is rec and a.lookup(q).owner is None
+    assert a.lookup(p).allocated_in is rec and a.lookup(q).allocated_in is None
     ps = pstats(a, P)
     assert ps["allocation.all.current"] == 1
     assert ps["allocated_bytes.all.current"] == 1024

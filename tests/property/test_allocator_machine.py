@@ -484,7 +484,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert blk.size == size
         else:
             assert size <= blk.size <= size + SMALL_MAX  # an unsplit rest stays attached
-        assert blk.pool.is_small == small
+        assert blk.free_list.is_small == small
         new_segs = set(dev.live) - segs
         if after["num_device_alloc"] > before["num_device_alloc"]:
             assert len(new_segs) == 1
@@ -497,7 +497,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             if dev.refused > refused:
                 allowed.add(model_least_segment(size))
             assert seg in allowed, f"segment of {seg} B for a {size} B request (the rules allow {allowed})"
-        got = None if blk.pool.owner is None else blk.pool.owner.id
+        got = None if blk.free_list.private_pool is None else blk.free_list.private_pool.id
         if cap is None:
             assert got is None, "eager request served from a private pool"
         else:
@@ -964,7 +964,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             for ptr, v in side.live.items():
                 blk = side.a.lookup(ptr)
                 assert blk is not None and blk.size == v.size
-                assert (None if blk.pool.owner is None else blk.pool.owner.id) == v.pool
+                assert (
+                    None if blk.free_list.private_pool is None else blk.free_list.private_pool.id
+                ) == v.pool
             assert side.dev.used == st_["reserved_bytes.all.current"]
 
     @invariant()
@@ -1144,7 +1146,7 @@ class PublicApiMachine(RuleBasedStateMachine):
             assert buf.ptr == 0 and runtime.allocator(0).lookup(0) is None  # a null buffer
         else:
             blk = runtime.allocator(0).lookup(buf.ptr)
-            assert blk is not None and blk.pool.owner is None  # eager: never private memory
+            assert blk is not None and blk.free_list.private_pool is None  # eager: never private memory
         pat = next(self.patterns) % 250 + 1
         if nbytes:
             self.dev.write(buf.ptr, bytes([pat]) * nbytes, s.handle)
@@ -1386,7 +1388,7 @@ class PublicApiMachine(RuleBasedStateMachine):
             t = gp.alloc(n, stream=s)  # detected and adopted here
             blk = runtime.allocator(0).lookup(t.ptr)
             assert blk is not None
-            owner = blk.pool.owner
+            owner = blk.free_list.private_pool
             assert owner is not None, "an allocation inside an outside capture got eager memory"
             pool = owner.id
             self.dev.memset(t.ptr, 0xAB, n, s.handle)

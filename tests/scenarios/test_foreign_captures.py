@@ -26,7 +26,7 @@ N = 1 << 18  # 1 MiB of float32
 def owner(arr: Any) -> Any:
     block = runtime.allocator().lookup(ptr(arr))
     assert block is not None
-    return block.pool.owner
+    return block.free_list.private_pool
 
 
 def wait_released(pool: Any) -> bool:

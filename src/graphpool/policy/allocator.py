@@ -373,7 +373,7 @@ class CachingAllocator(Reports):
                         rest.ptr = block.ptr + size
                         rest.size = remaining
                         rest.stream = stream
-                        rest.pool = fl
+                        rest.free_list = fl
                         nxt = rest.next = block.next
                         if nxt is not None:
                             nxt.prev = rest
@@ -402,13 +402,13 @@ class CachingAllocator(Reports):
                     self._serial = serial
                     block.serial = serial
                     self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
-                    owner = fl.owner
+                    owner = fl.private_pool
                     if owner is not None:
                         owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
                         if rec is not None:
-                            if len(owner.fresh) != rec.fresh:  # another capture's segments
+                            if len(owner.returnable) != rec.returnable_count:  # another capture's segments
                                 self._touch(block, rec)
-                            block.owner = rec
+                            block.allocated_in = rec
                             w = rec.written
                             if w is not None:  # the replay checker's footprint (gp.graph)
                                 w.add(ptr, block.size)
@@ -515,11 +515,16 @@ class CachingAllocator(Reports):
             self._sweep()
         if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
             self._collect(self._gc_threshold)
-        if self._expandable and fl.owner is None:
+        if self._expandable and fl.private_pool is None:
             return self._slow_expandable(fl, size, stream, nbytes)
         seg = self.sizes.segment_size(size)
         ptr = self._device_malloc(seg)
-        if ptr is None and self._max_split <= self._total and fl.owner is None and not self._world.active:
+        if (
+            ptr is None
+            and self._max_split <= self._total
+            and fl.private_pool is None
+            and not self._world.active
+        ):
             if self._release_oversize(fl, size, stream):  # PyTorch's release_available_cached_blocks
                 ptr = self._device_malloc(seg)
         if ptr is None and not self._world.active:
@@ -536,9 +541,9 @@ class CachingAllocator(Reports):
         if ptr is None:
             self._raise_oom(nbytes, seg, fl, stream)
         head = self._add_segment(ptr, seg, stream, fl)
-        owner = fl.owner
+        owner = fl.private_pool
         if owner is not None and rec is not None:  # may go back with the capture if it fails
-            self._set_creator(head, rec)  # (see _touch)
+            self._set_returns_with(head, rec)  # (see _touch)
         self._segment_made(head, "allocated", owner)
         return head
 
@@ -553,8 +558,8 @@ class CachingAllocator(Reports):
             return block
         self._release_cached()
         self.stats.num_alloc_retries += 1
-        if fl.owner is not None:
-            fl.owner.stats.num_alloc_retries += 1
+        if fl.private_pool is not None:
+            fl.private_pool.stats.num_alloc_retries += 1
         return None
 
     def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
@@ -645,7 +650,7 @@ class CachingAllocator(Reports):
         key: object = ptr
         block: Block | None = None
         if type(ptr) is Block:  # malloc_owned's allocation, given by its owner: no lookup
-            if ptr.owned and self._mine(ptr.pool):  # (another's lists are another lock's)
+            if ptr.owned and self._mine(ptr.free_list):  # (another's lists are another lock's)
                 ptr.owned = False
                 block = ptr
         elif type(ptr) is int:
@@ -692,7 +697,7 @@ class CachingAllocator(Reports):
         the block is back in its pool (now, or in ``_unhold`` when its last hold ends)."""
         h = self._history
         assert h is not None
-        ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.pool.owner
+        ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.free_list.private_pool
         block.allocated = True  # until the event is in: raising, the free is queued again (_free)
         frames = h.free_requested(ptr, requested, stream, owner)
         block.allocated = False
@@ -753,12 +758,12 @@ class CachingAllocator(Reports):
             for seg in list(self._exp.values()):  # partly free: unmap their free ends
                 self._shrink(seg)
             for pool in self._pools.values():  # live pools: only segments of failed captures
-                if pool.use_count and pool.fresh:
-                    for head in list(pool.fresh):
-                        creator = head.creator
+                if pool.use_count and pool.returnable:
+                    for head in list(pool.returnable):
+                        creator = head.returns_with
                         whole = head.next is None and not head.allocated and head.holds == 0
                         if whole and creator is not None and creator.failed:
-                            head.pool.remove(head)
+                            head.free_list.remove(head)
                             self._release_segment(head)
             for pid, pool in list(self._freeable.items()):
                 self._release_free_segments(pool.small)

@@ -302,10 +302,10 @@ class Captures(Heap):
             for (b, serial) in r.outputs
             if b.allocated and b.serial == serial
         ]
-        if pool.fresh:  # what it may read keeps its segment (see Block.creator)
-            for head in list(pool.fresh):
+        if pool.returnable:  # what it may read keeps its segment (see Block.returns_with)
+            for head in list(pool.returnable):
                 if any(b.allocated for b in iter_segment(head)):
-                    self._set_creator(head, None)
+                    self._set_returns_with(head, None)
         return rec
 
     def _adopt_capture(self, stream: int, pool: PoolId | None, label: str) -> CaptureRecord:
@@ -326,20 +326,20 @@ class Captures(Heap):
             return
         rec.outputs = self._outputs(rec)  # first: _stop_routing ends with calls out
         for head in rec.created:  # the graph lives: its segments stay with the pool
-            if head.creator is rec:
-                self._set_creator(head, None)
+            if head.returns_with is rec:
+                self._set_returns_with(head, None)
         rec.created = []
         self._stop_routing(rec)
 
     def _outputs(self, rec: CaptureRecord) -> list[tuple[Block, int]]:
         """The blocks ``rec`` allocated that are still allocated, with their serials, in
-        allocation order (a walk of its pool's segments: malloc marks them ``owner``)."""
+        allocation order (a walk of its pool's segments: malloc marks them ``allocated_in``)."""
         found = [
             (b.serial, b)
             for head in self._segments.values()
-            if head.pool.owner is rec.pool
+            if head.free_list.private_pool is rec.pool
             for b in iter_segment(head)
-            if b.allocated and b.owner is rec
+            if b.allocated and b.allocated_in is rec
         ]
         found.sort(key=lambda pair: pair[0])
         return [(b, serial) for serial, b in found]
@@ -529,7 +529,7 @@ class Captures(Heap):
         other block, whoever drops it (a worker thread, a garbage-collection pass), is kept
         for the graph of every underway capture (the cupy#9655 rule).
         """
-        owner = block.pool.owner
+        owner = block.free_list.private_pool
         caps = self._captures
         if owner is not None:
             found: CaptureRecord | None = None
@@ -541,38 +541,38 @@ class Captures(Heap):
         return tuple(caps.values())
 
     @staticmethod
-    def _set_creator(head: Block, rec: CaptureRecord | None) -> None:
+    def _set_returns_with(head: Block, rec: CaptureRecord | None) -> None:
         """Name the capture segment ``head`` goes back with (None: it stays with its pool);
-        keeps the pool's ``fresh`` set and the records' ``fresh`` counts in step."""
-        old = head.creator
+        keeps the pool's ``returnable`` set and the records' ``returnable_count`` in step."""
+        old = head.returns_with
         if old is rec:
             return
-        pool = head.pool.owner
-        assert pool is not None, "only a private pool's segments have creators"
+        pool = head.free_list.private_pool
+        assert pool is not None, "only a private pool's segments go back with captures"
         if old is not None:
-            old.fresh -= 1
-        head.creator = rec
+            old.returnable_count -= 1
+        head.returns_with = rec
         if rec is None:
-            pool.fresh.discard(head)
+            pool.returnable.discard(head)
         else:
-            rec.fresh += 1
+            rec.returnable_count += 1
             rec.created.append(head)
-            pool.fresh.add(head)
+            pool.returnable.add(head)
 
     @staticmethod
     def _touch(block: Block, rec: CaptureRecord) -> None:
         """Capture ``rec`` uses ``block``: its segment no longer goes back with the capture that
         made it, or, if that capture failed, it goes back with ``rec`` instead (see
-        Block.creator). Called only while the pool has such segments; walks the segment to
+        Block.returns_with). Called only while the pool has such segments; walks the segment to
         its head (O(blocks in the segment))."""
         head = block
         while head.prev is not None:
             head = head.prev
-        creator = head.creator
+        creator = head.returns_with
         if creator is not None and creator is not rec:
             # the failed capture is gone: the segment goes back with rec now; else two
             # captures use it and it stays whatever either does
-            Captures._set_creator(head, rec if creator.failed else None)
+            Captures._set_returns_with(head, rec if creator.failed else None)
 
     def _kept_for(self) -> dict[int, list[CaptureRecord]]:
         """id(block) -> the unreleased captures keeping it (freed during their capture)."""

@@ -170,7 +170,7 @@ class Expandable(Segments):
             return
         self._synchronize_device()
         for b, home in strays:  # each still a block of its own: only ``home``'s blocks merge away
-            b.pool.remove(b)
+            b.free_list.remove(b)
             b.stream = home
             self._merge_free(b)
 
@@ -281,7 +281,7 @@ class Expandable(Segments):
             try:
                 self._history.record("segment_map", end, need, stream, None)
             except BaseException:
-                block.pool.insert(block)
+                block.free_list.insert(block)
                 raise
 
     def _shrink(self, seg: ExpandableSegment) -> None:
@@ -313,7 +313,7 @@ class Expandable(Segments):
 
     def _unmapped_tail(self, seg: ExpandableSegment, tail: Block, start: int, end: int) -> None:
         """``_shrink``'s bookkeeping once ``[start, end)`` of free last block ``tail`` is unmapped."""
-        fl = tail.pool
+        fl = tail.free_list
         fl.remove(tail)
         seg.mapped -= end - start
         self.stats.num_device_free += 1

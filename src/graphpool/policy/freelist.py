@@ -28,7 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # typed, so that compiled reads of ``owner`` are native
+if TYPE_CHECKING:  # typed, so that compiled reads of ``private_pool`` are native
     from graphpool.policy.block import Block
     from graphpool.policy.private_pools import PrivatePool
 
@@ -74,11 +74,12 @@ def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
 
 
 class FreeList:
-    """Free blocks of one pool kind, by stream. ``owner`` is the private pool or None."""
+    """Free blocks of one pool kind, by stream. ``private_pool`` is the private pool the list
+    belongs to, None for the ordinary pool."""
 
     __slots__ = (
         "is_small",
-        "owner",
+        "private_pool",
         "grows",
         "idle_at",
         "bins",
@@ -89,9 +90,9 @@ class FreeList:
         "_placed_at",
     )
 
-    def __init__(self, is_small: bool, owner: PrivatePool | None = None) -> None:
+    def __init__(self, is_small: bool, private_pool: PrivatePool | None = None) -> None:
         self.is_small = is_small
-        self.owner = owner
+        self.private_pool = private_pool
         # The pool's segments grow at their end (expandable segments, the ordinary pools only):
         # the best fit then spares a segment's free last block (``past_tails``) and a large
         # block splits off any remainder (CachingAllocator.malloc). Set by the allocator.

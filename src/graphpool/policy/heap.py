@@ -3,10 +3,10 @@
 The lowest layer of the allocator (policy/allocator.py lists the layers). A *segment* is
 one device allocation (or one expandable range, expandable.py); it is cut into *blocks*,
 a doubly linked list in address order (block.py). A free block sits in the free list of
-its pool and kind (freelist.py: ``Block.pool`` is that list; the list's ``owner`` is the
-private pool it belongs to, None for the ordinary pool). Freeing merges a block with its
-free neighbours of the same stream, so a segment whose blocks are all free is one block
-again, which segments.py can give back.
+its pool and kind (freelist.py: ``Block.free_list`` is that list; the list's
+``private_pool`` is the private pool it belongs to, None for the ordinary pool). Freeing
+merges a block with its free neighbours of the same stream, so a segment whose blocks are
+all free is one block again, which segments.py can give back.
 
 Ownership: an allocation is its Block, in one of two forms. ``malloc_owned`` hands the Block
 itself to an owner that keeps it (``DeviceBuffer``), with ``Block.owned`` set; ``malloc``
@@ -110,11 +110,11 @@ class Heap:
 
         ``freed``: the user is freeing it now (not a hold ending), for the statistics.
         """
-        fl = block.pool
+        fl = block.free_list
         size = block.size
         requested = block.requested
         block.requested = 0
-        block.owner = None
+        block.allocated_in = None
         block.stream_uses = None
         d_cnt = d_bytes = 0
         # A merged block takes the free-list entry of a neighbour it absorbed when the
@@ -146,15 +146,15 @@ class Heap:
             d_cnt += 1
             d_bytes += block.size
         self.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
-        if fl.owner is not None:
-            fl.owner.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
+        if fl.private_pool is not None:
+            fl.private_pool.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
 
     def _merge_free(self, block: Block) -> Block:
         """File a free block that is in no free list, merged with its free neighbours (the merge
         rule of ``_free_block``, for a block already counted free: stream takeover and
         ``empty_cache``'s rehoming); no statistics change but the inactive splits'. Returns
         the merged block."""
-        fl = block.pool
+        fl = block.free_list
         k = self.stats.kind(fl.is_small)
         merged = False
         nxt = block.next
@@ -204,8 +204,8 @@ class Heap:
             k = st.kind(fl.is_small)
             k.add("segment", 1)
             k.add("reserved_bytes", nbytes)
-        if fl.owner is not None:
-            fl.owner.segment_count += 1
+        if fl.private_pool is not None:
+            fl.private_pool.segment_count += 1
         return head
 
     def _forget_segment(self, head: Block) -> ExpandableSegment | None:
@@ -217,14 +217,14 @@ class Heap:
             del self._exp_of[(seg.is_small, seg.stream)]
         del self._segments[head.ptr]
         self._seg_bases.remove(head.ptr)
-        fl = head.pool
+        fl = head.free_list
         for st in self._scopes(fl):
             st.num_device_free += 1
             k = st.kind(fl.is_small)
             k.add("segment", -1)
             k.add("reserved_bytes", -head.size)
-        if fl.owner is not None:
-            fl.owner.segment_count -= 1
+        if fl.private_pool is not None:
+            fl.private_pool.segment_count -= 1
         return seg
 
     def _keep_spare(self, block: Block) -> None:
@@ -237,28 +237,33 @@ class Heap:
     def _hold(self, block: Block) -> None:
         """Keep a freed block out of its free list (an event, a graph, a deferral)."""
         if block.holds == 0:
-            for st in self._scopes(block.pool):
-                st.hold(block.pool.is_small, block.size, 1)
+            for st in self._scopes(block.free_list):
+                st.hold(block.free_list.is_small, block.size, 1)
         block.holds += 1
 
     def _unhold(self, block: Block) -> None:
         """Drop one hold; the last one returns the block to its free list."""
         block.holds -= 1
         if block.holds == 0:
-            for st in self._scopes(block.pool):
-                st.hold(block.pool.is_small, block.size, -1)
+            for st in self._scopes(block.free_list):
+                st.hold(block.free_list.is_small, block.size, -1)
             h = self._history
             if h is None:
                 self._free_block(block, False)
                 return
             # the block is back in its list before the history (a call out) hears of it
-            ptr, requested, stream, owner = block.ptr, block.requested, block.stream, block.pool.owner
+            ptr, requested, stream, owner = (
+                block.ptr,
+                block.requested,
+                block.stream,
+                block.free_list.private_pool,
+            )
             self._free_block(block, False)
             h.free_completed(ptr, requested, stream, owner)
 
     def _scopes(self, fl: FreeList) -> tuple[PoolStats, ...]:
         """The statistics a block of ``fl`` counts in: the device's, and its private pool's."""
-        return (self.stats,) if fl.owner is None else (self.stats, fl.owner.stats)
+        return (self.stats,) if fl.private_pool is None else (self.stats, fl.private_pool.stats)
 
     def lookup(self, ptr: int) -> Block | None:
         """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too)."""
@@ -269,14 +274,14 @@ class Heap:
         """The live allocation ``ptr`` names: a Block of ``malloc_owned`` still owned, or the
         raw allocation filed at address ``ptr``."""
         if type(ptr) is Block:
-            return ptr if ptr.owned and self._mine(ptr.pool) else None
+            return ptr if ptr.owned and self._mine(ptr.free_list) else None
         return self._active.get(ptr) if type(ptr) is int else None
 
     def _mine(self, fl: FreeList) -> bool:
         """Whether ``fl`` is one of this allocator's free lists (ordinary or a private pool's)."""
         if fl is self._small or fl is self._large:
             return True
-        owner = fl.owner
+        owner = fl.private_pool
         return owner is not None and self._pools.get(owner.id) is owner
 
     def _containing(self, ptr: int) -> Block | None:
@@ -298,7 +303,7 @@ class Heap:
     def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
         if type(ptr) is Block:  # (its address may have changed since: a freed Block is reused)
-            if not self._mine(ptr.pool):
+            if not self._mine(ptr.free_list):
                 raise ForeignPointerError(
                     f"{what}: this Block belongs to another allocator than device {self.device.index}'s"
                 )

@@ -68,7 +68,7 @@ class Reports(Expandable):
         for base in self._seg_bases:
             head = self._segments[base]
             blocks = iter_segment(head)
-            owner = head.pool.owner
+            owner = head.free_list.private_pool
             seg: dict[str, Any] = {
                 "device": self.device.index,
                 "address": base,
@@ -77,7 +77,7 @@ class Reports(Expandable):
                 "active_size": sum(b.size for b in blocks if b.allocated or b.holds),
                 "requested_size": sum(b.requested for b in blocks if b.allocated or b.holds),
                 "stream": self._exp[base].stream if base in self._exp else head.stream,
-                "segment_type": "small" if head.pool.is_small else "large",
+                "segment_type": "small" if head.free_list.is_small else "large",
                 "segment_pool_id": tuple(owner.id) if owner is not None else None,
                 "is_expandable": base in self._exp,
                 "blocks": [
@@ -94,8 +94,8 @@ class Reports(Expandable):
                         ),
                         # a block kept for graphs (freed during their capture) shows its keeper
                         "owner_graph": (
-                            b.owner.label
-                            if b.owner is not None
+                            b.allocated_in.label
+                            if b.allocated_in is not None
                             else (kept[id(b)][0].label if id(b) in kept else None)
                         ),
                         "kept_for": [r.label for r in kept.get(id(b), ())],

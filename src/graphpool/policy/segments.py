@@ -112,12 +112,12 @@ class Segments(StreamUses):
             if logs.enabled(logging.DEBUG):
                 self._log_segment(what, head)
         except BaseException:
-            head.pool.insert(head)
+            head.free_list.insert(head)
             raise
 
     def _log_segment(self, what: str, head: Block) -> None:
         """Log a segment's allocation or release (DEBUG; the caller checked the level)."""
-        owner = head.pool.owner
+        owner = head.free_list.private_pool
         logs.log.debug(
             "device %d: segment %s at 0x%x, %d bytes, stream 0x%x, %s",
             self.device.index,
@@ -212,9 +212,9 @@ class Segments(StreamUses):
         # effect) never leaves a freed segment filed, to be handed out or freed a second time.
         # What that costs when the driver did not free it: the memory stays with the driver.
         seg = self._forget_segment(block)
-        owner = block.pool.owner
+        owner = block.free_list.private_pool
         if owner is not None:
-            self._set_creator(block, None)
+            self._set_returns_with(block, None)
         try:
             if seg is None:
                 self.device.free(block.ptr)
@@ -263,12 +263,12 @@ class Segments(StreamUses):
         the history and raise it; ``_after_oom`` logs it and calls the observers once the lock
         is released."""
         self.stats.num_ooms += 1
-        if fl is not None and fl.owner is not None:
-            fl.owner.stats.num_ooms += 1
+        if fl is not None and fl.private_pool is not None:
+            fl.private_pool.stats.num_ooms += 1
         limit, self._limit_hit = self._limit_hit, None
         err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
         if self._history is not None:  # before the observers: one may take a snapshot
-            self._history.oom(nbytes, stream, self._device_free(), None if fl is None else fl.owner)
+            self._history.oom(nbytes, stream, self._device_free(), None if fl is None else fl.private_pool)
         fns = observers.current()
         # Logging and observers run once the lock is released (``_after_oom``): a logging
         # handler or an observer may take its own locks, call graphpool or wait for threads.

@@ -244,14 +244,14 @@ class StreamUses(Captures):
             block.allocated = True
             self._adopt_users(block)  # raising, the block stays marked allocated: _free queues it again
             block.allocated = False
-        fl = block.pool
+        fl = block.free_list
         size = block.size
-        owner = fl.owner
+        owner = fl.private_pool
         if self._capturing and owner is not None and not block.stream_uses:
             # A capture allocating from this pool takes the block back into it: with one capture
-            # underway, the one that allocated it if still active (``owner``, typed here so that
-            # compiled its fields are read natively), else the first whose pool it is.
-            rec: CaptureRecord | None = block.owner
+            # underway, the one that allocated it if still active (``allocated_in``, typed here
+            # so that compiled its fields are read natively), else the first whose pool it is.
+            rec: CaptureRecord | None = block.allocated_in
             if rec is None or not rec.active or rec.pool is not owner or len(self._captures) != 1:
                 rec = None
                 for r in self._captures.values():
@@ -259,7 +259,7 @@ class StreamUses(Captures):
                         rec = r
                         break
             if rec is not None:
-                if len(owner.fresh) != rec.fresh:  # segments of another capture (malloc)
+                if len(owner.returnable) != rec.returnable_count:  # segments of another capture (malloc)
                     self._touch(block, rec)
                 self._free_block(block, True)
                 return True
@@ -274,7 +274,7 @@ class StreamUses(Captures):
         if owner is not None:
             owner.stats.on_free(fl.is_small, size)
         if self._capturing:
-            if owner is not None and owner.fresh:
+            if owner is not None and owner.returnable:
                 for rec in recs:
                     self._touch(block, rec)
             if recs and (len(recs) > 1 or owner is not recs[0].pool):
