@@ -84,7 +84,6 @@ from graphpool.device.protocol import (
 )
 from graphpool.errors import (
     CaptureError,
-    DoubleFreeError,
     GraphpoolError,
     OutOfMemoryError,
 )
@@ -707,18 +706,6 @@ class CachingAllocator(Reports):
         else:
             self._free_block(block, True)
             h.free_completed(ptr, requested, stream, owner, frames)
-
-    def _check_pointer(self, ptr: Any, what: str) -> None:
-        """Raise the right error unless ``ptr`` is a live allocation not yet queued for a free.
-
-        Changes nothing. O(queued frees): only a re-entered ``free`` asks.
-        """
-        if self._live_block(ptr) is None:
-            self._bad_pointer(ptr, what)
-        for item in self._pending:  # (a Block compares by identity)
-            if item == ptr or (type(item) is tuple and item[0] == ptr):
-                name = "this allocation" if type(ptr) is Block else f"0x{ptr:x}"
-                raise DoubleFreeError(f"{what}: {name} is already queued to be freed")
 
     def record_stream(self, ptr: object, stream: int) -> None:
         """Mark ``stream`` as a user of the allocation at ``ptr`` (docs/behaviour.rst, "Streams")."""

@@ -12,9 +12,10 @@ Ownership: an allocation is its Block, in one of two forms. ``malloc_owned`` han
 itself to an owner that keeps it (``DeviceBuffer``), with ``Block.owned`` set; ``malloc``
 hands out the address and files the Block under it in ``_active``, a layer over the same
 Block for callers that keep only an address (PyTorch's allocator hooks, CuPy). Both forms
-resolve through one lookup (``_live_block``: the Block, or None) and every refusal through
-one error path (``_bad_pointer``: which error, and why), for ``free``, ``record_stream`` and
-the queued frees alike.
+resolve through one lookup, ``_live_block`` (the Block, or None), and every refusal through
+one error path, ``_bad_pointer`` (which error, and why): ``record_stream``, queued frees and
+``_check_pointer`` (a re-entered free) use both; the cached free writes the lookup out
+(Note [The hand-written hot path] in allocator.py) and refuses through ``_bad_pointer``.
 """
 
 from __future__ import annotations
@@ -299,6 +300,18 @@ class Heap:
         not filed by address)."""
         b = self._containing(ptr)
         return b if b is not None and b.ptr == ptr and b.owned else None
+
+    def _check_pointer(self, ptr: Any, what: str) -> None:
+        """Raise the right error unless ``ptr`` is a live allocation not yet queued for a free.
+
+        Changes nothing. O(queued frees): only a re-entered ``free`` asks.
+        """
+        if self._live_block(ptr) is None:
+            self._bad_pointer(ptr, what)
+        for item in self._pending:  # (a Block compares by identity)
+            if item == ptr or (type(item) is tuple and item[0] == ptr):
+                name = "this allocation" if type(ptr) is Block else f"0x{ptr:x}"
+                raise DoubleFreeError(f"{what}: {name} is already queued to be freed")
 
     def _bad_pointer(self, ptr: Any, what: str) -> NoReturn:
         """Raise the right error for a pointer that is not a live allocation."""
