@@ -106,10 +106,15 @@ class Heap:
         larger one only when the block wastes less than ``max_non_split_rounding``."""
         return size < self._max_split or bsize >= size + self._non_split
 
-    def _free_block(self, block: Block, freed: bool) -> None:
-        """Return a block with no holds to its free list, merged with its free neighbours.
+    def _free_block(self, block: Block, freed: bool, counted: bool = False) -> Block:
+        """Return a block with no holds to its free list, merged with its free neighbours; return
+        the merged block. The one merge rule: a neighbour merges when it is free, nothing holds
+        it, and it is of the block's stream (blocks are cached per stream; expandable.py's
+        stream takeover gives blocks a new stream, and they merge with that stream's only).
 
         ``freed``: the user is freeing it now (not a hold ending), for the statistics.
+        ``counted``: the block is free already and counted as an inactive split block if it
+        has neighbours (``_merge_free``); else it is counted as active until now.
         """
         fl = block.free_list
         size = block.size
@@ -118,26 +123,41 @@ class Heap:
         block.allocated_in = None
         block.stream_uses = None
         d_cnt = d_bytes = 0
+        if counted and (block.prev is not None or block.next is not None):
+            d_cnt = -1
+            d_bytes = -size
         # A merged block takes the free-list entry of a neighbour it absorbed when the
         # order allows (FreeList.replace): no list resize in the usual cycle.
         old: Block | None = None
         old_size = 0
         nxt = block.next
-        if nxt is not None and self._mergeable(block, nxt):
+        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
+            # absorb the free block after this one; keep its object for a later split
             old = nxt
             old_size = nxt.size
-            d_cnt = -1
-            d_bytes = -nxt.size
-            self._join(block, nxt)
+            d_cnt -= 1
+            d_bytes -= nxt.size
+            block.size = size + nxt.size
+            after = block.next = nxt.next
+            if after is not None:
+                after.prev = block
+            nxt.prev = nxt.next = None
+            self._keep_spare(nxt)
         prev = block.prev
-        if prev is not None and self._mergeable(block, prev):
+        if prev is not None and not prev.allocated and prev.holds == 0 and prev.stream == block.stream:
+            # the free block before absorbs this one
             if old is not None:
                 fl.remove(old)
             old = prev
             old_size = prev.size
             d_cnt -= 1
             d_bytes -= prev.size
-            self._join(prev, block)
+            prev.size += block.size
+            after = prev.next = block.next
+            if after is not None:
+                after.prev = prev
+            block.prev = block.next = None
+            self._keep_spare(block)
             block = prev
         if old is None:
             fl.insert(block)
@@ -149,50 +169,13 @@ class Heap:
         self.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
         if fl.private_pool is not None:
             fl.private_pool.stats.on_release(fl.is_small, size, requested, d_cnt, d_bytes, freed)
-
-    def _merge_free(self, block: Block) -> Block:
-        """File a free block that is in no free list, merged with its free neighbours (the merge
-        rule of ``_free_block``, for a block already counted free: stream takeover and
-        ``empty_cache``'s rehoming); no statistics change but the inactive splits'. Returns
-        the merged block."""
-        fl = block.free_list
-        k = self.stats.kind(fl.is_small)
-        merged = False
-        nxt = block.next
-        if nxt is not None and self._mergeable(block, nxt):
-            fl.remove(nxt)
-            self._join(block, nxt)
-            k.add("inactive_split", -1)
-            merged = True
-        before = block.prev
-        if before is not None and self._mergeable(block, before):
-            fl.remove(before)
-            self._join(before, block)
-            block = before
-            k.add("inactive_split", -1)
-            merged = True
-        if merged and block.prev is None and block.next is None:  # a whole segment again
-            k.add("inactive_split", -1)
-            k.add("inactive_split_bytes", -block.size)
-        fl.insert(block)
         return block
 
-    @staticmethod
-    def _mergeable(block: Block, other: Block) -> bool:
-        """The merge rule: free neighbour ``other`` merges with ``block`` when nothing holds it
-        and it is of ``block``'s stream (blocks are cached per stream; expandable.py's stream
-        takeover gives blocks a new stream, and they merge with that stream's only)."""
-        return not other.allocated and other.holds == 0 and other.stream == block.stream
-
-    def _join(self, first: Block, second: Block) -> None:
-        """``first`` absorbs the adjacent ``second`` (its next block); ``second``'s object is
-        kept for a later split. Free lists and statistics are the caller's."""
-        first.size += second.size
-        after = first.next = second.next
-        if after is not None:
-            after.prev = first
-        second.prev = second.next = None
-        self._keep_spare(second)
+    def _merge_free(self, block: Block) -> Block:
+        """File a free block that is in no free list, merged with its free neighbours by
+        ``_free_block``'s rule (stream takeover, and ``empty_cache``'s rehoming); no statistics
+        change but the inactive splits'. Returns the merged block."""
+        return self._free_block(block, False, True)
 
     def _add_segment(self, ptr: int, nbytes: int, stream: int, fl: FreeList) -> Block:
         """File a new segment of ``nbytes`` at ``ptr`` (one block, in no free list: the caller
