@@ -11,7 +11,7 @@ import pytest
 
 import graphpool as gp
 from graphpool import runtime
-from graphpool.policy import allocator as allocator_module
+from graphpool.policy import logs
 from simenv import fresh_sim
 
 MiB = 1024 * 1024
@@ -104,8 +104,8 @@ class CountingLogger:
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Stand in for the allocator's logger, with an empty level cache (so it is asked)."""
-        monkeypatch.setattr(allocator_module, "_log", self)
-        monkeypatch.setattr(allocator_module, "_LEVELS", {})
+        monkeypatch.setattr(logs, "log", self)
+        monkeypatch.setattr(logs, "LEVELS", {})
 
     def isEnabledFor(self, level: int) -> bool:
         self.checks += 1
@@ -155,17 +155,17 @@ def test_the_level_test_reads_the_loggers_cache() -> None:
     run inside the test, in the middle of an update): the allocator reads the logger's own
     cache, which logging clears in place when a level changes."""
     log = logging.getLogger("graphpool")
-    assert allocator_module._LEVELS is log._cache  # type: ignore[attr-defined]
+    assert logs.LEVELS is log._cache  # type: ignore[attr-defined]
     old = log.level
     try:
         log.setLevel(logging.DEBUG)
-        assert allocator_module._enabled(logging.DEBUG) is True
-        assert allocator_module._LEVELS[logging.DEBUG] is True
+        assert logs.enabled(logging.DEBUG) is True
+        assert logs.LEVELS[logging.DEBUG] is True
         log.setLevel(logging.WARNING)
-        assert logging.DEBUG not in allocator_module._LEVELS  # cleared by the level change
-        assert allocator_module._enabled(logging.DEBUG) is False
+        assert logging.DEBUG not in logs.LEVELS  # cleared by the level change
+        assert logs.enabled(logging.DEBUG) is False
         log.disabled = True
-        assert allocator_module._enabled(logging.WARNING) is False
+        assert logs.enabled(logging.WARNING) is False
     finally:
         log.disabled = False
         log.setLevel(old)

@@ -193,7 +193,7 @@ def test_threads_allocate_while_another_thread_captures(small_sim: Any) -> None:
             with gp.stream(s):
                 while not stop.is_set():
                     buf = gp.alloc(1000 + 512 * i)
-                    if alloc.lookup(buf.ptr).pool.owner is not None:
+                    if alloc.lookup(buf.ptr).free_list.private_pool is not None:
                         private.append(buf.ptr)
                     buf.free()
         except BaseException as exc:  # re-raised in the main thread below
@@ -208,7 +208,7 @@ def test_threads_allocate_while_another_thread_captures(small_sim: Any) -> None:
             arrays = [xp.ones(100 + k) for k in range(50)]
             g.capture_end()
             g.replay()
-            assert all(alloc.lookup(a.data.ptr).pool.owner is not None for a in arrays)
+            assert all(alloc.lookup(a.data.ptr).free_list.private_pool is not None for a in arrays)
             assert float(arrays[-1].sum().item()) == 149.0
         g.reset()
         captured.set()
@@ -260,7 +260,7 @@ def test_graph_collected_mid_capture_is_ended_at_once(small_sim: Any) -> None:
             t.join()
             assert runtime.allocator(0)._capturing == 0  # released: its capture is over
             b = xp.ones(100)
-            assert runtime.allocator(0).lookup(b.data.ptr).pool.owner is None
+            assert runtime.allocator(0).lookup(b.data.ptr).free_list.private_pool is None
             del a, b
     finally:
         for cap in sim_capture.ongoing():  # leave no capture behind for later tests

@@ -33,6 +33,8 @@ class Mutant:
 
 
 ALLOC = "policy/allocator.py"
+EXPANDABLE = "policy/expandable.py"
+SEGMENTS = "policy/segments.py"
 T_TAKE = "tests/policy/test_stream_takeover.py::"
 T_EXP = "tests/test_expandable_rules.py::"
 T_GC = "tests/policy/test_gc_and_limits.py::"
@@ -44,28 +46,28 @@ SIM = "sim/device.py"
 MUTANTS = (
     Mutant(
         "takeover: a block freed right after its stream's idle answer counted as covered",
-        ALLOC,
+        EXPANDABLE,
         "return b.stream == stream or b.gc_base < done.get(b.stream, 0)",
         "return b.stream == stream or b.gc_base <= done.get(b.stream, 0)",
         (T_TAKE + "test_a_block_freed_after_its_streams_idle_answer_needs_a_new_answer",),
     ),
     Mutant(
         "takeover: an idle answer stamped one tick late",
-        ALLOC,
+        EXPANDABLE,
         "                        done[t] = now\n",
         "                        done[t] = now + 1\n",
         (T_TAKE + "test_a_block_freed_after_its_streams_idle_answer_needs_a_new_answer",),
     ),
     Mutant(
         "takeover: growing a segment absorbs another stream's busy free tail",
-        ALLOC,
+        EXPANDABLE,
         "tail.size < size and tail.stream == stream",
         "tail.size < size",
         (T_TAKE + "test_growing_a_segment_never_absorbs_another_streams_free_tail",),
     ),
     Mutant(
         "takeover: max_split_size ignored",
-        ALLOC,
+        EXPANDABLE,
         "                    if total < self._max_split or not self._refuses(total, size):\n"
         "                        best, best_size = first, total",
         "                    if True:\n                        best, best_size = first, total",
@@ -73,17 +75,17 @@ MUTANTS = (
     ),
     Mutant(
         "expandable: the first segment of a stream skips the limits",
-        ALLOC,
+        EXPANDABLE,
         "if need > reserve or not self._map_allowed(need):",
         "if need > reserve:",
         (T_EXP + "test_a_limit_refuses_the_mapping_of_an_expandable_segment",),
     ),
     Mutant(
         "expandable: a mapping checked against the byte cap only (the fraction skipped)",
-        ALLOC,
-        'as ``_device_malloc`` does)."""\n        limits = self.limits\n'
+        SEGMENTS,
+        "        limits = self.limits\n"
         '        if limits.cap is not None and self.stats.current("reserved_bytes") + nbytes > limits.cap:',
-        'as ``_device_malloc`` does)."""\n        limits = self.limits\n'
+        "        limits = self.limits\n"
         "        if limits.nbytes is not None and "
         'self.stats.current("reserved_bytes") + nbytes > limits.nbytes:',
         (T_EXP + "test_a_limit_refuses_the_mapping_of_an_expandable_segment",),
@@ -91,21 +93,21 @@ MUTANTS = (
     ),
     Mutant(
         "expandable: empty_cache unmaps a free end that a graph still keeps",
-        ALLOC,
+        EXPANDABLE,
         "if tail.allocated or tail.holds or tail.prev is None:",
         "if tail.allocated or tail.prev is None:",
         (T_EXP + "test_empty_cache_keeps_a_free_end_a_graph_still_writes",),
     ),
     Mutant(
         "GC: blocks of equal age never collected (>= vs >)",
-        ALLOC,
+        SEGMENTS,
         "if age >= threshold_age:",
         "if age > threshold_age:",
         (T_GC + "test_segments_of_equal_age_are_collected",),
     ),
     Mutant(
         "GC: the threshold measured against the binding cap instead of the fraction's",
-        ALLOC,
+        SEGMENTS,
         "cap = self.limits.fraction_bytes()",
         "cap = self.limits.cap",
         (T_GC + "test_the_threshold_is_a_share_of_the_fraction_not_of_a_smaller_byte_limit",),

@@ -265,7 +265,7 @@ class FakeDevice:
     def capture_id(self, stream: int) -> int:
         self.id_calls += 1
         self.queried.append(stream)
-        if stream in self.destroyed:  # as record_event does; CUDA may crash (NOTES, entry 17)
+        if stream in self.destroyed:  # as record_event does; CUDA may crash
             raise CUDAError("cudaStreamGetCaptureInfo", 400, "cudaErrorInvalidResourceHandle")
         return self.capturing.get(stream, 0)
 

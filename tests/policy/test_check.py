@@ -141,7 +141,7 @@ def _find(a: CachingAllocator, ptr: int) -> Block:
 
 def _fl(st: State, block: Block) -> tuple[FreeList, int]:
     """The free list filing ``block`` and its index in its stream's bins."""
-    fl = block.pool
+    fl = block.free_list
     bins = fl.bins[block.stream]
     return fl, next(i for i, b in enumerate(bins.blocks) if b is block)
 
@@ -173,7 +173,7 @@ def corrupt_seg_bases(st: State) -> None:
 
 
 def corrupt_head_prev(st: State) -> None:
-    st.free_first.prev = _detached(st, st.free_first.pool)
+    st.free_first.prev = _detached(st, st.free_first.free_list)
 
 
 def corrupt_alignment(st: State) -> None:
@@ -185,7 +185,7 @@ def corrupt_empty(st: State) -> None:
 
 
 def corrupt_pool_mix(st: State) -> None:
-    st.allocated.pool = st.a._large
+    st.allocated.free_list = st.a._large
 
 
 def corrupt_gap(st: State) -> None:
@@ -210,11 +210,11 @@ def corrupt_unmerged(st: State) -> None:
 
 
 def corrupt_bins_length(st: State) -> None:
-    st.free_first.pool.bins[S1].sizes.append(1 << 20)
+    st.free_first.free_list.bins[S1].sizes.append(1 << 20)
 
 
 def corrupt_bins_order(st: State) -> None:
-    bins = st.free_first.pool.bins[S1]
+    bins = st.free_first.free_list.bins[S1]
     bins.sizes.reverse()
     bins.blocks.reverse()
 
@@ -227,7 +227,7 @@ def corrupt_filed_twice(st: State) -> None:
 
 
 def corrupt_wrong_stream(st: State) -> None:
-    fl = st.free_first.pool
+    fl = st.free_first.free_list
     fl.bins[99] = fl.bins.pop(S1)
 
 
@@ -238,7 +238,7 @@ def corrupt_size_mismatch(st: State) -> None:
 
 def corrupt_find_cache(st: State) -> None:
     """FreeList.find's kept answer names bins that are not its stream's."""
-    fl = st.free_first.pool
+    fl = st.free_first.free_list
     fl._last_stream = S1
     fl._last_bins = Bins()
 
@@ -265,7 +265,7 @@ def corrupt_two_freelists(st: State) -> None:
 
 
 def corrupt_unfiled(st: State) -> None:
-    st.free_first.pool.remove(st.free_first)
+    st.free_first.free_list.remove(st.free_first)
 
 
 def corrupt_untracked(st: State) -> None:
@@ -434,19 +434,19 @@ def corrupt_use_count_records(st: State) -> None:
 
 
 def corrupt_fresh_without_creator(st: State) -> None:
-    st.a._pools[P].fresh.add(st.segment_of(st.private_small)[0])
+    st.a._pools[P].returnable.add(st.segment_of(st.private_small)[0])
 
 
 def corrupt_record_fresh(st: State) -> None:
-    st.rec.fresh += 1
+    st.rec.returnable_count += 1
 
 
 def corrupt_creator_not_fresh(st: State) -> None:
-    st.a._pools[P].fresh.clear()
+    st.a._pools[P].returnable.clear()
 
 
 def corrupt_hold_elsewhere(st: State) -> None:
-    st.a._deferred.append(_detached(st, st.allocated.pool))
+    st.a._deferred.append(_detached(st, st.allocated.free_list))
 
 
 def corrupt_allocated_held(st: State) -> None:
@@ -512,7 +512,7 @@ def corrupt_exp_granules(st: State) -> None:
     last = st.extra["last"]  # make it the last block, allocated, 512 bytes longer
     rest = last.next
     assert rest is not None and not rest.allocated
-    rest.pool.remove(rest)
+    rest.free_list.remove(rest)
     last.next = None
     last.size += rest.size + 512
     seg.mapped += 512
@@ -596,9 +596,11 @@ CASES: dict[str, Case] = {
     "record token": Case(corrupt_record_token, "foreign capture without its release token"),
     "orphan token": Case(corrupt_orphan_token, "release token of no record"),
     "use count vs records": Case(corrupt_use_count_records, "records"),
-    "fresh without creator": Case(corrupt_fresh_without_creator, "fresh segment without creator"),
+    "fresh without creator": Case(corrupt_fresh_without_creator, "returnable segment that names no capture"),
     "record fresh count": Case(corrupt_record_fresh, "segments it may take back, not", True),
-    "creator not fresh": Case(corrupt_creator_not_fresh, "segment creator not listed as fresh", True),
+    "creator not fresh": Case(
+        corrupt_creator_not_fresh, "segment that goes back with a capture not listed as returnable", True
+    ),
     "hold elsewhere": Case(
         corrupt_hold_elsewhere, "a hold on a block that is no longer in any segment", True
     ),

@@ -1,4 +1,5 @@
-"""Private pools for graph capture (SPEC section 3), on a scripted FakeDevice.
+"""Private pools for graph capture, on a scripted FakeDevice (docs/behaviour.rst, "Private
+pools for graph capture").
 
 A capture here is ``allocator.begin_capture(pid, begin=lambda: dev.begin(s), stream=s)``,
 then ``dev.end(s)`` and ``allocator.end_capture(rec)`` (or ``abort_capture``); the graph's
@@ -22,7 +23,8 @@ from graphpool.device.protocol import (
 )
 from graphpool.errors import CaptureError, DoubleFreeError, OutOfMemoryError
 from graphpool.policy import private_pools
-from graphpool.policy.allocator import SWEEP_EVERY, CachingAllocator
+from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.captures import SWEEP_EVERY
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
     CaptureRecord,
@@ -70,7 +72,7 @@ def abort(a: CachingAllocator, dev: FakeDevice, rec: CaptureRecord) -> None:
 def owner(a: CachingAllocator, ptr: int) -> PoolId | None:
     blk = a.lookup(ptr)
     assert blk is not None
-    return None if blk.pool.owner is None else blk.pool.owner.id
+    return None if blk.free_list.private_pool is None else blk.free_list.private_pool.id
 
 
 def pstats(a: CachingAllocator, pid: PoolId) -> dict[str, int]:
@@ -175,7 +177,7 @@ def test_capturing_stream_gets_private_memory_others_do_not() -> None:
     q = a.malloc(1000, stream=S2)  # eager, while S1 captures
     assert owner(a, p) == P
     assert owner(a, q) is None
-    assert a.lookup(p).owner is rec and a.lookup(q).owner is None
+    assert a.lookup(p).allocated_in is rec and a.lookup(q).allocated_in is None
     ps = pstats(a, P)
     assert ps["allocation.all.current"] == 1
     assert ps["allocated_bytes.all.current"] == 1024
@@ -1187,9 +1189,10 @@ def test_a_queued_record_streamed_free_adopting_a_capture_still_counts_as_made_d
 
 
 # ---------------------------------------------------------------- frees during a capture
-# Issue 24: an ordinary block allocated during a capture on a stream outside it went back
-# to its free list at once (the eager rule); a released graph recorded its replay-stream
-# events into a capture not seen yet; a free after a detected capture ended was kept for it.
+# Three rules, each once broken: an ordinary block allocated during a capture on a stream
+# outside it is kept for the graph, not returned at once; a released graph records no
+# replay-stream event into a capture not seen yet; a free after a detected capture ended is
+# not kept for it.
 
 
 def _capture(a: CachingAllocator, dev: FakeDevice, kind: str) -> CaptureRecord:

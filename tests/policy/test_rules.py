@@ -1,4 +1,5 @@
-"""Every policy rule of SPEC section 2, with exact figures, on a scripted FakeDevice.
+"""Every policy rule of docs/behaviour.rst, "The caching allocator", with exact figures, on a
+scripted FakeDevice.
 
 Each test drives ``CachingAllocator(FakeDevice(...))`` directly, reads the flattened
 ``memory_stats()`` and calls ``check_invariants()`` after each step. Some tests shrink the
@@ -127,8 +128,6 @@ def test_size_config_rounding_helpers() -> None:
     assert DEFAULT.segment_size(10 * MiB - 512) == 20 * MiB
     assert DEFAULT.segment_size(10 * MiB) == 10 * MiB
     assert DEFAULT.segment_size(10 * MiB + 512) == 12 * MiB
-    assert DEFAULT.should_split(True, 512) and not DEFAULT.should_split(True, 0)
-    assert not DEFAULT.should_split(False, MiB) and DEFAULT.should_split(False, MiB + 512)
 
 
 def test_least_segment_of_a_small_request_is_a_small_segment() -> None:
@@ -766,7 +765,7 @@ def test_request_larger_than_the_device_fails_without_touching_state() -> None:
     calls = list(dev.calls)
     with pytest.raises(OutOfMemoryError):
         a.malloc((1 << 30) + 1, stream=S1)
-    before["num_ooms"] += 1  # counted, as SPEC 2 says (it can never fit)
+    before["num_ooms"] += 1  # counted, as docs/behaviour.rst says (it can never fit)
     assert a.memory_stats() == before
     assert dev.calls == calls
     ok(a)

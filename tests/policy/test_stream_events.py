@@ -1,4 +1,5 @@
-"""record_stream with slow work really queued on the user stream (SPEC 2, Streams).
+"""record_stream with slow work really queued on the user stream (docs/behaviour.rst, "The
+caching allocator", "Streams").
 
 ``FakeDevice(streams=True)`` completes an event only when the work queued on its stream
 before the record is done, so a freed block's reuse shows which stream its event was

@@ -1,5 +1,6 @@
 """Expandable segments: a stream about to map more takes over the free blocks of another
-stream whose work is all done (``CachingAllocator._take_idle``, NOTES entry 44).
+stream whose work is all done (``CachingAllocator._take_idle``; Note [Stream takeover] in
+policy/expandable.py).
 
 The rule, as these tests pin it down:
 
@@ -139,8 +140,8 @@ def test_empty_cache_gives_taken_blocks_back_and_the_segment_goes_whole() -> Non
 
 def test_empty_cache_leaves_taken_blocks_between_live_ones_with_their_taker() -> None:
     """Only the free end goes back to the segment's stream: a taken block between live blocks
-    would free nothing there, and would be stranded if that stream is never idle again (the
-    review's case: a destroyed stream is never asked)."""
+    would free nothing there, and would be stranded if that stream is never idle again (a
+    destroyed stream is never asked)."""
     dev, a = _alloc()
     p, keep = _b_takes_the_first_block(a)  # B's free p, before A's live `keep`
     dev.destroyed.add(A)

@@ -1,18 +1,19 @@
 """Stateful property tests: random programs against the allocator, checked after every step.
 
-``AllocatorMachine`` drives two ``CachingAllocator(FakeDevice)`` sharing one ``CaptureWorld``
-(CUDA's capture rules are process-wide), with shrunken size tunables and a small device
-budget, so splitting, merging, growth and out-of-memory happen in almost every run. Its
-model is written from SPEC sections 2 and 3 (rounding, segment sizes and the capture-time
-free rule in the model's own terms; nothing calls the allocator's size or capture code) and
-keeps, per device: every live allocation's range, every freed block held back (kept for
-graphs, deferred, waiting on events of named streams), the routing each request must get,
-the use count of every pool and the highest level of every statistic. Held-back bytes are
-audited exactly against ``active_bytes``. Events complete only when a rule completes their
-stream (slow work), frees come from the main thread, short-lived threads and finalizer
-queues, captures are begun through graphpool or directly on the device (adopted by
-detection), ended, failed, abandoned (ended by the allocator, or dead when the device
-refuses), and streams that buffers were recorded on are destroyed.
+``AllocatorMachine`` drives two ``CachingAllocator(FakeDevice)`` sharing one
+``CaptureWorld`` (CUDA's capture rules are process-wide), with shrunken size tunables and a
+small device budget, so splitting, merging, growth and out-of-memory happen in almost every
+run. Its model is written from docs/behaviour.rst's caching allocator and private pools
+(rounding, segment sizes and the capture-time free rule in the model's own terms; nothing
+calls the allocator's size or capture code) and keeps, per device: every live allocation's
+range, every freed block held back (kept for graphs, deferred, waiting on events of named
+streams), the routing each request must get, the use count of every pool and the highest
+level of every statistic. Held-back bytes are audited exactly against ``active_bytes``.
+Events complete only when a rule completes their stream (slow work), frees come from the
+main thread, short-lived threads and finalizer queues, captures are begun through graphpool
+or directly on the device (adopted by detection), ended, failed, abandoned (ended by the
+allocator, or dead when the device refuses), and streams that buffers were recorded on are
+destroyed.
 
 ``PublicApiMachine`` drives the public API on the simulated device: buffers filled with a
 pattern that is verified at free and after every replay, graphs captured (with buffers
@@ -134,9 +135,9 @@ def reached(what: str) -> None:
 
 
 # --------------------------------------------------------------------------- the model's rules
-# Written from SPEC sections 2 and 3 with the shrunken tunables of fakedevice.SHRUNK spelled
-# out (1 MiB -> 4 KiB, 2 MiB -> 8 KiB, 20 MiB -> 40 KiB, 10 MiB -> 20 KiB); nothing here calls
-# the allocator's own size or capture code.
+# Written from docs/behaviour.rst's allocator and private-pool rules with the shrunken
+# tunables of fakedevice.SHRUNK spelled out (1 MiB -> 4 KiB, 2 MiB -> 8 KiB, 20 MiB -> 40 KiB,
+# 10 MiB -> 20 KiB); nothing here calls the allocator's own size or capture code.
 UNIT = 512
 SMALL_MAX = 4096  # "1 MiB": larger rounded requests go to the large pool
 SMALL_SEGMENT = 8192  # "2 MiB"
@@ -146,12 +147,12 @@ OWN_SEGMENT_ROUND = 8192  # ...rounded up to "2 MiB"
 
 
 def model_round(n: int) -> int:
-    """SPEC 2: up to a multiple of 512 B; 0..511 become 512."""
+    """Rounding: up to a multiple of 512 B; 0..511 become 512."""
     return max(UNIT, -(-n // UNIT) * UNIT)
 
 
 def model_segment(size: int) -> int:
-    """SPEC 2, Segments: what a rounded request that no cached block fits asks the driver for."""
+    """Segments: what a rounded request that no cached block fits asks the driver for."""
     if size <= SMALL_MAX:
         return SMALL_SEGMENT
     if size < OWN_SEGMENT_FROM:
@@ -160,7 +161,7 @@ def model_segment(size: int) -> int:
 
 
 def model_least_segment(size: int) -> int:
-    """The fallback after the retry (the brief; not in SPEC 2): the least segment that holds it."""
+    """The fallback after the retry (docs/behaviour.rst, "Out of memory"): the least segment that holds it."""
     if size <= SMALL_MAX:
         return SMALL_SEGMENT
     return -(-size // OWN_SEGMENT_ROUND) * OWN_SEGMENT_ROUND
@@ -197,7 +198,7 @@ class Cap:
 
 @dataclass(eq=False)
 class Seg:
-    """A segment a capture made (SPEC 3, failed captures leak nothing)."""
+    """A segment a capture made (failed captures leak nothing)."""
 
     base: int
     size: int
@@ -268,7 +269,7 @@ class Side:
             h.pending.clear()
 
     def record_events(self, h: Hold, uses: set[int]) -> None:
-        """SPEC 2, Streams: an event on each extra user stream; a destroyed stream takes none,
+        """Streams: an event on each extra user stream; a destroyed stream takes none,
         the device is synchronized instead."""
         recorded = False
         for s in sorted(uses):
@@ -412,7 +413,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         before = a.memory_stats()
         refused, segs = dev.refused, set(dev.live)
         size = model_round(nbytes)
-        # SPEC 2 / finding 10: if the driver refuses, the retry waits for the pending events and
+        # If the driver refuses, the retry waits for the pending events and
         # searches the cache again; an eager block of this stream and pool kind that only
         # events hold back, and that fits, is found then (merging only makes it larger)
         fits_after_sync = (
@@ -449,7 +450,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 )
                 assert after["num_alloc_retries"] == before["num_alloc_retries"]
             else:
-                # SPEC 2: the pending events were synchronized, the cache released, one retry
+                # The pending events were synchronized, the cache released, one retry
                 assert not fits_after_sync, (
                     "out of memory with a fitting block freed by the retry's synchronization"
                 )
@@ -462,7 +463,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if adopt:
             cap = self.adopted(side, stream, cid, attached, pools)
         if cap is None and not self.world_active():
-            side.process()  # SPEC 2: events are polled at the next malloc (never during capture)
+            side.process()  # Events are polled at the next malloc (never during capture)
         after = a.memory_stats()
         if dev.refused > refused and not self.world_active():
             side.sync_all()  # the out-of-memory retry waited for every pending event first
@@ -483,7 +484,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert blk.size == size
         else:
             assert size <= blk.size <= size + SMALL_MAX  # an unsplit rest stays attached
-        assert blk.pool.is_small == small
+        assert blk.free_list.is_small == small
         new_segs = set(dev.live) - segs
         if after["num_device_alloc"] > before["num_device_alloc"]:
             assert len(new_segs) == 1
@@ -495,8 +496,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             allowed = {model_segment(size)}
             if dev.refused > refused:
                 allowed.add(model_least_segment(size))
-            assert seg in allowed, f"segment of {seg} B for a {size} B request (SPEC says {allowed})"
-        got = None if blk.pool.owner is None else blk.pool.owner.id
+            assert seg in allowed, f"segment of {seg} B for a {size} B request (the rules allow {allowed})"
+        got = None if blk.free_list.private_pool is None else blk.free_list.private_pool.id
         if cap is None:
             assert got is None, "eager request served from a private pool"
         else:
@@ -518,7 +519,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         # A free never asks the device about the block's own stream (it may be destroyed):
         # captures are found at allocations, or registered by a hook
         # (test_hook_registered_capture_keeps_a_free). It asks only about the streams named by
-        # record_stream (NOTES 33): one capturing unseen has its capture adopted first.
+        # record_stream: one capturing unseen has its capture adopted first.
         adopting = [
             (s, side.dev.capturing[s])
             for s in sorted(v.uses)
@@ -564,7 +565,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             keepers = self.keepers(side, v, thread)
             hold = Hold(ptr, ptr + v.size, keepers, block=v)
             if v.uses:
-                hold.events, hold.uses = "deferred", set(v.uses)  # SPEC 3: no event during capture
+                hold.events, hold.uses = "deferred", set(v.uses)  # no event during capture
             if hold.alive():
                 side.holds.append(hold)
         elif v.uses:
@@ -574,7 +575,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         return True
 
     def keepers(self, side: Side, v: Live, thread: int) -> list[Cap]:
-        """The SPEC 3 rule (as the brief states it) for a free while ``side`` captures."""
+        """The rule of docs/behaviour.rst, "Frees", for a free while ``side`` captures."""
         caps = list(side.active.values())
         if v.pool is not None and any(c.pid == v.pool for c in caps):
             return []  # a block of a pool being captured into goes back to that pool
@@ -654,7 +655,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.assert_failed_segments_gone(side)
 
     def assert_failed_segments_gone(self, side: Side) -> None:
-        """SPEC 3: a failed capture leaks nothing: once empty_cache runs, a segment only it used
+        """A failed capture leaks nothing: once empty_cache runs, a segment only it used
         that holds nothing any more is back with the driver, even if its pool lives on."""
         busy = [(p, p + v.size) for p, v in side.live.items()] + side.held_ranges()
         for base, sg in list(side.segs.items()):
@@ -963,7 +964,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             for ptr, v in side.live.items():
                 blk = side.a.lookup(ptr)
                 assert blk is not None and blk.size == v.size
-                assert (None if blk.pool.owner is None else blk.pool.owner.id) == v.pool
+                assert (
+                    None if blk.free_list.private_pool is None else blk.free_list.private_pool.id
+                ) == v.pool
             assert side.dev.used == st_["reserved_bytes.all.current"]
 
     @invariant()
@@ -1140,10 +1143,10 @@ class PublicApiMachine(RuleBasedStateMachine):
             return
         assert buf.nbytes == nbytes and buf.stream == s
         if nbytes == 0:
-            assert buf.ptr == 0 and runtime.allocator(0).lookup(0) is None  # a null buffer (SPEC 2)
+            assert buf.ptr == 0 and runtime.allocator(0).lookup(0) is None  # a null buffer
         else:
             blk = runtime.allocator(0).lookup(buf.ptr)
-            assert blk is not None and blk.pool.owner is None  # eager: never private memory
+            assert blk is not None and blk.free_list.private_pool is None  # eager: never private memory
         pat = next(self.patterns) % 250 + 1
         if nbytes:
             self.dev.write(buf.ptr, bytes([pat]) * nbytes, s.handle)
@@ -1270,7 +1273,8 @@ class PublicApiMachine(RuleBasedStateMachine):
         )
 
     def hazard(self, gr: Graph) -> bool:
-        """SPEC 5 and graphs.py's rules, in the model's terms: replaying ``gr`` now would
+        """The replay-safety rules of docs/behaviour.rst and graphs.py, in the model's terms:
+        replaying ``gr`` now would
         (2) read an input its producer made that a pool mate replayed since overwrote, or
         (3) overwrite a still-referenced output of a pool mate that replayed after ``gr`` did."""
         mates = [h for h in self.graphs if h is not gr and h.pid == gr.pid]
@@ -1384,7 +1388,7 @@ class PublicApiMachine(RuleBasedStateMachine):
             t = gp.alloc(n, stream=s)  # detected and adopted here
             blk = runtime.allocator(0).lookup(t.ptr)
             assert blk is not None
-            owner = blk.pool.owner
+            owner = blk.free_list.private_pool
             assert owner is not None, "an allocation inside an outside capture got eager memory"
             pool = owner.id
             self.dev.memset(t.ptr, 0xAB, n, s.handle)

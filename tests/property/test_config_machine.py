@@ -265,7 +265,7 @@ class ConfigMachine(RuleBasedStateMachine):
         self._registered(self.count)
         blk = a.lookup(ptr)
         assert blk is not None and blk.ptr == ptr and blk.allocated and blk.stream == stream
-        owner = blk.pool.owner
+        owner = blk.free_list.private_pool
         others = list(self.live.items())
         self.count += 1  # filed first: a failed check below still frees it at the teardown
         self.live[ptr] = Live(blk.size, stream, self.count, owner is not None)
@@ -283,7 +283,7 @@ class ConfigMachine(RuleBasedStateMachine):
                     f"stream {stream} handed memory that stream(s) {pending} may still use "
                     f"(freed by stream {u.stream})"
                 )
-                if u.stream != stream and u.stream != 0 and not blk.pool.owner:
+                if u.stream != stream and u.stream != 0 and not blk.free_list.private_pool:
                     reached("takeover")
         if busy_free and a.sizes.expandable_segments and not self.caps:
             reached("takeover refused: busy stream")
@@ -319,9 +319,9 @@ class ConfigMachine(RuleBasedStateMachine):
             if u.stream != stream or len(u.marks) < 2:  # (record_stream'd blocks only)
                 continue
             b = a._containing(u.lo)
-            if b is None or b.allocated or not b.holds or b.pool.owner is not None:
+            if b is None or b.allocated or not b.holds or b.free_list.private_pool is not None:
                 continue
-            if b.stream != stream or b.pool.is_small != small or b.size < rounded:
+            if b.stream != stream or b.free_list.is_small != small or b.size < rounded:
                 continue
             if b.size >= a._max_split and a._refuses(b.size, rounded):
                 continue

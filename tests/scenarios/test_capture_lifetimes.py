@@ -95,7 +95,7 @@ def test_joined_stream_allocates_from_the_capture_pool(backend: Any) -> None:
     assert gp.memory_stats(pool=pool)["allocation.all.current"] == 1
     alloc = runtime.allocator()
     block = alloc.lookup(ptr(c))
-    assert block is not None and block.pool.owner is not None
+    assert block is not None and block.free_list.private_pool is not None
     with gp.stream(s):
         g.replay()
         assert total(c) == 5 * N
@@ -190,7 +190,7 @@ def test_eager_thread_during_capture_gets_ordinary_memory(backend: Any) -> None:
             buf = gp.alloc(4096, other)
             block = runtime.allocator().lookup(buf.ptr)
             assert block is not None
-            seen.append((block.pool.owner is None, buf.ptr))
+            seen.append((block.free_list.private_pool is None, buf.ptr))
             buf.free()
 
     with gp.stream(s):

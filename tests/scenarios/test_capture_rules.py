@@ -324,7 +324,7 @@ def test_capture_cost_does_not_grow_with_history() -> None:
         del y
     assert len(a._records) == 0  # released records are forgotten
     heads = [a._segments[b] for b in a._seg_bases]
-    assert all(head.creator is None for head in heads)
+    assert all(head.returns_with is None for head in heads)
 
 
 def test_capture_malloc_costs_what_an_eager_one_does_with_many_live_blocks() -> None:

@@ -19,7 +19,7 @@ import graphpool as gp
 from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODES
 from graphpool.errors import GraphpoolError
-from graphpool.policy.allocator import SWEEP_EVERY
+from graphpool.policy.captures import SWEEP_EVERY
 
 N = 1 << 18  # 1 MiB of float32
 
@@ -27,7 +27,7 @@ N = 1 << 18  # 1 MiB of float32
 def owner(arr: Any) -> Any:
     block = runtime.allocator().lookup(ptr(arr))
     assert block is not None
-    return block.pool.owner
+    return block.free_list.private_pool
 
 
 def wait_released(pool: Any) -> bool:

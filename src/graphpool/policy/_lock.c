@@ -4,7 +4,7 @@
  * lock's methods through Python's call protocol; fastrlock's methods are Cython functions
  * bound as Python methods (and acquire parses its arguments), about 150-200 instructions a
  * call. These methods take no arguments and are plain C methods, about half that
- * (benchmarks/NOTES.md, entry 36). Built only with the compiled modules (setup.py); the
+ * (benchmarks/pair_instructions.py counts them). Built only with the compiled modules (setup.py); the
  * plain-Python install uses fastrlock or threading.RLock, with the same behaviour.
  *
  *   RLock()             a reentrant lock, as threading.RLock

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native (entry 31)
+if TYPE_CHECKING:  # typed, so that compiled reads of these fields are native
     from mypy_extensions import i64
 
     from graphpool.policy.freelist import FreeList
@@ -23,16 +23,16 @@ class Block:
 
     An allocation is filed by address in the allocator's ``_active`` when ``malloc`` made it
     (a raw address); ``owned`` when ``malloc_owned`` made it: its DeviceBuffer holds the
-    block itself and frees it by it, with no lookup (benchmarks/NOTES.md, entry 39).
-    ``pool`` is the free list the block returns to (it fixes small/large and which
+    block itself and frees it by it, with no lookup (policy/heap.py, "Ownership").
+    ``free_list`` is the free list the block returns to (it fixes small/large and which
     private pool owns the memory); ``stream`` is the stream it was allocated on and
     the only stream whose requests may reuse it. ``holds`` counts what keeps a freed
     block out of its free list: outstanding events of extra stream users, a graph that
-    must keep the memory, a deferred event recording. ``owner`` is the capture that
-    allocated it, if any; ``serial`` tells its allocations apart for the replay checker.
-    ``creator`` (first blocks of segments made during a capture) is that capture while the
-    segment may still go back with it: cleared when the capture succeeds or another
-    capture uses the segment. A segment whose creator failed may return to the driver
+    must keep the memory, a deferred event recording. ``allocated_in`` is the capture
+    that allocated it, if any; ``serial`` tells its allocations apart for the replay checker.
+    ``returns_with`` (first blocks of segments made during a capture) is that capture while
+    the segment may still go back with it: cleared when the capture succeeds or another
+    capture uses the segment. A segment whose capture failed may return to the driver
     although its pool lives on (failed captures leak nothing). O(1) per segment,
     whatever the number of captures.
     """
@@ -42,34 +42,34 @@ class Block:
         "size",
         "requested",
         "stream",
-        "pool",
+        "free_list",
         "prev",
         "next",
         "allocated",
         "owned",
         "stream_uses",
         "holds",
-        "owner",
+        "allocated_in",
         "serial",
-        "creator",
+        "returns_with",
         "gc_base",
     )
 
-    def __init__(self, ptr: int, size: int, stream: int, pool: FreeList) -> None:
+    def __init__(self, ptr: int, size: int, stream: int, free_list: FreeList) -> None:
         self.ptr: i64 = ptr
         self.size: i64 = size
         self.requested: i64 = 0
         self.stream = stream
-        self.pool = pool
+        self.free_list = free_list
         self.prev: Block | None = None
         self.next: Block | None = None
         self.allocated = False
         self.owned = False  # allocated for a DeviceBuffer (malloc_owned): not in ``_active``
         self.stream_uses: set[int] | None = None
         self.holds = 0
-        self.owner: CaptureRecord | None = None
+        self.allocated_in: CaptureRecord | None = None  # the capture that allocated it
         self.serial = 0
-        self.creator: CaptureRecord | None = None  # first blocks: the capture the segment may go back with
+        self.returns_with: CaptureRecord | None = None  # first blocks: see the class doc
         self.gc_base = 0  # its free list's ``calls`` when it went in (garbage_collection_threshold)
 
     def __repr__(self) -> str:

@@ -13,7 +13,7 @@ from graphpool.policy.freelist import FreeList
 from graphpool.policy.stats import POOL_NAMES, STAT_NAMES, PoolStats
 
 if TYPE_CHECKING:
-    from graphpool.policy.allocator import CachingAllocator
+    from graphpool.policy.reports import Reports
 
 
 def _expect(cond: bool, what: str) -> None:
@@ -33,11 +33,11 @@ def _tally(blocks: list[Block], segments: list[Block]) -> dict[str, list[int]]:
         t[name][kind] += n
 
     for head in segments:
-        kind = SMALL if head.pool.is_small else LARGE
+        kind = SMALL if head.free_list.is_small else LARGE
         add("segment", kind, 1)
         add("reserved_bytes", kind, sum(b.size for b in iter_segment(head)))
     for b in blocks:
-        kind = SMALL if b.pool.is_small else LARGE
+        kind = SMALL if b.free_list.is_small else LARGE
         if b.allocated:
             add("allocation", kind, 1)
             add("allocated_bytes", kind, b.size)
@@ -86,12 +86,12 @@ def _check_freelist(fl: FreeList, blocks_in_fl: set[int]) -> None:
             _expect(b.stream == stream, "free block filed under another stream")
             _expect(size == b.size, "free-list size does not match its block")
             _expect(not b.allocated and b.holds == 0, "allocated or held block in a free list")
-            _expect(b.pool is fl, "block filed in a free list that is not its pool")
+            _expect(b.free_list is fl, "block filed in a free list that is not its pool")
             _expect(id(b) not in blocks_in_fl, "a block filed in two free lists")
             blocks_in_fl.add(id(b))
 
 
-def _check_expandable(a: CachingAllocator) -> None:
+def _check_expandable(a: Reports) -> None:
     """Each expandable segment is one segment of the ordinary pool whose blocks tile exactly
     its mapped prefix, a whole number of granules within its reservation; one per stream
     and kind."""
@@ -102,13 +102,13 @@ def _check_expandable(a: CachingAllocator) -> None:
         _expect(head is not None, f"{seg} is no segment")
         assert head is not None
         fl = a._small if seg.is_small else a._large
-        _expect(head.pool is fl, f"{seg} in the wrong pool")
+        _expect(head.free_list is fl, f"{seg} in the wrong pool")
         _expect(sum(b.size for b in iter_segment(head)) == seg.mapped, f"{seg}: blocks do not tile it")
         _expect(0 < seg.mapped <= seg.reserved, f"{seg}: mapped outside its reservation")
         _expect(a._gran > 0 and seg.mapped % a._gran == 0, f"{seg}: not whole granules")
 
 
-def check_invariants(a: CachingAllocator) -> None:
+def check_invariants(a: Reports) -> None:
     """Raise AssertionError if any invariant of ``a`` does not hold."""
     sizes = a.sizes
     _expect(a._seg_bases == sorted(a._segments), "segment bases out of sync")
@@ -120,7 +120,7 @@ def check_invariants(a: CachingAllocator) -> None:
         for b in chain:
             _expect(b.ptr % sizes.min_block == 0 and b.size % sizes.min_block == 0, "block not aligned")
             _expect(b.size > 0, "empty block")
-            _expect(b.pool is head.pool, "blocks of one segment in different pools")
+            _expect(b.free_list is head.free_list, "blocks of one segment in different pools")
             if b.next is not None:
                 _expect(b.next.ptr == b.ptr + b.size, "gap or overlap between neighbours")
                 _expect(b.next.prev is b, "broken back link")
@@ -163,8 +163,8 @@ def check_invariants(a: CachingAllocator) -> None:
     _check_expandable(a)
     _check_stats(a.stats, all_blocks, heads, "device")
     for pool in a._pools.values():
-        mine = [b for b in all_blocks if b.pool.owner is pool]
-        my_heads = [h for h in heads if h.pool.owner is pool]
+        mine = [b for b in all_blocks if b.free_list.private_pool is pool]
+        my_heads = [h for h in heads if h.free_list.private_pool is pool]
         _check_stats(pool.stats, mine, my_heads, f"pool {tuple(pool.id)}")
         _expect(pool.segment_count == len(my_heads), f"pool {tuple(pool.id)} segment count wrong")
         _expect(pool.use_count >= 0, "negative use count")
@@ -174,13 +174,13 @@ def check_invariants(a: CachingAllocator) -> None:
         _expect(pid in a._pools, "freeable pool not registered")
     owners = {id(p) for p in a._pools.values()}
     for head in heads:
-        owner = head.pool.owner
+        owner = head.free_list.private_pool
         _expect(owner is None or id(owner) in owners, "segment of a pool that no longer exists")
 
     _check_captures(a, all_blocks, heads)
 
 
-def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Block]) -> None:
+def _check_captures(a: Reports, all_blocks: list[Block], heads: list[Block]) -> None:
     """Captures and holds: every hold is accounted for, exactly (held blocks can be audited)."""
     _expect(a._capturing == len(a._captures), "captures-underway count != registered captures")
     _expect(a._world.active >= a._capturing, "the runtime's capture count is below this device's")
@@ -202,15 +202,24 @@ def _check_captures(a: CachingAllocator, all_blocks: list[Block], heads: list[Bl
     for pool in a._pools.values():
         n = sum(1 for r in a._records.values() if r.pool is pool)
         _expect(pool.use_count == n, f"pool {tuple(pool.id)} use count {pool.use_count} != {n} records")
-        for head in pool.fresh:
-            _expect(head.creator is not None and head.pool.owner is pool, "fresh segment without creator")
+        for head in pool.returnable:
+            _expect(
+                head.returns_with is not None and head.free_list.private_pool is pool,
+                "returnable segment that names no capture",
+            )
     for rec in a._records.values():
-        n = sum(1 for h in heads if h.creator is rec)
-        _expect(rec.fresh == n, f"{rec} counts {rec.fresh} segments it may take back, not {n}")
+        n = sum(1 for h in heads if h.returns_with is rec)
+        _expect(
+            rec.returnable_count == n,
+            f"{rec} counts {rec.returnable_count} segments it may take back, not {n}",
+        )
     for head in heads:
-        if head.creator is not None:
-            owner = head.pool.owner
-            _expect(owner is not None and head in owner.fresh, "segment creator not listed as fresh")
+        if head.returns_with is not None:
+            owner = head.free_list.private_pool
+            _expect(
+                owner is not None and head in owner.returnable,
+                "segment that goes back with a capture not listed as returnable",
+            )
     # holds: each is a capture keeping the block, a pending event, a deferral, or an orphan
     # (its user stream vanished during a capture: it waits for a device synchronize)
     for rec in a._records.values():

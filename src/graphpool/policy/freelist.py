@@ -9,17 +9,17 @@ which measures faster than a balanced tree at the sizes a pool reaches (CuPy mad
 same trade: "not faster, but a lot simpler").
 
 Why not one list of keys ``size << 64 | ptr``: those keys pass 63 bits, and compiled
-with mypyc every one is a boxed big int (benchmarks/NOTES.md, entry 2). Sizes alone are
+with mypyc every one is a boxed big int. Sizes alone are
 small ints; equal sizes, rare, are ordered by address with a bisect over their run.
 
 The bisect for a size is ``bisect_sizes``: compiled by mypyc, a loop written out in native
-code; in the plain-Python build, the C ``bisect_left`` (benchmarks/NOTES.md, entry 24).
+code; in the plain-Python build, the C ``bisect_left``.
 
-The best-fit lookup itself lives in ``CachingAllocator.malloc`` (an uncompiled call would
-cost more than the bisect). A split remainder or a merged block usually sorts exactly where
-the block it came from was filed: ``place`` and ``replace`` then overwrite that entry, so
-the steady cached malloc/free cycle never resizes a list (resizing a list of one or two
-entries reallocates it; benchmarks/NOTES.md, entry 7).
+The best-fit lookup itself is written out in ``CachingAllocator._malloc`` (a call would cost
+more than the bisect; Note [The hand-written hot path] in policy/allocator.py). A split
+remainder or a merged block usually sorts exactly where the block it came from was filed:
+``place`` and ``replace`` then overwrite that entry, so the steady cached malloc/free cycle
+never resizes a list (resizing a list of one or two entries reallocates it).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # typed, so that compiled reads of ``owner`` are native (entry 31)
+if TYPE_CHECKING:  # typed, so that compiled reads of ``private_pool`` are native
     from graphpool.policy.block import Block
     from graphpool.policy.private_pools import PrivatePool
 
@@ -48,7 +48,7 @@ def bisect_sizes(sizes: list[int], size: int) -> int:
 
     Written out so that mypyc compiles it to native code: a direct C call with unboxed
     comparisons, no module-global lookup of ``bisect_left`` and no generic comparison per
-    step (about 30 ns less per call, benchmarks/NOTES.md entry 24). The plain-Python build
+    step (about 30 ns less per call). The plain-Python build
     rebinds the name to the C ``bisect_left`` (end of this module), faster there.
     """
     lo = 0
@@ -74,11 +74,12 @@ def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
 
 
 class FreeList:
-    """Free blocks of one pool kind, by stream. ``owner`` is the private pool or None."""
+    """Free blocks of one pool kind, by stream. ``private_pool`` is the private pool the list
+    belongs to, None for the ordinary pool."""
 
     __slots__ = (
         "is_small",
-        "owner",
+        "private_pool",
         "grows",
         "idle_at",
         "bins",
@@ -89,9 +90,9 @@ class FreeList:
         "_placed_at",
     )
 
-    def __init__(self, is_small: bool, owner: PrivatePool | None = None) -> None:
+    def __init__(self, is_small: bool, private_pool: PrivatePool | None = None) -> None:
         self.is_small = is_small
-        self.owner = owner
+        self.private_pool = private_pool
         # The pool's segments grow at their end (expandable segments, the ordinary pools only):
         # the best fit then spares a segment's free last block (``past_tails``) and a large
         # block splits off any remainder (CachingAllocator.malloc). Set by the allocator.
@@ -110,7 +111,7 @@ class FreeList:
         self._last_stream = -1
         self._last_bins: Bins | None = None
         # The block ``place`` filed last and its index: a cached pair's free merges that very
-        # block (the split remainder) and finds it here without a bisect (entry 38). Only a
+        # block (the split remainder) and finds it here without a bisect. Only a
         # hint: ``replace`` checks that the entry still holds that block.
         self._placed: Block | None = None
         self._placed_at = 0
@@ -118,7 +119,7 @@ class FreeList:
     def find(self, stream: int) -> Bins | None:
         """``bins.get(stream)``, with the last answer kept: compiled, a hit compares two unboxed
         ints, where the lookup boxes the handle (a new int object: CUDA's handles are pointers)
-        and hashes it (benchmarks/NOTES.md, entry 27)."""
+        and hashes it."""
         if stream == self._last_stream:
             return self._last_bins
         bins = self.bins.get(stream)
@@ -214,7 +215,8 @@ def past_tails(bins: Bins, i: int, limit: int) -> int:
     else ``i``. A segment's free end is the one block that can grow to fit any request;
     filling the holes between live blocks first keeps it whole, so a later request too large
     for every hole maps only what the end lacks. Beside the split rule it took the ResNet
-    trace's peak reserved / peak live from 1.084 to 1.034 (benchmarks/NOTES.md, entry 44).
+    trace's peak reserved / peak live from 1.084 to 1.034 (Note [Expandable segments and the
+    wilderness rule] in policy/expandable.py).
     O(tails skipped)."""
     blocks = bins.blocks
     n = len(blocks)

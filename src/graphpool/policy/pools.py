@@ -1,4 +1,4 @@
-"""Sizes: request rounding, small/large routing, segment sizing and the split rule.
+"""Sizes: request rounding, small/large routing and segment sizing.
 
 The numbers are tunables of ``SizeConfig`` so tests can shrink them and make
 splitting, growth and out-of-memory happen on every run; ``DEFAULT`` holds the
@@ -92,7 +92,9 @@ class SizeConfig:
         return (nbytes + step - 1) & -step
 
     def round_size(self, nbytes: int) -> int:
-        """Round a request up to a multiple of ``min_block`` (0 becomes ``min_block``)."""
+        """Round a request up to a multiple of ``min_block`` (0 becomes ``min_block``): the rule
+        ``CachingAllocator._malloc`` writes out (see Note [The hand-written hot path] in
+        policy/allocator.py)."""
         if nbytes < self.min_block:
             return self.min_block
         return (nbytes + self.min_block - 1) & -self.min_block
@@ -116,12 +118,6 @@ class SizeConfig:
         if size <= self.small_size:
             return self.small_segment
         return -(-size // self.round_large) * self.round_large
-
-    def should_split(self, is_small: bool, remaining: int) -> bool:
-        """Whether the rest of a block after a request stays free on its own."""
-        if is_small:
-            return remaining >= self.min_block
-        return remaining > self.small_size
 
 
 DEFAULT = SizeConfig()

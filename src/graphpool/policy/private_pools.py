@@ -81,11 +81,11 @@ class PrivatePool:
 
     Invariant: ``use_count == 0`` exactly when the pool is freeable (listed in the
     allocator's freeable pools), and the pool disappears when, freeable,
-    ``segment_count`` reaches 0. ``fresh``: heads of its segments that still name the
-    capture that made them (Block.creator).
+    ``segment_count`` reaches 0. ``returnable``: heads of its segments that may still go
+    back with the capture that made them (Block.returns_with).
     """
 
-    __slots__ = ("id", "small", "large", "use_count", "segment_count", "stats", "fresh")
+    __slots__ = ("id", "small", "large", "use_count", "segment_count", "stats", "returnable")
 
     def __init__(self, pool_id: PoolId) -> None:
         self.id = pool_id
@@ -94,7 +94,7 @@ class PrivatePool:
         self.use_count = 0
         self.segment_count = 0
         self.stats = PoolStats()
-        self.fresh: set[Block] = set()
+        self.returnable: set[Block] = set()
 
     def __repr__(self) -> str:
         return f"PrivatePool({tuple(self.id)}, use_count={self.use_count}, segments={self.segment_count})"
@@ -105,9 +105,9 @@ class Writes:
     allocation, in order.
 
     Two flat lists, not a list of tuples: a capture adds one entry per allocation, and a
-    tuple is an object the garbage collector tracks (benchmarks/NOTES.md, entry 28). An
+    tuple is an object the garbage collector tracks. An
     allocation with the address and size of the one before adds nothing: the footprint is
-    the same (a loop's temporary handed the same block again; entry 31). Iterating gives
+    the same (a loop's temporary handed the same block again). Iterating gives
     ``(ptr, size)`` pairs.
     """
 
@@ -149,7 +149,7 @@ class CaptureRecord:
     the record for a graph that was collected, so finalizers make no device calls.
     ``foreign``: begun outside graphpool (detected, or registered by a framework hook);
     ``token`` then names it to ``Device.attach_release``. ``created``: heads of the
-    segments it made while it may still fail (Block.creator).
+    segments it made while it may still fail (Block.returns_with).
     """
 
     __slots__ = (
@@ -171,7 +171,7 @@ class CaptureRecord:
         "foreign",
         "token",
         "created",
-        "fresh",
+        "returnable_count",
     )
 
     def __init__(self, pool: PrivatePool, label: str, thread: int, sequence: int) -> None:
@@ -193,7 +193,7 @@ class CaptureRecord:
         self.foreign = False  # begun outside graphpool
         self.token = 0  # its release token, when foreign
         self.created: list[Block] = []  # segment heads it made, until it succeeds
-        self.fresh = 0  # segments whose creator it is (Block.creator)
+        self.returnable_count = 0  # segments that go back with it if it fails (Block.returns_with)
 
     def __repr__(self) -> str:
         return f"CaptureRecord({self.label}, pool={tuple(self.pool.id)}, id={self.capture_id})"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # compiled, levels and peaks are native 64-bit ints (no tag checks; entry 36)
+if TYPE_CHECKING:  # compiled, levels and peaks are native 64-bit ints (no tag checks)
     from mypy_extensions import i64
 
 STAT_NAMES = (
@@ -206,7 +206,7 @@ class PoolStats:
 
         Written out level by level, with no generic attribute access: it runs whenever
         consecutive requests switch between the small and the large pool, which real
-        allocation traces do all the time (benchmarks/NOTES.md, entry 18).
+        allocation traces do all the time.
         """
         k = self.epoch
         o = self.large if k is self.small else self.small

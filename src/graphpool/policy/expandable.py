@@ -1,0 +1,332 @@
+"""Expandable segments: one virtual range per stream and kind that grows and shrinks in place
+(CUDA virtual memory management; ``SizeConfig.expandable_segments``), and stream takeover.
+
+Ordinary pool only (private pools keep ordinary segments). A range is reserved the size of
+the device; ``_grow`` maps granules at its end (or makes the range on first use), ``_shrink``
+(``empty_cache``) unmaps the whole free granules of its free end. Expandable segments are
+in the heap's registry like others (``_exp``, ``_exp_of``); segments.py gives a whole free
+one back.
+
+Note [Expandable segments and the wilderness rule]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A growing segment's free last block is the one block that can grow to fit any request, so
+the free lists keep it for last: where the best fit is such a block, malloc takes the next
+fitting block that is not (``freelist.past_tails``; wilderness preservation, as dlmalloc's top
+chunk), and a request too large for every hole maps only what the end lacks (``_grow``: the
+free tail grows into the block asked for). In a growing segment any remainder of a block
+splits off, oversize blocks too (PyTorch's ``should_split`` with expandable segments): it
+merges back with its neighbours there, and splitting lowers peak reserved. Each granule is
+mapped on its own (CUDA unmaps only whole mappings), so a shrink may unmap any tail.
+
+Note [Stream takeover]
+~~~~~~~~~~~~~~~~~~~~~~
+Blocks are cached per stream. With expandable segments only, before mapping more for a
+stream, ``_take_idle`` takes a run of adjacent free blocks that other streams hold when each
+of those streams has all its work done (cudaMallocAsync's opportunistic reuse): a free block
+was freed in its stream's order, so that stream being idle means its last use is done. Only
+streams the device made are asked (``Device.stream_idle``), never the legacy stream, and a
+stream is asked only when it freed a block since it last answered idle (``FreeList.idle_at``:
+one answer covers every block it had freed before). Taken blocks become the taking stream's
+and merge only with its free blocks; ``empty_cache`` gives the free end of a segment back
+to the segment's stream after one device synchronize (``_rehome``), so it can shrink.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from graphpool.device.protocol import (
+    CAPTURE_MODE_RELAXED,
+    Device,
+)
+from graphpool.errors import (
+    GraphpoolError,
+)
+from graphpool.policy.block import Block, ExpandableSegment
+from graphpool.policy.freelist import FreeList
+from graphpool.policy.heap import LEGACY
+from graphpool.policy.pools import SizeConfig
+from graphpool.policy.private_pools import (
+    CaptureWorld,
+)
+from graphpool.policy.segments import Segments
+
+
+def _takeable(b: Block, stream: int, done: dict[int, int]) -> bool:
+    """Whether free-list block ``b`` may join a run that ``stream`` takes over: no pending use,
+    and ``stream``'s own or filed before its stream last answered idle (``done``, _take_idle)."""
+    if b.allocated or b.holds:
+        return False
+    return b.stream == stream or b.gc_base < done.get(b.stream, 0)
+
+
+class Expandable(Segments):
+    """Growing, shrinking and taking over expandable segments (see the module doc)."""
+
+    def __init__(self, device: Device, sizes: SizeConfig, world: CaptureWorld | None, detect: bool) -> None:
+        super().__init__(device, sizes, world, detect)
+        self._gran = 0  # the device's mapping granularity, asked on first use (_round_gran)
+
+    def _take_idle(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """Before mapping more for ``stream``: a block of ``fl`` for ``size`` made of free memory
+        that other streams, each with all its work done, hold: the smallest run of adjacent
+        free blocks of those streams and ``stream`` with room, its other streams' blocks made
+        ``stream``'s and merged; returned out of the list. None when no such run has room
+        (Note [Stream takeover] in the module doc).
+
+        This is cudaMallocAsync's opportunistic reuse, with expandable segments only (the
+        option off keeps PyTorch's per-stream policy exactly). A free block was freed in its
+        stream's order, so that stream having finished everything means its last use is
+        done. Only streams the device made are asked (``stream_idle``): another library's
+        handle may have been destroyed, and the legacy stream's status covers other streams'
+        captures. The caller checked that no capture is underway; a capture begun unseen on
+        another stream makes that stream not idle. A block taken over keeps its segment and
+        merges only with free neighbours of its new stream (``empty_cache`` settles them).
+        Only the one run is taken: the other streams keep the rest of their cache. A stream
+        is asked only when it freed a block since it last answered idle (``FreeList.idle_at``).
+        """
+        # One idle answer covers every block the stream had freed before it (``fl.calls`` ticks
+        # at each malloc, before this; a block's ``gc_base`` is the tick it was filed at), so a
+        # stream is asked only when it has freed a block since its last idle answer.
+        done = fl.idle_at
+        now = fl.calls
+        device: Any = self.device  # untyped: compiled, a truthy non-bool answer is read as plain
+        for t, bins in fl.bins.items():  # Python reads it, not refused
+            if t == stream or t == LEGACY or not bins.sizes:
+                continue
+            mark = done.get(t, 0)
+            for b in bins.blocks:
+                if b.gc_base >= mark:
+                    if bool(device.stream_idle(t)):
+                        done[t] = now
+                    break
+        if not done:
+            return None
+        best: Block | None = None  # the first block of the best run
+        best_size = 0
+        seen: set[int] = set()  # first blocks of runs already measured
+        for t in done:
+            theirs = fl.find(t)
+            if t == stream or theirs is None:
+                continue
+            for b in theirs.blocks:
+                if not _takeable(b, stream, done):
+                    continue
+                first = b
+                while True:
+                    p = first.prev
+                    if p is None or not _takeable(p, stream, done):
+                        break
+                    first = p
+                if first.ptr in seen:
+                    continue
+                seen.add(first.ptr)
+                total = 0
+                r: Block | None = first
+                while r is not None and _takeable(r, stream, done):
+                    total += r.size
+                    r = r.next
+                if total >= size and (best is None or (total, first.ptr) < (best_size, best.ptr)):
+                    if total < self._max_split or not self._refuses(total, size):
+                        best, best_size = first, total
+        if best is None:
+            return None
+        # make the run's blocks ``stream``'s, one by one, each merged with the one before
+        cur = best
+        while True:
+            if cur.stream != stream:
+                old, at, size_was = cur.stream, cur.ptr, cur.size
+                fl.remove(cur)
+                cur.stream = stream
+                cur = self._merge_free(cur)
+                if self._history is not None:  # after: the block is filed again (a call out)
+                    self._history.record("stream_take", at, size_was, stream, None, from_stream=old)
+            nxt = cur.next
+            if nxt is None or not _takeable(nxt, stream, done):
+                break
+            cur = nxt
+        block = cur
+        assert block is not None and block.size >= size
+        fl.remove(block)
+        return block
+
+    def _rehome(self) -> None:
+        """``empty_cache``: the free blocks at the end of an expandable segment that other streams
+        took over (``_take_idle``) go back to the segment's stream and merge, after one device
+        synchronize (their last uses done), so the segment can shrink or go back whole. Taken
+        blocks between live ones stay with the streams that took them: giving them back would
+        free nothing, and would strand them if the segment's stream was destroyed (a destroyed
+        stream is never asked whether it is idle, so nothing would take them over again)."""
+        strays: list[tuple[Block, int]] = []
+        for seg in self._exp.values():
+            b: Block | None = self._segments[seg.base]
+            while b is not None and b.next is not None:
+                b = b.next
+            while b is not None and not b.allocated and b.holds == 0:  # the free end, backwards
+                if b.stream != seg.stream:
+                    strays.append((b, seg.stream))
+                b = b.prev
+        if not strays:
+            return
+        self._synchronize_device()
+        for b, home in strays:  # each still a block of its own: only ``home``'s blocks merge away
+            b.free_list.remove(b)
+            b.stream = home
+            self._merge_free(b)
+
+    def _round_gran(self, nbytes: int) -> int:
+        """``nbytes`` rounded up to the device's mapping granularity (asked once)."""
+        if not self._gran:
+            self._gran = self.device.vmm_granularity()
+        g = self._gran
+        return -(-nbytes // g) * g
+
+    def _grow(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """Map enough at the end of ``stream``'s expandable segment of ``fl`` (made on first use)
+        for a block of ``size``; return that block, in no free list, or None when the device
+        or a limit refuses. The block is the segment's free last block grown, or a new one
+        after an allocated last block; its statistics are counted as the caller expects of
+        a block taken from the cache (inactive split when it has neighbours)."""
+        seg = self._exp_of.get((fl.is_small, stream))
+        if seg is None:
+            need = self._round_gran(size)
+            reserve = self._round_gran(self._total)
+            if need > reserve or not self._map_allowed(need):
+                return None
+            prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+            va = 0
+            mapped = False
+            try:
+                va = self.device.vmm_reserve(reserve)
+                try:
+                    mapped = self.device.vmm_map(va, need)
+                except BaseException:  # a driver error or an interrupt: the range goes back
+                    self._unmap_quietly(va, need)  # (an interrupt may come after the map took effect)
+                    self._release_quietly(va, reserve)
+                    raise
+                if not mapped:
+                    self.device.vmm_release(va, reserve)
+                    return None
+            finally:
+                try:
+                    self.device.exchange_capture_mode(prev)
+                except BaseException:  # (a signal handler in the restore): nothing was filed yet
+                    if mapped:
+                        self._unmap_quietly(va, need)
+                        self._release_quietly(va, reserve)
+                    raise
+            seg = ExpandableSegment(va, reserve, need, stream, fl.is_small)
+            self._exp[va] = seg
+            self._exp_of[(fl.is_small, stream)] = seg
+            head = self._add_segment(va, need, stream, fl)
+            self._segment_made(head, "allocated (expandable)", None)
+            return head
+        tail = self._segments[seg.base]
+        while tail.next is not None:
+            tail = tail.next
+        # A free last block grows into the block asked for, unless it already holds the request:
+        # then this request may not take it (an oversize block under max_split_size, which
+        # malloc refused), and a new block is mapped after it instead.
+        free_tail = not tail.allocated and tail.holds == 0 and tail.size < size and tail.stream == stream
+        need = self._round_gran(size - tail.size if free_tail else size)
+        end = seg.base + seg.mapped
+        if seg.mapped + need > seg.reserved or not self._map_allowed(need):
+            return None
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        mapped = False
+        try:
+            try:
+                mapped = self.device.vmm_map(end, need)
+            except BaseException:  # an interrupt may come after the map took effect: undo it, or
+                self._unmap_quietly(end, need)  # the range could never be mapped again
+                raise
+        finally:
+            try:
+                self.device.exchange_capture_mode(prev)
+            except BaseException:  # (a signal handler in the restore): nothing was counted yet
+                if mapped:
+                    self._unmap_quietly(end, need)
+                raise
+        if not mapped:
+            return None
+        seg.mapped += need
+        self._limit_hit = None
+        self.stats.num_device_alloc += 1
+        k = self.stats.kind(fl.is_small)
+        k.add("reserved_bytes", need)
+        if free_tail:
+            fl.remove(tail)
+            tail.size += need
+            if tail.prev is not None:
+                k.add("inactive_split_bytes", need)
+            self._mapped(tail, end, need, stream)
+            return tail
+        block = Block(end, need, stream, fl)
+        block.prev = tail
+        tail.next = block
+        if tail.prev is None and not tail.allocated and tail.holds == 0:
+            # the refused free tail was the segment's only block: with a neighbour now, it is an
+            # inactive split block too (the differential test checks it)
+            k.add("inactive_split", 1)
+            k.add("inactive_split_bytes", tail.size)
+        k.add("inactive_split", 1)
+        k.add("inactive_split_bytes", need)
+        self._mapped(block, end, need, stream)
+        return block
+
+    def _mapped(self, block: Block, end: int, need: int, stream: int) -> None:
+        """Record the mapping that grew an expandable segment (``block``, in no free list, holds
+        it; the caller hands it out). If the history raises, the block is filed free first."""
+        if self._history is not None:
+            try:
+                self._history.record("segment_map", end, need, stream, None)
+            except BaseException:
+                block.free_list.insert(block)
+                raise
+
+    def _shrink(self, seg: ExpandableSegment) -> None:
+        """Unmap the whole granules of the free last block of ``seg`` (``empty_cache``; the
+        caller runs under the relaxed capture mode, with no capture underway). A segment
+        left empty was already released whole by ``_release_segment``."""
+        tail = self._segments[seg.base]
+        while tail.next is not None:
+            tail = tail.next
+        if tail.allocated or tail.holds or tail.prev is None:
+            return
+        start = seg.base + self._round_gran(tail.ptr - seg.base)
+        end = seg.base + seg.mapped
+        if start >= end:
+            return
+        try:
+            self.device.vmm_unmap(start, end - start)  # first: if it fails, nothing has changed
+        except GraphpoolError:
+            raise
+        except BaseException:  # a signal handler, perhaps after the unmap took effect: make sure
+            try:  # it did, and forget the range either way (unmapped memory is never filed)
+                self._unmap_quietly(start, end - start)
+            finally:
+                self._unmapped_tail(seg, tail, start, end)
+            raise
+        self._unmapped_tail(seg, tail, start, end)
+        if self._history is not None:
+            self._history.record("segment_unmap", start, end - start, seg.stream, None)
+
+    def _unmapped_tail(self, seg: ExpandableSegment, tail: Block, start: int, end: int) -> None:
+        """``_shrink``'s bookkeeping once ``[start, end)`` of free last block ``tail`` is unmapped."""
+        fl = tail.free_list
+        fl.remove(tail)
+        seg.mapped -= end - start
+        self.stats.num_device_free += 1
+        k = self.stats.kind(fl.is_small)
+        k.add("reserved_bytes", start - end)
+        if start == tail.ptr:  # the whole block goes
+            before = tail.prev
+            assert before is not None
+            before.next = None
+            tail.prev = None
+            k.add("inactive_split", -1)
+            k.add("inactive_split_bytes", -tail.size)
+        else:
+            k.add("inactive_split_bytes", start - end)
+            tail.size = start - tail.ptr
+            fl.insert(tail)
