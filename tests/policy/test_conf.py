@@ -124,14 +124,14 @@ def test_roundup_power2_divisions_rounds_requests_as_pytorch(
 
 
 def test_roundup_power2_divisions_per_size_range() -> None:
-    # 1 MiB..2 MiB (entry 0) in 2 steps, 2 MiB..4 MiB (entry 1) in 8
+    # 1 MiB..2 MiB (the first division) in 2 steps, 2 MiB..4 MiB (the second) in 8
     sizes = SizeConfig(roundup_power2_divisions=(2, 8) + (0,) * 14)
     a = make(sizes)
     a.malloc(MiB + 1, stream=S1)
     assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB
     a.malloc(2 * MiB + 1, stream=S1)
     assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB + 2 * MiB + 256 * KiB
-    a.malloc(4 * MiB + 1, stream=S1)  # entry 2 is 0: plain rounding
+    a.malloc(4 * MiB + 1, stream=S1)  # the third division is 0: plain rounding
     assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB + 2 * MiB + 256 * KiB + 4 * MiB + 512
 
 
