@@ -31,6 +31,7 @@ COMPILED = [
     "src/graphpool/routing.py",
     "src/graphpool/memory.py",
     "src/graphpool/buffer.py",
+    "src/graphpool/hooks.py",
 ]
 
 

@@ -45,6 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.snapshot",
             "graphpool.memory",
             "graphpool.build",
+            "graphpool.hooks",
         ),
     ),
     ("graphs", ("graphpool.graphs", "graphpool.graphed")),
@@ -59,6 +60,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.traces",
             "graphpool.viz",
             "graphpool.__main__",
+            "graphpool.tools",
         ),
     ),
 ]

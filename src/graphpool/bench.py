@@ -998,6 +998,7 @@ _TITLES = {
     "cupy_graph_vs_eager": "CUDA's graph speedup (CuPy kernels; CUDA's gain, not graphpool's)",
     "cupy_hazard": "the CuPy capture hazard",
     "traces": "allocation traces: us per operation, warm and cold; peak reserved",
+    "frameworks": "frameworks: per array/tensor/replay, medians over worker processes (frameworks_bench)",
 }
 
 
@@ -1098,6 +1099,14 @@ def run(
                 results["cupy_graph_vs_eager"] = bench_cupy_graph_vs_eager(repeat)
                 results["cupy_hazard"] = bench_cupy_hazard()
         results["traces"] = bench_traces(repeat, quick, skipped)
+        if gp.backend() == "cuda":  # each framework's own pool against graphpool, in worker processes
+            from graphpool.tools import frameworks_bench
+
+            _progress("frameworks (graphpool.tools.frameworks_bench)")
+            results["frameworks"] = frameworks_bench.section(quick, skipped)
+        else:
+            why = "needs the cuda backend (this is the simulator)"
+            skipped.append({"comparison": "frameworks: CuPy, PyTorch, Numba, cuda.core, replay", "why": why})
     finally:
         gc.enable()
     results["skipped"] = skipped

@@ -1,0 +1,1 @@
+"""Tools over the public API: benchmarks and other command-line helpers."""
