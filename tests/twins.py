@@ -66,9 +66,9 @@ def _sim(device: int) -> Any:
 def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
     """A fresh fake ``cupy`` module (its own per-thread state and default pool).
 
-    ``python_function_allocator``: whether it has ``cuda.memory.PythonFunctionAllocator`` (and
-    ``cuda.stream.get_current_stream_ptr``), as CuPy 9 and later do; graphpool.cupy uses it
-    where present, and its own ``malloc`` elsewhere."""
+    ``python_function_allocator``: whether it has ``cuda.memory.PythonFunctionAllocator``, as
+    CuPy 9 and later do; graphpool.cupy uses it where present, and its own ``malloc``
+    elsewhere."""
     cp = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     cp.cuda = cuda  # type: ignore[attr-defined]
@@ -263,9 +263,6 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
         memory.PythonFunctionAllocator = PythonFunctionAllocator  # type: ignore[attr-defined]
         memory.PythonFunctionAllocatorMemory = PythonFunctionAllocatorMemory  # type: ignore[attr-defined]
         cuda.memory = memory  # type: ignore[attr-defined]
-        stream_module = types.ModuleType("cupy.cuda.stream")
-        stream_module.get_current_stream_ptr = lambda: get_current_stream().ptr  # type: ignore[attr-defined]
-        cuda.stream = stream_module  # type: ignore[attr-defined]
 
     default_pool = MemoryPool()
     state: dict[str, Any] = {"allocator": default_pool.malloc}

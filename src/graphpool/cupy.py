@@ -149,19 +149,6 @@ def _find(device: int, raw: int) -> Route:
     return Route(handle, runtime.allocator(device), generation)
 
 
-def _current_ptr(cuda: Any) -> Any:
-    """CuPy's call for its current stream's handle (a C function where CuPy has it)."""
-    ptr = getattr(getattr(cuda, "stream", None), "get_current_stream_ptr", None)
-    if ptr is not None:
-        return ptr
-    get = cuda.get_current_stream
-
-    def current() -> int:
-        return int(get().ptr)
-
-    return current
-
-
 def cupy_stream(s: Stream) -> Any:
     """The CuPy stream object for graphpool stream ``s`` (cached; ``Stream.null`` for handle 0)."""
     cp = _cp
@@ -302,7 +289,7 @@ def install() -> None:
         if native is not None and not use_function_allocator:
             # CuPy builds its memory objects in Cython and calls the compiled hooks with the
             # size and device (CuPy's current device); the hooks read CuPy's current stream
-            _hooks = CupyHooks(_current_ptr(cuda), _find)
+            _hooks = CupyHooks(cuda.get_current_stream, _find)
             _allocator = native(_hooks.malloc, _hooks.free).malloc
         else:
             _hooks, _allocator = None, malloc

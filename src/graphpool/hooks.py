@@ -20,7 +20,7 @@ Python build runs the same source.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from graphpool import routing
 from graphpool.routing import Route
@@ -49,8 +49,8 @@ Finder = Callable[[int, int], Route]
 class CupyHooks:
     """``malloc(size, device)`` and ``free(ptr, device)`` for CuPy's ``PythonFunctionAllocator``.
 
-    The stream is CuPy's current stream, read by ``current()`` (CuPy's
-    ``get_current_stream_ptr``, a C function): the allocator CuPy calls is per process, its
+    The stream is CuPy's current stream of the device, ``current(device).ptr`` (CuPy's
+    ``get_current_stream``, a Cython function): the allocator CuPy calls is per process, its
     stream per thread and device. ``free`` gives a block back to the allocator that made it:
     the one that serves the device now, or, after a ``set_backend``, a replaced one that still
     holds the block (``retired``).
@@ -58,7 +58,7 @@ class CupyHooks:
 
     __slots__ = ("_current", "_find", "_last", "_allocs", "_retired")
 
-    def __init__(self, current: Callable[[], int], find: Finder) -> None:
+    def __init__(self, current: Callable[[int], Any], find: Finder) -> None:
         self._current = current
         self._find = find
         self._last: Kept | None = None
@@ -67,7 +67,7 @@ class CupyHooks:
 
     def malloc(self, size: int, device: int) -> int:
         """``size`` bytes for CuPy's current stream of ``device``: the address."""
-        raw: int = self._current()
+        raw: int = self._current(device).ptr
         last = self._last
         if last is not None and last.raw == raw and last.device == device:
             route = last.route
