@@ -38,6 +38,7 @@ COMPILED = [
     "src/graphpool/routing.py",
     "src/graphpool/memory.py",
     "src/graphpool/buffer.py",
+    "src/graphpool/hooks.py",
 ]
 
 

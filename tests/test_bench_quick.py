@@ -70,7 +70,7 @@ def test_table(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
         "== pair while a capture is underway (rounds alternate with the no-capture pair)",
         "== graph replay vs raw launch (synchronized between runs)",
         "== allocation traces: us per operation, warm and cold; peak reserved",
-        "== comparisons skipped (7)",
+        "== comparisons skipped (8)",
     ):
         assert header in lines
     # figures are rounded, with units; every ratio says its direction
@@ -83,7 +83,7 @@ def test_table(table_and_json: tuple[str, str, dict[str, Any], float]) -> None:
     )
     assert "ratio " not in table  # the legacy keys, ambiguous about direction, stay out of the table
     assert "  CuPy" not in table and "malloc+free pair vs CuPy MemoryPool: " in table
-    assert table.count("this is the simulator") == 7
+    assert table.count("this is the simulator") == 8
     # the trace section: the short synthetic trace through graphpool and its policy, sizes in MiB
     assert any(
         line.strip().startswith("synthetic-0: graphpool, warm") and line.endswith(" us") for line in lines
@@ -146,6 +146,7 @@ def test_json_keys(table_and_json: tuple[str, str, dict[str, Any], float]) -> No
         "allocation traces vs CuPy MemoryPool",
         "allocation traces vs PyTorch caching allocator",
         "allocation traces vs cudaMallocAsync",
+        "frameworks: CuPy, PyTorch, Numba, cuda.core, replay",
     ]
     assert list(r["traces"]["traces"]) == ["synthetic-0"]
     assert set(r["traces"]["sides"]) == {"graphpool", "policy", "expandable"}

@@ -248,3 +248,24 @@ def test_hooks_refuse_the_per_thread_default_stream(sim: Any) -> None:
     assert block is not None and block.stream == 0
     free(p, 512, 0, 1)
     assert gp.memory_allocated() == 0
+
+
+def test_hooks_keep_a_stream_route_only_until_set_backend(sim: Any) -> None:
+    """The hooks keep the route of the stream they served last (graphpool.hooks): a repeated
+    allocation skips the backend check, until set_backend moves the routing generation; the
+    bound runtime's blocks still go back to it."""
+    import graphpool.torch as gtorch
+
+    old = runtime.get()
+    malloc, free = gtorch.hooks()
+    p = malloc(512, 0, 0)
+    q = malloc(512, 0, 0)  # served by the kept route
+    assert p != q and gp.memory_allocated() == 1024
+    free(p, 512, 0, 0)
+    assert malloc(0, 0, 0) == 0  # a null pointer, even on a kept route
+    gp.set_backend("sim")
+    with pytest.raises(RuntimeError, match="backend was replaced"):
+        malloc(512, 0, 0)
+    free(q, 512, 0, 0)
+    assert old.allocator(0).memory_stats()["allocated_bytes.all.current"] == 0
+    old.allocator(0).check_invariants()

@@ -53,6 +53,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.snapshot",
             "graphpool.memory",
             "graphpool.build",
+            "graphpool.hooks",
         ),
     ),
     ("graphs", ("graphpool.graphs", "graphpool.graphed")),

@@ -17,6 +17,7 @@ import graphpool as gp
 import graphpool.cupy as gcupy
 import twins
 from graphpool import routing, runtime
+from graphpool.errors import DoubleFreeError
 from graphpool.tools import scenarios
 
 
@@ -26,12 +27,16 @@ def _settle() -> None:
     gp.empty_cache()
 
 
-@pytest.fixture
-def cp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    fake = twins.make_cupy()
+@pytest.fixture(params=["native", "function"])
+def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The CuPy twin with graphpool installed: through CuPy's ``PythonFunctionAllocator`` and
+    the compiled hooks ("native", CuPy 9 and later), or through ``graphpool.cupy.malloc``
+    ("function": a CuPy without that class)."""
+    fake = twins.make_cupy(python_function_allocator=request.param == "native")
     monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
-    for name, value in (("_cp", None), ("_installed", False), ("_previous", None)):
+    for name, value in (("_cp", None), ("_installed", False), ("_previous", None), ("_allocator", None)):
         monkeypatch.setattr(gcupy, name, value)
+    monkeypatch.setattr(gcupy, "_hooks", None)
     monkeypatch.setattr(gcupy, "_gp_streams", {})
     monkeypatch.setattr(gcupy, "_cp_streams", {})
     twins.use_sim_as_cuda()
@@ -44,6 +49,11 @@ def cp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         _settle()
         gp.check_invariants()
         gp.set_backend("sim")
+
+
+def native(cp: Any) -> bool:
+    """Whether graphpool serves this CuPy through its ``PythonFunctionAllocator``."""
+    return gcupy._hooks is not None
 
 
 def _segment_of(ptr: int) -> dict[str, Any]:
@@ -67,8 +77,12 @@ def test_arrays_allocate_through_graphpool(cp: Any) -> None:
     base = gp.memory_allocated()
     a = cp.ones(1 << 20, dtype=cp.float32)
     assert gp.memory_allocated() == base + 4 * (1 << 20)
-    assert isinstance(a.data.mem, cp.cuda.UnownedMemory)
-    assert isinstance(a.data.mem._owner, gp.DeviceBuffer)  # the owner keeps the block
+    if native(cp):  # CuPy's memory object frees the address through the hooks
+        assert type(a.data.mem).__name__ == "PythonFunctionAllocatorMemory"
+        assert cp.cuda.get_allocator() is gcupy._allocator is not gcupy.malloc
+    else:
+        assert isinstance(a.data.mem, cp.cuda.UnownedMemory)
+        assert isinstance(a.data.mem._owner, gp.DeviceBuffer)  # the owner keeps the block
     assert _segment_of(a.data.ptr)["segment_pool_id"] is None
     assert float(a.sum()) == float(1 << 20)
     assert cp.cuda.default_pool.n_device_malloc == 0  # CuPy's own pool untouched
@@ -150,13 +164,13 @@ def test_the_hazard_closed_with_graphpool_open_with_cupys_pool(cp: Any) -> None:
     del warm
     wrong, y_total, _ = scenarios.hazard(cp, n)
     assert (wrong, y_total) == (n, 2.0 * n)  # y took t's block: the replay wrote a * 2 there
-    cp.cuda.set_allocator(gcupy.malloc)
+    cp.cuda.set_allocator(gcupy._allocator)
 
 
 def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
     gcupy.install()  # already installed by the fixture: no-op
     assert gcupy.is_installed() is True
-    assert cp.cuda.get_allocator() is gcupy.malloc
+    assert cp.cuda.get_allocator() is gcupy._allocator
     assert routing.followers().count(gcupy._FOLLOWER) == 1
     gcupy.uninstall()
     gcupy.uninstall()
@@ -173,7 +187,7 @@ def test_uninstall_restores_and_is_idempotent(cp: Any) -> None:
     del a
     assert gcupy.installed is gcupy.using is gcupy.using_allocator  # the older names
     with gcupy.using_allocator():
-        assert cp.cuda.get_allocator() is gcupy.malloc
+        assert cp.cuda.get_allocator() is gcupy._allocator
         b = cp.ones(1 << 16, dtype=cp.float32)
         assert gp.memory_allocated() == base + 4 * (1 << 16)
     assert cp.cuda.get_allocator() == prev
@@ -239,13 +253,18 @@ def test_cupys_own_begin_capture_is_registered_and_closes_the_hazard(cp: Any) ->
 def test_cupy_stream_wrappers_are_forgotten_with_their_buffers(
     cp: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """graphpool's wrappers of CuPy's streams live only as long as a buffer of that stream."""
+    """graphpool's wrappers of CuPy's streams live only as long as a buffer of that stream
+    (``malloc``); the native path makes none at all."""
     import weakref
 
     monkeypatch.setattr(gcupy, "_gp_streams", weakref.WeakValueDictionary())
     s = cp.cuda.Stream(non_blocking=True)
     with s:
         arr = cp.ones(16, dtype=np.float32)
+    assert _segment_of(arr.data.ptr)["stream"] == s.ptr
+    if native(cp):
+        assert len(gcupy._gp_streams) == 0
+        return
     assert len(gcupy._gp_streams) == 1
     del arr
     # graphpool.cupy keeps the CuPy stream it served last (gcupy._last), gp.alloc the stream it
@@ -259,25 +278,53 @@ def test_cupy_stream_wrappers_are_forgotten_with_their_buffers(
 
 
 def test_zero_bytes_are_a_null_pointer(cp: Any) -> None:
-    mem = gcupy.malloc(0)
-    assert mem.ptr == 0
+    base = gp.memory_allocated()
+    for m in (gcupy.malloc(0), gcupy._allocator(0)):
+        assert m.ptr == 0
+    assert gp.memory_allocated() == base
 
 
 def test_a_replaced_backend_is_checked_again_and_its_wrappers_remade(cp: Any) -> None:
     """malloc keeps the CuPy stream it served last; set_backend makes it stale, so the next
     allocation checks the backend again and wraps the stream in the new runtime."""
     a = cp.ones(4, dtype=np.float32)  # served: the null stream is kept (gcupy._last)
-    assert gcupy._last is not None
+    kept = gcupy._hooks._last if native(cp) else gcupy._last
+    assert kept is not None
     del a
     gp.set_backend("sim")
-    assert gcupy._last is not None and gcupy._last[3] != routing.routes.generation  # stale
+    if native(cp):
+        assert gcupy._hooks._last.route.generation != routing.routes.generation  # stale
+    else:
+        assert gcupy._last is not None and gcupy._last[3] != routing.routes.generation  # stale
     with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
-        gcupy.malloc(16)
+        gcupy._allocator(16)
     twins.use_sim_as_cuda()  # a new "cuda" runtime: CuPy allocates from it at once
     b = cp.ones(4, dtype=np.float32)
-    assert gcupy._last is not None and gcupy._last[2]._space is runtime.space()
+    if not native(cp):
+        assert gcupy._last is not None and gcupy._last[2]._space is runtime.space()
     assert gp.memory_allocated() > 0
     del b
+
+
+def test_an_array_kept_across_set_backend_goes_back_to_its_allocator(cp: Any) -> None:
+    """An array made before ``set_backend`` is freed to the allocator that made it, not to the
+    new runtime's (the native path finds it among the replaced allocators)."""
+    old = runtime.allocator(0)
+    a = cp.ones(1 << 12, dtype=np.float32)
+    twins.use_sim_as_cuda()
+    b = cp.ones(1 << 12, dtype=np.float32)
+    assert old.memory_stats()["allocated_bytes.all.current"] == 4 << 12
+    assert gp.memory_allocated() == 4 << 12
+    del a
+    gc.collect()
+    old.memory_stats()
+    assert old.memory_stats()["allocated_bytes.all.current"] == 0
+    old.check_invariants()
+    assert gp.memory_allocated() == 4 << 12
+    del b
+    gc.collect()
+    assert gp.memory_allocated() == 0
+    old.empty_cache()
 
 
 def test_a_set_backend_during_the_first_call_on_a_stream_is_not_cached_over(
@@ -292,12 +339,14 @@ def test_a_set_backend_during_the_first_call_on_a_stream_is_not_cached_over(
         gp.set_backend("sim")  # another thread, just after this thread's check
 
     monkeypatch.setattr(gcupy, "_last", None)
+    if native(cp):
+        monkeypatch.setattr(gcupy._hooks, "_last", None)
     monkeypatch.setattr(gcupy, "_require_cuda", check_then_replace)
-    raced = gcupy.malloc(16)  # on CuPy's null stream: served (by the new runtime), stream kept
-    assert gcupy._last is not None
+    raced = gcupy._allocator(16)  # on CuPy's null stream: served (by the new runtime), stream kept
+    assert (gcupy._hooks._last if native(cp) else gcupy._last) is not None
     monkeypatch.setattr(gcupy, "_require_cuda", checked)
     with pytest.raises(RuntimeError, match="needs the 'cuda' backend"):
-        gcupy.malloc(16)  # the kept stream's generation is stale: checked again
+        gcupy._allocator(16)  # the kept stream's generation is stale: checked again
     del raced
     gc.collect()
 
@@ -308,25 +357,47 @@ def test_per_thread_default_stream_is_refused(cp: Any) -> None:
     with gp.alloc's error, never filed under one shared handle."""
     base = gp.memory_allocated()
     with cp.cuda.Stream.ptds:
-        refused = r"graphpool\.cupy\.malloc: CuPy's current stream is CUDA's per-thread"
+        refused = r"graphpool\.cupy(\.malloc)?: CuPy's current stream is CUDA's per-thread"
+        with pytest.raises(ValueError, match=refused):
+            gcupy._allocator(4096)
         with pytest.raises(ValueError, match=refused):
             gcupy.malloc(4096)
         with pytest.raises(ValueError, match="per-thread default stream"):
             cp.ones(16, dtype=np.float32)  # the same through CuPy's own array creation
         with pytest.raises(ValueError, match="per-thread default stream"):
-            gcupy.malloc(4096)  # refused every time: the refusal is never cached as a stream
+            gcupy._allocator(4096)  # refused every time: the refusal is never cached as a stream
     assert gp.memory_allocated() == base
     assert all(key[1] != 2 for key in gcupy._gp_streams)
+    if native(cp):
+        assert gcupy._hooks._last is None or gcupy._hooks._last.raw != 2
     a = cp.ones(16, dtype=np.float32)  # the null stream again: served
-    assert a.data.mem._owner.stream.handle == 0
+    assert _segment_of(a.data.ptr)["stream"] == 0
     del a
 
 
 def test_cuda_legacy_handle_is_the_legacy_stream(cp: Any) -> None:
     with cp.cuda.ExternalStream(1):  # cudaStreamLegacy
-        m = gcupy.malloc(4096)
-    assert m.mem._owner.stream.handle == 0  # filed with the null stream's blocks
+        m = gcupy._allocator(4096)
+        f = gcupy.malloc(4096)
+    assert _segment_of(m.ptr)["stream"] == 0  # filed with the null stream's blocks
+    assert f.mem._owner.stream.handle == 0
+    del m, f
+
+
+def test_a_bad_free_is_reported_never_raised(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native free runs in CuPy's deallocator: a wrong address is refused there with
+    graphpool's error, which CuPy reports as unraisable; nothing else changes."""
+    if not native(cp):
+        pytest.skip("the function path frees through a DeviceBuffer")
+    with pytest.raises(ValueError, match="not allocated by graphpool"):
+        gcupy._hooks.free(0x3039, 5)  # a device graphpool never served
+    m = gcupy._allocator(512)
+    ptr = m.ptr
     del m
+    gc.collect()
+    with pytest.raises(DoubleFreeError, match="freed already"):
+        gcupy._hooks.free(ptr, 0)
+    gp.check_invariants()
 
 
 def test_an_array_made_on_another_stream_during_a_hooked_capture_is_kept(cp: Any) -> None:

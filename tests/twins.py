@@ -63,8 +63,12 @@ def _sim(device: int) -> Any:
 
 
 # =============================================================================== CuPy
-def make_cupy() -> types.ModuleType:
-    """A fresh fake ``cupy`` module (its own per-thread state and default pool)."""
+def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
+    """A fresh fake ``cupy`` module (its own per-thread state and default pool).
+
+    ``python_function_allocator``: whether it has ``cuda.memory.PythonFunctionAllocator``, as
+    CuPy 9 and later do; graphpool.cupy uses it where present, and its own ``malloc``
+    elsewhere."""
     cp = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     cp.cuda = cuda  # type: ignore[attr-defined]
@@ -229,6 +233,36 @@ def make_cupy() -> types.ModuleType:
                     raise MemoryError(f"fake CuPy pool: out of memory allocating {size} bytes")
                 self.n_device_malloc += 1
             return MemoryPointer(_PooledMemory(self, ptr, size, device), 0)
+
+    class PythonFunctionAllocatorMemory:
+        """CuPy's: ``malloc_func(size, device)`` made the memory (not for size 0);
+        ``free_func(ptr, device)`` when it is collected (CuPy's ``__dealloc__``: an exception
+        there is reported as unraisable)."""
+
+        def __init__(self, size: int, malloc_func: Any, free_func: Any, device_id: int) -> None:
+            self._free_func, self.device_id, self.size, self.ptr = free_func, device_id, size, 0
+            if size > 0:
+                self.ptr = int(malloc_func(size, device_id))
+
+        def __del__(self) -> None:
+            if self.ptr:
+                self._free_func(self.ptr, self.device_id)
+
+    class PythonFunctionAllocator:
+        """CuPy's allocator over two Python functions, on CuPy's current device."""
+
+        def __init__(self, malloc_func: Any, free_func: Any) -> None:
+            self._malloc_func, self._free_func = malloc_func, free_func
+
+        def malloc(self, size: int) -> MemoryPointer:
+            mem = PythonFunctionAllocatorMemory(int(size), self._malloc_func, self._free_func, _device())
+            return MemoryPointer(mem, 0)
+
+    if python_function_allocator:
+        memory = types.ModuleType("cupy.cuda.memory")
+        memory.PythonFunctionAllocator = PythonFunctionAllocator  # type: ignore[attr-defined]
+        memory.PythonFunctionAllocatorMemory = PythonFunctionAllocatorMemory  # type: ignore[attr-defined]
+        cuda.memory = memory  # type: ignore[attr-defined]
 
     default_pool = MemoryPool()
     state: dict[str, Any] = {"allocator": default_pool.malloc}

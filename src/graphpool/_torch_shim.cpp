@@ -5,9 +5,10 @@
  *   void *graphpool_torch_malloc(size_t size, int device, cudaStream_t stream)
  *   void  graphpool_torch_free(void *ptr, size_t size, int device, cudaStream_t stream)
  *
- * Each takes the GIL and calls the Python hook that graphpool.torch registered with
- * set_hooks(malloc, free): malloc(size, device, stream_handle) -> int address, and
- * free(ptr, size, device, stream_handle). This file is C++ for one reason: PyTorch does not
+ * Each takes the GIL and calls the hook that graphpool.torch registered with
+ * set_hooks(malloc, free) (graphpool.hooks.TorchHooks' methods, compiled): malloc(size,
+ * device, stream_handle) -> int address, and free(ptr, size, device, stream_handle), by
+ * vectorcall. This file is C++ for one reason: PyTorch does not
  * test the pointer its allocator returns, so a failed allocation must throw. The exception
  * (std::runtime_error carrying graphpool's message) crosses PyTorch's C++ frames and reaches
  * Python as a RuntimeError, as an RMM allocator's does. A failed free never throws (PyTorch
@@ -59,9 +60,19 @@ static bool call_malloc(size_t size, int device, void *stream, void **out, std::
         return false;
     }
     /* unsigned: a size or handle past 2**63 stays positive (graphpool then refuses the size
-       as larger than the device, an out-of-memory error) */
-    PyObject *r = PyObject_CallFunction(g_malloc, "KiK", (unsigned long long)size, device,
-                                        (unsigned long long)(uintptr_t)stream);
+       as larger than the device, an out-of-memory error). One vectorcall of the compiled
+       hook (graphpool.hooks), no format string and no argument tuple. */
+    PyObject *args[3];
+    args[0] = PyLong_FromUnsignedLongLong((unsigned long long)size);
+    args[1] = PyLong_FromLong(device);
+    args[2] = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)stream);
+    PyObject *r = nullptr;
+    if (args[0] != nullptr && args[1] != nullptr && args[2] != nullptr) {
+        r = PyObject_Vectorcall(g_malloc, args, 3, nullptr);
+    }
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+    Py_XDECREF(args[2]);
     if (r == nullptr) {
         *msg = take_error();
         return false;
@@ -109,9 +120,18 @@ GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, v
     }
     PyGILState_STATE st = PyGILState_Ensure();
     if (g_free != nullptr) {
-        PyObject *r = PyObject_CallFunction(g_free, "KKiK", (unsigned long long)(uintptr_t)ptr,
-                                            (unsigned long long)size, device,
-                                            (unsigned long long)(uintptr_t)stream);
+        PyObject *args[4];
+        args[0] = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)ptr);
+        args[1] = PyLong_FromUnsignedLongLong((unsigned long long)size);
+        args[2] = PyLong_FromLong(device);
+        args[3] = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)stream);
+        PyObject *r = nullptr;
+        if (args[0] != nullptr && args[1] != nullptr && args[2] != nullptr && args[3] != nullptr) {
+            r = PyObject_Vectorcall(g_free, args, 4, nullptr);
+        }
+        for (PyObject *a : args) {
+            Py_XDECREF(a);
+        }
         if (r == nullptr) {
             PyErr_WriteUnraisable(g_free);
         }

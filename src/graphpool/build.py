@@ -30,6 +30,7 @@ COMPILED = (
     "routing",
     "memory",
     "buffer",
+    "hooks",
 )
 """The modules setup.py compiles, relative to the package (setup.py lists the same)."""
 

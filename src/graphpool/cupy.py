@@ -2,7 +2,11 @@
 
 ``install()`` makes every CuPy allocation come from graphpool, on CuPy's current stream
 and device, so arrays made inside ``gp.graph(...)`` land in the graph's private pool
-and a block freed by CuPy is reused only as docs/behaviour.rst allows. It also registers a
+and a block freed by CuPy is reused only as docs/behaviour.rst allows. Where CuPy has
+``cupy.cuda.memory.PythonFunctionAllocator`` (CuPy 9 and later), CuPy builds its memory
+objects in Cython and calls graphpool's compiled hooks (graphpool.hooks) with the size and
+device, and frees by address when it drops the memory; elsewhere ``malloc`` below serves
+(CuPy's ``UnownedMemory`` over a graphpool DeviceBuffer). It also registers a
 stream follower (``graphpool.routing``) so that ``gp.stream(s)`` and ``gp.graph(g)`` make
 ``s`` (or the capturing stream) CuPy's current stream too, and give CuPy back its own on
 exit: CuPy kernels launched inside ``gp.graph`` are captured. And it hooks CuPy's own
@@ -31,7 +35,9 @@ from typing import Any
 from graphpool import routing, runtime
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.framework_captures import CaptureHooks
+from graphpool.hooks import CupyHooks
 from graphpool.memory import alloc
+from graphpool.routing import Route
 from graphpool.streams import Stream, current_stream, resolve_handle
 
 _cp: Any = None
@@ -54,6 +60,15 @@ _lock = threading.Lock()
 _installed = False
 _previous: Any = None
 """CuPy's allocator before ``install()``."""
+_allocator: Any = None
+"""What ``install()`` handed ``cupy.cuda.set_allocator``: the ``malloc`` of a CuPy
+``PythonFunctionAllocator`` over ``_hooks`` where CuPy has that class, else ``malloc``."""
+_hooks: CupyHooks | None = None
+"""The compiled entry points (graphpool.hooks) that CuPy's ``PythonFunctionAllocator`` calls."""
+use_function_allocator = False
+"""True: ``install()`` hands CuPy ``malloc`` (a Python function building CuPy's memory objects
+around a DeviceBuffer) even where CuPy has ``PythonFunctionAllocator``; for comparisons
+(graphpool.tools.frameworks_bench). Read at ``install()``."""
 _gp_streams: weakref.WeakValueDictionary[tuple[int, int], Stream] = weakref.WeakValueDictionary()
 """graphpool Stream objects wrapping CuPy's stream handles, by (device, handle); an entry
 lives while a buffer of that stream does, so the cache never outgrows what is in use."""
@@ -83,7 +98,9 @@ _routes = routing.routes
 
 
 def malloc(nbytes: int) -> Any:
-    """The allocator handed to ``cupy.cuda.set_allocator``: ``nbytes`` on CuPy's current stream.
+    """CuPy's allocator where CuPy lacks ``PythonFunctionAllocator``: ``nbytes`` on CuPy's
+    current stream (usable as ``cupy.cuda.set_allocator(graphpool.cupy.malloc)`` after
+    ``install()``).
 
     Returns a ``cupy.cuda.MemoryPointer`` over ``UnownedMemory`` whose owner is the
     graphpool DeviceBuffer, so the block goes back to graphpool when CuPy drops it.
@@ -119,6 +136,16 @@ def _wrapper(device: int, handle: int) -> Stream:
         _gp_streams[key] = s
     _last = (device, handle, s, generation)
     return s
+
+
+def _find(device: int, raw: int) -> Route:
+    """The route for CuPy's stream ``raw`` of ``device`` (``CupyHooks``' slow path): the backend
+    checked to be "cuda" and the handle resolved as every entry point resolves one
+    (``streams.resolve_handle``: the per-thread default stream refused)."""
+    generation = _routes.generation  # read first: a set_backend from now on makes it stale
+    _require_cuda()
+    handle = resolve_handle(raw, "graphpool.cupy", "CuPy's current stream")
+    return Route(handle, runtime.allocator(device), generation)
 
 
 def cupy_stream(s: Stream) -> Any:
@@ -214,7 +241,7 @@ def install() -> None:
 
     Idempotent. Raises ImportError without CuPy, RuntimeError unless the backend is "cuda".
     """
-    global _cp, _calls, _installed, _previous
+    global _cp, _calls, _installed, _previous, _allocator, _hooks
     import cupy
 
     _require_cuda()
@@ -225,7 +252,15 @@ def install() -> None:
         cuda = cupy.cuda
         _calls = (cuda.runtime.getDevice, cuda.get_current_stream, cuda.UnownedMemory, cuda.MemoryPointer)
         _previous = cupy.cuda.get_allocator()
-        cupy.cuda.set_allocator(malloc)
+        native = getattr(getattr(cuda, "memory", None), "PythonFunctionAllocator", None)
+        if native is not None and not use_function_allocator:
+            # CuPy builds its memory objects in Cython and calls the compiled hooks with the
+            # size and device (CuPy's current device); the hooks read CuPy's current stream
+            _hooks = CupyHooks(cuda.get_current_stream, _find)
+            _allocator = native(_hooks.malloc, _hooks.free).malloc
+        else:
+            _hooks, _allocator = None, malloc
+        cupy.cuda.set_allocator(_allocator)
         _hook(cupy)
         routing.add_follower(_FOLLOWER)
         _installed = True
@@ -240,15 +275,15 @@ def uninstall() -> None:
     Idempotent. CuPy arrays allocated through graphpool stay valid and are freed to
     graphpool when CuPy drops them.
     """
-    global _installed, _previous
+    global _installed, _previous, _allocator
     with _lock:
         if not _installed:
             return
         routing.remove_follower(_FOLLOWER)
-        if _cp.cuda.get_allocator() is malloc:
+        if _cp.cuda.get_allocator() is _allocator:
             _cp.cuda.set_allocator(_previous)
         _HOOKS.uninstall()
-        _previous = None
+        _previous = _allocator = None
         _installed = False
 
 

@@ -25,7 +25,7 @@ from graphpool.device.protocol import (
     Device,
 )
 from graphpool.errors import CaptureError, GraphpoolError, ReplayHazardError
-from graphpool.memory import empty_cache
+from graphpool.memory import current_entry, empty_cache
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.private_pools import (
     CaptureRecord,
@@ -87,6 +87,7 @@ class CUDAGraph:
         self._in_block = False  # a `with gp.graph(self)` block owns the capture underway
         self._dev: Device | None = None
         self._replay_streams: set[int] = set()
+        self._checked = -1  # runtime.generation() when replay last checked the backend
         # replay-checker state (only touched while checks are on)
         self._last_tick = -1
         self._last_stream: Stream | None = None
@@ -233,6 +234,22 @@ class CUDAGraph:
     def replay(self) -> None:
         """Launch the graph on the current stream (any stream of its device)."""
         exe = self._exec
+        if exe is not None and _checks == "off":
+            # The fast path: the thread's current stream as gp.alloc keeps it (one generation
+            # test), and no backend check while no set_backend ran since the last replay's.
+            s = current_entry().stream
+            own = self._stream
+            if own is not None and s.device == own.device and self._checked == runtime.generation():
+                dev = self._dev
+                assert dev is not None
+                dev.launch(exe, s.handle)
+                self._replay_streams.add(s.handle)
+                return
+        self._replay_slow()
+
+    def _replay_slow(self) -> None:
+        """``replay`` when the fast path does not apply: the checks, the checker, the lookup."""
+        exe = self._exec
         if exe is None:
             if self.keep_graph and self._graph is not None and not self._capturing:
                 self.instantiate()  # keep_graph=True and not instantiated yet, as PyTorch
@@ -243,7 +260,9 @@ class CUDAGraph:
                     "(capture_begin()/capture_end() or `with gp.graph(g):`)"
                 )
         assert self._stream is not None and self._dev is not None
+        generation = runtime.generation()  # read first: a set_backend from now on moves it
         self._stream._check_backend()  # a graph of a replaced backend: a clear error
+        self._checked = generation
         index = self._stream.device
         s = runtime.thread_state().streams.get(index)
         if s is None:

@@ -80,6 +80,20 @@ def alloc(nbytes: SupportsIndex, stream: StreamLike | None = None) -> DeviceBuff
     return DeviceBuffer(block, n, s, a, _KEY)
 
 
+def current_entry() -> Entry:
+    """The calling thread's current stream (of its current device) with its route: the lookup
+    ``gp.alloc`` writes out inline, for ``CUDAGraph.replay`` (kept routes, routing.py)."""
+    ident = _get_ident()
+    cur = _routes.cur
+    if cur is None or cur.ident != ident:
+        cur = thread_entry()
+        if cur is not None:
+            _routes.cur = cur
+    if cur is None or cur.route.generation != _routes.generation:
+        cur = _find_current(ident)
+    return cur
+
+
 interrupts.handoff(alloc)  # plain: a guarded handler waits until the block has its buffer (interrupts.py)
 
 

@@ -291,6 +291,11 @@ def set_backend(name: str, *, backend: Backend | None = None, sizes: SizeConfig 
         _install(b, sizes or DEFAULT)
 
 
+def generation() -> int:
+    """How many runtimes were installed so far: moves at every ``set_backend`` (0: none yet)."""
+    return _generation
+
+
 def space() -> object:
     """The handle space of the current runtime (see ``Runtime.space``), made on first use."""
     return get().space

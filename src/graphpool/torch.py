@@ -8,7 +8,9 @@ block on PyTorch's current stream, so a process that mixes PyTorch with CuPy
 history, and PyTorch's captures get graphpool's capture rules through detection.
 
 PyTorch calls two C functions of a shared library; graphpool's (``graphpool._torch_shim``,
-C++, built by the compiled install) take the GIL and call ``_malloc`` and ``_free`` here.
+C++, built by the compiled install) take the GIL and call the compiled hooks of
+``graphpool.hooks.TorchHooks`` (``hooks()`` below), which keep the route of the stream they
+served last, so a run of tensors on one stream goes straight to the allocator's ``malloc``.
 A failed allocation reaches PyTorch as a C++ exception, which PyTorch raises as a
 ``RuntimeError`` carrying graphpool's message (out of memory included: not
 ``torch.OutOfMemoryError``).
@@ -30,7 +32,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from graphpool import runtime
+from graphpool import routing, runtime
+from graphpool.hooks import TorchHooks
+from graphpool.routing import Route
 from graphpool.streams import resolve_handle
 
 MallocHook = Callable[[int, int, int], int]
@@ -80,22 +84,20 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
         raise TypeError(f"hooks(rt): rt must be a graphpool runtime (graphpool.runtime.get()), not {rt!r}")
     bound = rt if rt is not None else runtime.get()
 
-    def malloc(size: int, device: int, stream: int) -> int:
+    def find(device: int, stream: int) -> Route:
+        """The route for PyTorch's stream handle ``stream`` of ``device`` (the hooks' slow path)."""
+        generation = routing.routes.generation  # read first: a set_backend from now on makes it stale
         if runtime.get() is not bound:
             raise RuntimeError(
                 "graphpool.torch: graphpool's backend was replaced (set_backend) after "
                 "graphpool.torch.install(); PyTorch keeps graphpool's allocator for the process, "
                 "so keep the backend it was installed under"
             )
-        if size == 0:
-            return 0
-        stream = resolve_handle(stream, "graphpool.torch", "PyTorch's current stream")
-        return bound.allocator(device).malloc(size, stream=stream)
+        handle = resolve_handle(stream, "graphpool.torch", "PyTorch's current stream")
+        return Route(handle, bound.allocator(device), generation)
 
-    def free(ptr: int, size: int, device: int, stream: int) -> None:
-        bound.allocator(device).free_owned(ptr)
-
-    return malloc, free
+    h = TorchHooks(find, bound.allocator)
+    return h.malloc, h.free
 
 
 def install() -> None:

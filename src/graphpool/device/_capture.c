@@ -13,6 +13,10 @@
  *   stream_idle(stream)          whether `stream` is not capturing and has finished all its
  *                                work (cuStreamGetCaptureInfo, then cuStreamQuery under the
  *                                relaxed capture mode); the caller passes only live streams
+ *   graph_launch(exec, stream, ctx)  cuGraphLaunch, if `ctx` is the thread's current context
+ *                                (True); False, launching nothing, if it is not (the caller
+ *                                then makes its device current and launches the slow way)
+ *   current_context()            the thread's current context (cuCtxGetCurrent), 0 if none
  *
  * The destructor may run on a driver thread, or at process exit after the interpreter is
  * gone: it touches no Python object, only a mutex-protected array of integers.
@@ -52,6 +56,10 @@ typedef CUresult (*graph_retain_user_object_t)(CUgraph, CUuserObject, unsigned i
 typedef CUresult (*stream_query_t)(CUstream);
 typedef CUresult (*exchange_mode_t)(int *);
 typedef CUresult (*init_t)(unsigned int);
+typedef void *CUgraphExec;
+typedef void *CUcontext;
+typedef CUresult (*graph_launch_t)(CUgraphExec, CUstream);
+typedef CUresult (*ctx_get_current_t)(CUcontext *);
 typedef CUresult (*get_proc_address_v2_t)(const char *, void **, int, unsigned long long, int *);
 typedef CUresult (*get_proc_address_t)(const char *, void **, int, unsigned long long);
 
@@ -61,6 +69,8 @@ static user_object_release_t p_user_object_release = NULL;
 static graph_retain_user_object_t p_graph_retain_user_object = NULL;
 static stream_query_t p_stream_query = NULL;
 static exchange_mode_t p_exchange_mode = NULL;
+static graph_launch_t p_graph_launch = NULL;        /* optional: NULL keeps the slow launch */
+static ctx_get_current_t p_ctx_get_current = NULL;
 static PyObject *error_factory = NULL; /* factory(call, code) -> exception instance */
 
 /* ------------------------------------------------------------ released tokens */
@@ -185,6 +195,10 @@ static PyObject *load(PyObject *self, PyObject *factory) {
     p_graph_retain_user_object = (graph_retain_user_object_t)find(lib, "cuGraphRetainUserObject");
     p_stream_query = (stream_query_t)find(lib, "cuStreamQuery");
     p_exchange_mode = (exchange_mode_t)find(lib, "cuThreadExchangeStreamCaptureMode");
+    p_graph_launch = (graph_launch_t)find(lib, "cuGraphLaunch");
+    p_ctx_get_current = (ctx_get_current_t)find(lib, "cuCtxGetCurrent");
+    if (p_graph_launch == NULL || p_ctx_get_current == NULL)
+        p_graph_launch = NULL, p_ctx_get_current = NULL;
     if (fn == NULL || p_user_object_create == NULL || p_user_object_release == NULL ||
         p_graph_retain_user_object == NULL || p_stream_query == NULL || p_exchange_mode == NULL)
         return PyUnicode_FromString("the CUDA driver lacks capture info or user objects (CUDA >= 11.3)");
@@ -311,6 +325,54 @@ static PyObject *lost(PyObject *self, PyObject *unused) {
     return PyLong_FromSize_t(n);
 }
 
+/* An int argument in [0, 2**64) as a pointer-sized value; -1 with an exception otherwise. */
+static int handle_arg(PyObject *arg, const char *what, uintptr_t *out) {
+    if (!PyLong_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "%s must be an int handle, not %.100s", what, Py_TYPE(arg)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (uintptr_t)v;
+    return 0;
+}
+
+static PyObject *graph_launch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "graph_launch(exec, stream, ctx) takes 3 arguments");
+        return NULL;
+    }
+    uintptr_t exec, stream, ctx;
+    if (handle_arg(args[0], "exec", &exec) < 0 || handle_arg(args[1], "stream", &stream) < 0 ||
+        handle_arg(args[2], "ctx", &ctx) < 0 || not_loaded())
+        return NULL;
+    if (p_graph_launch == NULL || exec == 0 || ctx == 0)
+        Py_RETURN_FALSE;
+    CUcontext cur = NULL;
+    CUresult rc = p_ctx_get_current(&cur);
+    if (rc != 0)
+        return raise_cuda("cuCtxGetCurrent", rc);
+    if ((uintptr_t)cur != ctx)
+        Py_RETURN_FALSE; /* another device (or context) is current: the caller switches */
+    rc = p_graph_launch((CUgraphExec)exec, (CUstream)stream);
+    if (rc != 0)
+        return raise_cuda("cuGraphLaunch", rc);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *current_context(PyObject *self, PyObject *unused) {
+    if (not_loaded())
+        return NULL;
+    if (p_ctx_get_current == NULL)
+        return PyLong_FromLong(0);
+    CUcontext cur = NULL;
+    CUresult rc = p_ctx_get_current(&cur);
+    if (rc != 0)
+        return raise_cuda("cuCtxGetCurrent", rc);
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)cur);
+}
+
 static PyMethodDef methods[] = {
     {"load", load, METH_O,
      "load(error_factory) -> None or str: open the CUDA driver; a str says why it could not."},
@@ -324,6 +386,11 @@ static PyMethodDef methods[] = {
     {"lost", lost, METH_NOARGS, "lost() -> int: tokens dropped for want of memory (should be 0)."},
     {"stream_idle", stream_idle, METH_O,
      "stream_idle(stream) -> bool: not capturing and all its work done (a live stream only)."},
+    {"graph_launch", (PyCFunction)(void (*)(void))graph_launch, METH_FASTCALL,
+     "graph_launch(exec, stream, ctx) -> bool: cuGraphLaunch if ctx is the current context; "
+     "False (nothing launched) if it is not."},
+    {"current_context", current_context, METH_NOARGS,
+     "current_context() -> int: the thread's current CUDA context (0: none)."},
     {NULL, NULL, 0, NULL},
 };
 

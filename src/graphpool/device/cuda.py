@@ -283,6 +283,9 @@ class CudaDevice:
         # a finalizer run on the asking thread may destroy a stream.
         self._made_lock = threading.RLock()
         self._primary: int | None = None  # the primary context's handle, once owns_stream asked
+        # The context current while this device was made current (a launch's fast path: a
+        # graph launches at once when it is still current; 0: not known yet)
+        self._ctx = 0
         self._prop: Any = None  # virtual memory: allocation properties and access descriptor
         self._access: Any = None
         if _native is not None:
@@ -644,10 +647,21 @@ class CudaDevice:
         _check("cudaGraphInstantiate", err)
         return int(graph_exec)
 
-    @_on_device
     def launch(self, graph_exec: int, stream: int) -> None:
-        """cudaGraphLaunch."""
+        """Launch ``graph_exec`` on ``stream``: cuGraphLaunch through the C module when this
+        device's context is the thread's current one (one C call, no device switch), else
+        cudaGraphLaunch with this device made current."""
+        native = _native
+        if native is not None and native.graph_launch(graph_exec, _stream(stream), self._ctx):
+            return
+        self._launch(graph_exec, stream)
+
+    @_on_device
+    def _launch(self, graph_exec: int, stream: int) -> None:
+        """cudaGraphLaunch (this device current), and note the context for the fast path."""
         _check("cudaGraphLaunch", _rt.cudaGraphLaunch(graph_exec, _stream(stream))[0])
+        if _native is not None:
+            self._ctx = int(_native.current_context())
 
     def destroy_graph(self, graph: int) -> None:
         """cudaGraphDestroy."""

@@ -45,7 +45,9 @@ MAX_FRAMES = 64
 _POLICY = os.path.dirname(__file__)
 _PACKAGE = os.path.dirname(_POLICY)
 SKIPPED_DIR = _POLICY + os.sep
-SKIPPED_FILES = frozenset(os.path.join(_PACKAGE, name) for name in ("routing.py", "memory.py", "buffer.py"))
+SKIPPED_FILES = frozenset(
+    os.path.join(_PACKAGE, name) for name in ("routing.py", "memory.py", "buffer.py", "hooks.py")
+)
 """Frames of these files are left out of stacks: the policy package, and the modules
 ``graphpool.build.COMPILED`` compiles with it (a test keeps the two in step)."""
 

@@ -491,8 +491,25 @@ SECTIONS: list[Section] = [
         lambda p: bench_traces(p.repeat, p.quick, p.skipped),
         trace_rows,
     ),
+    Section(
+        "frameworks",
+        "frameworks: per array/tensor/replay, medians over worker processes (frameworks_bench)",
+        lambda p: _frameworks(p),
+    ),
 ]
 """The sections, in the order they run and print. A new section is one entry here."""
+
+
+def _frameworks(plan: Plan) -> dict[str, Any] | None:
+    """Each framework's own pool against graphpool, in worker processes (cuda backend only)."""
+    if gp.backend() != "cuda":
+        why = "needs the cuda backend (this is the simulator)"
+        skip(plan.skipped, "frameworks: CuPy, PyTorch, Numba, cuda.core, replay", why)
+        return None
+    from graphpool.tools import frameworks_bench
+
+    note_progress("frameworks (graphpool.tools.frameworks_bench)")
+    return frameworks_bench.section(plan.quick, plan.skipped)
 
 
 def table(results: dict[str, Any]) -> str:

@@ -1,0 +1,141 @@
+"""The per-allocation entry points graphpool's framework integrations hand to the frameworks.
+
+CuPy (``graphpool.cupy``, through CuPy's ``PythonFunctionAllocator``) and PyTorch
+(``graphpool.torch``, through the C++ shim) call ``malloc`` and ``free`` here once per array
+or tensor. They name a stream by its raw handle and a block by its address, so these call the
+allocator's raw ``malloc`` and ``free_owned`` directly: no DeviceBuffer, no graphpool Stream
+object, no finalizer queue.
+
+Each hook object keeps the route it used last: the framework's (device, raw handle), the
+allocator and graphpool's handle for it, and the routing generation read before the route
+was found (``routing.routes.generation``, the one rule of graphpool.routing): a run of calls
+on one stream costs two int comparisons and a generation test before the allocator's own
+malloc. A miss asks ``find(device, raw handle)``, which the integration supplies (its backend
+check and ``streams.resolve_handle``, written once, in the integration).
+
+Compiled by mypyc (setup.py), so that the framework's call lands in native code; the plain
+Python build runs the same source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Final
+
+from graphpool import routing
+from graphpool.routing import Route
+
+if TYPE_CHECKING:
+    from graphpool.policy.allocator import CachingAllocator
+
+_routes: Final = routing.routes
+
+
+class Kept:
+    """The route a hook used last, for the framework's stream ``raw`` of ``device``."""
+
+    __slots__ = ("device", "raw", "route")
+
+    def __init__(self, device: int, raw: int, route: Route) -> None:
+        self.device = device
+        self.raw = raw
+        self.route = route
+
+
+Finder = Callable[[int, int], Route]
+"""``find(device, raw handle) -> Route``: the integration's slow path (checks included)."""
+
+
+class CupyHooks:
+    """``malloc(size, device)`` and ``free(ptr, device)`` for CuPy's ``PythonFunctionAllocator``.
+
+    The stream is CuPy's current stream of the device, ``current(device).ptr`` (CuPy's
+    ``get_current_stream``, a Cython function): the allocator CuPy calls is per process, its
+    stream per thread and device. ``free`` gives a block back to the allocator that made it:
+    the one that serves the device now, or, after a ``set_backend``, a replaced one that still
+    holds the block (``retired``).
+    """
+
+    __slots__ = ("_current", "_find", "_last", "_allocs", "_retired")
+
+    def __init__(self, current: Callable[[int], Any], find: Finder) -> None:
+        self._current = current
+        self._find = find
+        self._last: Kept | None = None
+        self._allocs: dict[int, CachingAllocator] = {}
+        self._retired: list[CachingAllocator] = []
+
+    def malloc(self, size: int, device: int) -> int:
+        """``size`` bytes for CuPy's current stream of ``device``: the address."""
+        raw: int = self._current(device).ptr
+        last = self._last
+        if last is not None and last.raw == raw and last.device == device:
+            route = last.route
+            if route.generation == _routes.generation:
+                return route.alloc.malloc(size, stream=route.handle)
+        return self._miss(size, device, raw)
+
+    def _miss(self, size: int, device: int, raw: int) -> int:
+        route = self._find(device, raw)  # raises for a refused stream or backend: nothing kept
+        a = route.alloc
+        old = self._allocs.get(device)
+        if old is not a:
+            if old is not None and old not in self._retired:
+                self._retired.append(old)  # a set_backend replaced it: it may still hold blocks
+            self._allocs[device] = a
+        self._last = Kept(device, raw, route)
+        if size == 0:
+            return 0
+        return a.malloc(size, stream=route.handle)
+
+    def free(self, ptr: int, device: int) -> None:
+        """Give back the block at ``ptr`` (CuPy's memory object is being collected)."""
+        if self._retired:
+            for old in self._retired:
+                block = old.lookup(ptr)
+                if block is not None and block.allocated:
+                    old.free_owned(ptr)
+                    return
+        a = self._allocs.get(device)
+        if a is None:
+            raise ValueError(f"graphpool.cupy: 0x{ptr:x} on device {device} was not allocated by graphpool")
+        a.free_owned(ptr)
+
+
+class TorchHooks:
+    """``malloc(size, device, stream)`` and ``free(ptr, size, device, stream)`` for the PyTorch
+    shim, bound to one runtime for the process (PyTorch keeps its allocator): after
+    ``set_backend`` ``find`` refuses new allocations, and frees still reach the bound runtime's
+    allocators."""
+
+    __slots__ = ("_find", "_allocator", "_last", "_allocs")
+
+    def __init__(self, find: Finder, allocator: Callable[[int], CachingAllocator]) -> None:
+        self._find = find
+        self._allocator = allocator
+        self._last: Kept | None = None
+        self._allocs: dict[int, CachingAllocator] = {}
+
+    def malloc(self, size: int, device: int, stream: int) -> int:
+        """``size`` bytes for PyTorch's stream handle ``stream`` of ``device``: the address."""
+        last = self._last
+        if last is not None and last.raw == stream and last.device == device and size != 0:
+            route = last.route
+            if route.generation == _routes.generation:
+                return route.alloc.malloc(size, stream=route.handle)
+        route = self._find(device, stream)  # raises for a refused stream or a replaced backend
+        self._last = Kept(device, stream, route)
+        if size == 0:
+            return 0
+        return route.alloc.malloc(size, stream=route.handle)
+
+    def free(self, ptr: int, size: int, device: int, stream: int) -> None:
+        """Give back the block at ``ptr``; never waits for another thread (``free_owned``)."""
+        a = self._allocs.get(device)
+        if a is None:
+            a = self._allocator(device)
+            self._allocs[device] = a
+        a.free_owned(ptr)
+
+
+__all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks"]

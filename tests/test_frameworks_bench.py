@@ -1,0 +1,50 @@
+"""graphpool.tools.frameworks_bench off the GPU: what it skips and says, and how it pairs the
+sides' runs into ratios (the workers themselves run only on a GPU: benchmarks/gpu_speed.sh)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from graphpool.tools import frameworks_bench as fb
+
+
+def test_without_a_gpu_every_case_is_skipped_with_its_reason() -> None:
+    res = fb.run_all(quick=True)
+    assert [s["comparison"] for s in res["skipped"]] == [f"frameworks: {c}" for c in fb.CASES]
+    assert all(s["why"] for s in res["skipped"])
+    assert fb.table(res).splitlines()[0] == "== skipped"
+
+
+def test_sides_alternate_and_ratios_divide_by_the_frameworks_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, str]] = []
+    times = {"numba": [2.0, 4.0], "graphpool": [1.0, 3.0]}
+
+    def spawn(case: str, side: str, src: str, number: int, rounds: int, timeout: float) -> dict[str, Any]:
+        calls.append((side, src))
+        return {"device_array": times[side]}
+
+    monkeypatch.setattr(fb, "_spawn", spawn)
+    out = fb.compare("numba", {"new": "/a", "old": "/b"}, processes=2)
+    assert calls == [("numba", "/a"), ("graphpool", "/a"), ("graphpool", "/b")] + [
+        ("graphpool", "/b"),
+        ("graphpool", "/a"),
+        ("numba", "/a"),
+    ]
+    row = out["rows"]["device_array"]
+    assert row["numba min (us)"] == 2.0 and row["numba median (us)"] == 3.0
+    assert row["graphpool[new]/numba (median)"] == pytest.approx(2.0 / 3.0)
+    assert row["graphpool[old]/numba (min)"] == pytest.approx(0.5)
+    assert out["errors"] == {}
+
+
+def test_a_failed_worker_is_reported_not_averaged(monkeypatch: pytest.MonkeyPatch) -> None:
+    def spawn(case: str, side: str, *args: Any) -> dict[str, Any]:
+        return {"error": "boom"} if side == "graphpool" else {"x": [1.0]}
+
+    monkeypatch.setattr(fb, "_spawn", spawn)
+    out = fb.compare("cuda_core", {"": "/a"}, processes=1)
+    assert out["errors"] == {"graphpool": "boom"}
+    assert out["rows"]["x"] == {"cuda.core min (us)": 1.0, "cuda.core median (us)": 1.0}
+    assert "graphpool: FAILED: boom" in fb.table({"cuda_core": out})

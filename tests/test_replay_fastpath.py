@@ -1,0 +1,89 @@
+"""CUDAGraph.replay's fast path (checker off): the thread's current stream as gp.alloc keeps
+it, and the backend check skipped only while no set_backend ran since the last replay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import runtime
+
+
+def _graph(s: gp.Stream) -> tuple[gp.CUDAGraph, gp.DeviceBuffer]:
+    dev = runtime.get().device(s.device)
+    buf = gp.alloc(4096, s)
+    g = gp.CUDAGraph()
+    with gp.stream(s):
+        g.capture_begin()
+        dev.memset(buf.ptr, 1, buf.nbytes, s.handle)
+        g.capture_end()
+    return g, buf
+
+
+def test_replay_launches_on_the_current_stream_each_time(sim: Any) -> None:
+    s, s2 = gp.Stream(), gp.Stream()
+    g, buf = _graph(s)
+    dev = runtime.get().device(0)
+    launched: list[int] = []
+    real = dev.launch
+
+    def launch(exe: int, stream: int) -> None:
+        launched.append(stream)
+        real(exe, stream)
+
+    dev.launch = launch  # type: ignore[method-assign]
+    try:
+        g.replay()  # the slow path first (the backend checked), then the fast one
+        g.replay()
+        with gp.stream(s2):
+            g.replay()
+            g.replay()
+        g.replay()
+    finally:
+        del dev.launch
+    legacy = gp.default_stream().handle
+    assert launched == [legacy, legacy, s2.handle, s2.handle, legacy]
+    assert {legacy, s2.handle} <= g._rec.replay_streams  # type: ignore[union-attr]
+    gp.synchronize()
+    buf.free()
+    g.reset()
+
+
+def test_replay_after_set_backend_is_refused_even_after_fast_replays(sim: Any) -> None:
+    g, _buf = _graph(gp.Stream())
+    g.replay()
+    g.replay()  # fast: the backend was checked by the first replay, under this runtime
+    gp.set_backend("sim")
+    with pytest.raises(gp.BackendReplacedError, match="set_backend"):
+        g.replay()
+
+
+def test_replay_on_another_current_device_uses_the_graphs_device(sim: Any) -> None:
+    """The fast path serves the thread's current device only; a graph of device 0 replayed
+    while device 1 is current goes to device 0's current stream."""
+    g, buf = _graph(gp.Stream())
+    with gp.device(1):
+        s1 = gp.Stream()
+        with gp.stream(s1):
+            g.replay()
+            g.replay()
+    assert g._rec.replay_streams == {gp.default_stream(0).handle}  # type: ignore[union-attr]
+    gp.synchronize()
+    buf.free()
+    g.reset()
+
+
+def test_the_c_launch_checks_its_arguments() -> None:
+    """The compiled build's C launch (device/_capture.c) refuses bad arguments with TypeError."""
+    try:
+        from graphpool.device import _capture  # type: ignore[attr-defined]
+    except ImportError:
+        pytest.skip("plain-Python install: no C module")
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        _capture.graph_launch(1, 2)
+    with pytest.raises(TypeError, match="exec must be an int handle"):
+        _capture.graph_launch("x", 0, 0)
+    with pytest.raises(OverflowError):
+        _capture.graph_launch(-1, 0, 0)
