@@ -2478,6 +2478,23 @@ class CachingAllocator:
         b = self._containing(ptr)
         return b if b is not None and b.ptr == ptr and b.owned else None
 
+    def segment_at(self, ptr: int) -> tuple[int, int, bool, PoolId | None] | None:
+        """(base, size, expandable, private pool id or None) of the segment holding address
+        ``ptr``, None when no segment does. For IPC, which exports whole driver allocations.
+        O(log segments + blocks of the segment)."""
+
+        def find() -> tuple[int, int, bool, PoolId | None] | None:
+            head = self._containing(ptr)
+            if head is None:
+                return None
+            while head.prev is not None:
+                head = head.prev
+            owner = head.pool.owner
+            size = sum(b.size for b in iter_segment(head))
+            return head.ptr, size, head.ptr in self._exp, None if owner is None else owner.id
+
+        return self._run_locked("segment_at", find)
+
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""
         return self._run_locked("private_pools", self._private_pools)

@@ -15,6 +15,8 @@ independent check of it.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -33,6 +35,9 @@ from graphpool.sim import capture
 from graphpool.sim.capture import Capture, Node
 from graphpool.sim.cudaerr import cuda_error
 from graphpool.sim.memory import GRANULARITY, SimMemory
+
+_IPC_MAGIC = b"graphpool-sim-ipc:"
+"""The start of every simulated IPC handle (the rest is JSON: file, size, process, device)."""
 
 GiB = 1024**3
 DEFAULT_DEVICE_COUNT = 2
@@ -98,7 +103,8 @@ class _Stream:
 class SimDevice:
     """One simulated device; implements ``graphpool.device.protocol.Device``.
 
-    Beyond the protocol: ``launch_kernel`` and ``launch_sleep`` (queue work),
+    Implements ``IpcDevice`` too (memory shared with other processes through files of
+    OS shared memory). Beyond the protocols: ``launch_kernel`` and ``launch_sleep`` (queue work),
     ``view`` (bytes at an address, for kernels), ``pending_ops`` and ``allocations``
     (inspection), ``memory_bytes``.
     """
@@ -196,6 +202,36 @@ class SimDevice:
         """(address, size, mapped bytes) of every live reservation, by address."""
         with self._lock:
             return self._mem.reservations()
+
+    # -- IPC: exported memory lives in OS shared memory (graphpool.sim.memory)
+    def ipc_export(self, ptr: int) -> bytes:
+        """cudaIpcGetMemHandle of the allocation starting at ``ptr``: its bytes move into a
+        shared file, named by the handle."""
+        with self._lock:
+            path, size = self._mem.export(ptr)
+        record = {"path": path, "size": size, "pid": os.getpid(), "device": self.index}
+        return _IPC_MAGIC + json.dumps(record, sort_keys=True).encode()
+
+    def ipc_open(self, handle: bytes) -> int:
+        """cudaIpcOpenMemHandle: map the exported allocation at an address of this process.
+        Refused in the exporting process itself, as CUDA refuses it."""
+        call = "cudaIpcOpenMemHandle"
+        if not isinstance(handle, bytes) or not handle.startswith(_IPC_MAGIC):
+            raise cuda_error(call, "cudaErrorInvalidValue", "not a simulated IPC handle")
+        try:
+            record = json.loads(handle[len(_IPC_MAGIC) :])
+            path, size, pid = str(record["path"]), int(record["size"]), int(record["pid"])
+        except (ValueError, KeyError, TypeError):
+            raise cuda_error(call, "cudaErrorInvalidValue", "a damaged simulated IPC handle") from None
+        if pid == os.getpid():
+            raise cuda_error(call, "cudaErrorInvalidContext", "the handle was exported by this process")
+        with self._lock:
+            return self._mem.attach(path, size)
+
+    def ipc_close(self, ptr: int) -> None:
+        """cudaIpcCloseMemHandle of an address ``ipc_open`` returned."""
+        with self._lock:
+            self._mem.detach(ptr)
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray:
         """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live."""
