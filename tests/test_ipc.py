@@ -281,6 +281,10 @@ def test_errors(here: str) -> None:
         view.__dlpack__()
     with pytest.raises(TypeError, match="pickled"):
         pickle.dumps(view)
+    # the owner revoked the record while an open waited for its lock (before it was removed)
+    gipc._edit(h.record, lambda state: state.update(revoked=True))
+    with pytest.raises(gp.IpcError, match="no longer shared"):
+        gp.open_ipc(h)
     buf.free()
 
 
@@ -336,6 +340,26 @@ def test_a_buffer_sent_through_a_spawn_queue_arrives_as_an_ipc_buffer(peer: Work
     gp.empty_cache()
     assert _segment_has(ptr) == "active_allocated"
     peer.call("close", key)
+    gp.empty_cache()
+    assert _segment_has(ptr) != "active_allocated"
+
+
+def test_a_sent_handle_holds_the_memory_until_it_is_opened(here: str) -> None:
+    from multiprocessing.reduction import ForkingPickler
+
+    buf = gp.alloc(1536)
+    ptr = buf.ptr
+    _fill(buf, _pattern(1536, 3))
+    sent = bytes(ForkingPickler.dumps(buf))  # what a queue or pipe sends
+    buf.free()
+    gp.empty_cache()
+    assert _segment_has(ptr) == "active_allocated", "a sent buffer was given back before it arrived"
+    arrived = pickle.loads(sent)
+    assert isinstance(arrived, gp.IpcBuffer) and arrived.ptr == ptr  # its own process: a view
+    assert _read(arrived.ptr, 1536) == _pattern(1536, 3)
+    gp.empty_cache()
+    assert _segment_has(ptr) == "active_allocated"
+    arrived.close()
     gp.empty_cache()
     assert _segment_has(ptr) != "active_allocated"
 
