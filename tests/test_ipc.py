@@ -274,9 +274,9 @@ def test_errors(here: str) -> None:
     view.close()  # a second close does nothing
     assert view.closed
     with pytest.raises(gp.IpcError, match="closed"):
-        view.ptr
+        _ = view.ptr
     with pytest.raises(gp.IpcError, match="closed"):
-        view.__cuda_array_interface__
+        _ = view.__cuda_array_interface__
     with pytest.raises(gp.IpcError, match="closed"):
         view.__dlpack__()
     with pytest.raises(TypeError, match="pickled"):

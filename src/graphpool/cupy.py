@@ -321,4 +321,14 @@ def installed() -> Iterator[None]:
 using = installed
 """Alias of ``installed``."""
 
-__all__ = ["buffer_of", "cupy_stream", "hooked", "install", "installed", "is_installed", "malloc", "uninstall", "using"]
+__all__ = [
+    "buffer_of",
+    "cupy_stream",
+    "hooked",
+    "install",
+    "installed",
+    "is_installed",
+    "malloc",
+    "uninstall",
+    "using",
+]

@@ -199,7 +199,10 @@ def _buffer(buf: Any, what: str) -> DeviceBuffer:
     # Told by its class, not imported: graphpool.buffer calls into this module (__dlpack__),
     # and the import graph has no cycles. Nothing subclasses DeviceBuffer.
     cls = type(buf)
-    if (cls.__name__, cls.__module__) not in (("DeviceBuffer", "graphpool.buffer"), ("IpcBuffer", "graphpool.ipc")):
+    if (cls.__name__, cls.__module__) not in (
+        ("DeviceBuffer", "graphpool.buffer"),
+        ("IpcBuffer", "graphpool.ipc"),
+    ):
         raise TypeError(f"{what} needs a graphpool DeviceBuffer (from gp.alloc), not {type(buf).__name__}")
     if buf.freed:
         raise DoubleFreeError(f"buffer at 0x{buf.ptr:x} was freed")

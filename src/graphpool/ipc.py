@@ -260,9 +260,7 @@ def export(alloc: CachingAllocator, block: Block, device: int) -> _Export:
     finally:
         os.close(fd)
     pid, start = _me()
-    handle = IpcHandle(
-        runtime.get().name, device, segment, base, size, block.ptr - base, 0, pid, start, path
-    )
+    handle = IpcHandle(runtime.get().name, device, segment, base, size, block.ptr - base, 0, pid, start, path)
     entry = _Export(alloc, block, handle)
     with _lock:
         _exports[path] = entry
@@ -274,7 +272,9 @@ def handle_of(entry: _Export, nbytes: int) -> IpcHandle:
     """The handle of an exported buffer of ``nbytes`` (after a look for blocks to give back)."""
     reclaim()
     h = entry.handle
-    return IpcHandle(h.backend, h.device, h.segment, h.base, h.size, h.offset, nbytes, h.pid, h.start, h.record)
+    return IpcHandle(
+        h.backend, h.device, h.segment, h.base, h.size, h.offset, nbytes, h.pid, h.start, h.record
+    )
 
 
 def reclaim() -> int:
@@ -457,17 +457,14 @@ class IpcBuffer:
         from graphpool import dlpack
 
         self._open_ptr()
-        return dlpack.export(
-            self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy  # type: ignore[arg-type]
-        )
+        me: Any = self  # graphpool.dlpack takes an IpcBuffer as it takes a DeviceBuffer
+        return dlpack.export(me, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (2, self._device)
 
     def __reduce__(self) -> Any:
-        raise TypeError(
-            "an IpcBuffer cannot be pickled: send its handle (buf.handle) and open that instead"
-        )
+        raise TypeError("an IpcBuffer cannot be pickled: send its handle (buf.handle) and open that instead")
 
     def __repr__(self) -> str:
         state = ", closed" if self._closed else ""
@@ -512,7 +509,9 @@ def _close_locked(buf: IpcBuffer) -> None:
         except _Gone:
             pass
     if error is not None:
-        _log.warning("graphpool: unmapping IPC memory at 0x%x failed: %s", mapping[0] if mapping else 0, error)
+        _log.warning(
+            "graphpool: unmapping IPC memory at 0x%x failed: %s", mapping[0] if mapping else 0, error
+        )
 
 
 def _drain_closing() -> None:
@@ -528,7 +527,9 @@ def open_ipc(handle: IpcHandle) -> IpcBuffer:
 
 def _open(handle: IpcHandle, claim: bool) -> IpcBuffer:
     if not isinstance(handle, IpcHandle):
-        raise TypeError(f"open_ipc needs a graphpool.IpcHandle (from buf.ipc_handle()), not {type(handle).__name__}")
+        raise TypeError(
+            f"open_ipc needs a graphpool.IpcHandle (from buf.ipc_handle()), not {type(handle).__name__}"
+        )
     rt = runtime.get()
     if handle.backend != rt.name:
         raise IpcError(
@@ -562,7 +563,7 @@ def _open(handle: IpcHandle, claim: bool) -> IpcBuffer:
                     made.append(handle.base)
                 else:
                     try:
-                        made.append(dev.ipc_open(handle.segment))  # type: ignore[union-attr]
+                        made.append(dev.ipc_open(handle.segment))
                     except CUDAError as exc:
                         raise IpcError(f"the device could not map the exported memory: {exc}") from exc
             if first_hold and holder not in state["holders"]:

@@ -336,7 +336,9 @@ class CudaDevice:
         memory opens where the two devices are peers)."""
         raw = bytes(handle)
         if len(raw) != IPC_HANDLE_SIZE:
-            raise CUDAError("cudaIpcOpenMemHandle", 1, "cudaErrorInvalidValue", f"a handle of {len(raw)} bytes")
+            raise CUDAError(
+                "cudaIpcOpenMemHandle", 1, "cudaErrorInvalidValue", f"a handle of {len(raw)} bytes"
+            )
         h = _rt.cudaIpcMemHandle_t()
         ctypes.memmove(int(h.getPtr()), raw, IPC_HANDLE_SIZE)
         err, ptr = _rt.cudaIpcOpenMemHandle(h, _rt.cudaIpcMemLazyEnablePeerAccess)
