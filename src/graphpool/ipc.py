@@ -233,19 +233,7 @@ def export(alloc: CachingAllocator, block: Block, device: int) -> _Export:
     if info is None:
         raise IpcError(f"0x{block.ptr:x} is in no segment of graphpool's allocator of device {device}")
     base, size, expandable, pool = info
-    if pool is not None:
-        raise IpcError(
-            f"the buffer at 0x{block.ptr:x} belongs to private pool {tuple(pool)} (memory of a captured "
-            "graph, or of a gp.MemPool), which graphpool does not share with other processes: a "
-            "graph's replays may overwrite it at any time. Copy it into a buffer allocated "
-            "outside the capture and outside gp.use_mem_pool, and share that."
-        )
-    if expandable:
-        raise IpcError(
-            f"the buffer at 0x{block.ptr:x} lies in an expandable segment, and graphpool exports only "
-            "ordinary segments (CUDA IPC handles name whole cudaMalloc allocations). Set "
-            "GRAPHPOOL_ALLOC_CONF=expandable_segments:False in the exporting process to share memory."
-        )
+    _refuse(block.ptr, expandable, pool)
     dev = alloc.device
     if not isinstance(dev, IpcDevice):
         raise IpcError(f"device {device} ({type(dev).__name__}) cannot share memory with other processes")
@@ -266,6 +254,41 @@ def export(alloc: CachingAllocator, block: Block, device: int) -> _Export:
         _exports[path] = entry
     _sweep_dead_records()
     return entry
+
+
+def export_pointer(alloc: CachingAllocator, ptr: int) -> tuple[bytes, int]:
+    """(the device's handle of the segment holding ``ptr``, ``ptr``'s offset in it), for
+    integrations that make their own handle kind (Numba's). The same refusals as ``export``;
+    no record: such handles are not counted (their importer maps the memory itself)."""
+    info = alloc.segment_at(ptr)
+    if info is None:
+        raise IpcError(f"0x{ptr:x} is not memory of graphpool's allocator of device {alloc.device.index}")
+    base, _, expandable, pool = info
+    _refuse(ptr, expandable, pool)
+    dev = alloc.device
+    if not isinstance(dev, IpcDevice):
+        raise IpcError(f"device {dev.index} ({type(dev).__name__}) cannot share memory with other processes")
+    try:
+        return dev.ipc_export(base), ptr - base
+    except CUDAError as exc:
+        raise IpcError(f"the device refused to export the segment at 0x{base:x}: {exc}") from exc
+
+
+def _refuse(ptr: int, expandable: bool, pool: Any) -> None:
+    """IpcError for memory graphpool does not share: a private pool's, an expandable segment's."""
+    if pool is not None:
+        raise IpcError(
+            f"the buffer at 0x{ptr:x} belongs to private pool {tuple(pool)} (memory of a captured "
+            "graph, or of a gp.MemPool), which graphpool does not share with other processes: a "
+            "graph's replays may overwrite it at any time. Copy it into a buffer allocated "
+            "outside the capture and outside gp.use_mem_pool, and share that."
+        )
+    if expandable:
+        raise IpcError(
+            f"the buffer at 0x{ptr:x} lies in an expandable segment, and graphpool exports only "
+            "ordinary segments (CUDA IPC handles name whole cudaMalloc allocations). Set "
+            "GRAPHPOOL_ALLOC_CONF=expandable_segments:False in the exporting process to share memory."
+        )
 
 
 def handle_of(entry: _Export, nbytes: int) -> IpcHandle:

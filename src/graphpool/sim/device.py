@@ -15,7 +15,6 @@ independent check of it.
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import threading
 from collections import deque
@@ -34,10 +33,10 @@ from graphpool.device.protocol import (
 from graphpool.sim import capture
 from graphpool.sim.capture import Capture, Node
 from graphpool.sim.cudaerr import cuda_error
-from graphpool.sim.memory import GRANULARITY, SimMemory
+from graphpool.sim.memory import GRANULARITY, SimMemory, shared_dir, shared_file_pid
 
-_IPC_MAGIC = b"graphpool-sim-ipc:"
-"""The start of every simulated IPC handle (the rest is JSON: file, size, process, device)."""
+IPC_HANDLE_SIZE = 64
+"""Bytes in an IPC handle, as CUDA's cudaIpcMemHandle_t."""
 
 GiB = 1024**3
 DEFAULT_DEVICE_COUNT = 2
@@ -206,27 +205,23 @@ class SimDevice:
     # -- IPC: exported memory lives in OS shared memory (graphpool.sim.memory)
     def ipc_export(self, ptr: int) -> bytes:
         """cudaIpcGetMemHandle of the allocation starting at ``ptr``: its bytes move into a
-        shared file, named by the handle."""
+        shared file, whose name (NUL-padded to CUDA's 64 bytes) is the handle."""
         with self._lock:
-            path, size = self._mem.export(ptr)
-        record = {"path": path, "size": size, "pid": os.getpid(), "device": self.index}
-        return _IPC_MAGIC + json.dumps(record, sort_keys=True).encode()
+            path, _ = self._mem.export(ptr)
+        return os.path.basename(path).encode().ljust(IPC_HANDLE_SIZE, b"\0")
 
     def ipc_open(self, handle: bytes) -> int:
         """cudaIpcOpenMemHandle: map the exported allocation at an address of this process.
         Refused in the exporting process itself, as CUDA refuses it."""
         call = "cudaIpcOpenMemHandle"
-        if not isinstance(handle, bytes) or not handle.startswith(_IPC_MAGIC):
+        name = bytes(handle).rstrip(b"\0").decode(errors="replace") if isinstance(handle, bytes) else ""
+        pid = shared_file_pid(name)
+        if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_SIZE or pid is None:
             raise cuda_error(call, "cudaErrorInvalidValue", "not a simulated IPC handle")
-        try:
-            record = json.loads(handle[len(_IPC_MAGIC) :])
-            path, size, pid = str(record["path"]), int(record["size"]), int(record["pid"])
-        except (ValueError, KeyError, TypeError):
-            raise cuda_error(call, "cudaErrorInvalidValue", "a damaged simulated IPC handle") from None
         if pid == os.getpid():
             raise cuda_error(call, "cudaErrorInvalidContext", "the handle was exported by this process")
         with self._lock:
-            return self._mem.attach(path, size)
+            return self._mem.attach(os.path.join(shared_dir(), name))
 
     def ipc_close(self, ptr: int) -> None:
         """cudaIpcCloseMemHandle of an address ``ipc_open`` returned."""

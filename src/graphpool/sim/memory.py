@@ -66,6 +66,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def shared_file_pid(name: str) -> int | None:
+    """The process that made shared file ``name``, None if it is no such file's name."""
+    m = re.fullmatch(re.escape(_FILE_PREFIX) + r"(\d+)-\d+-[0-9a-f]+", name)
+    return int(m.group(1)) if m is not None else None
+
+
 def _sweep_dead(where: str) -> None:
     """Remove shared files left by processes that were killed before they could (once)."""
     global _swept
@@ -77,8 +83,8 @@ def _sweep_dead(where: str) -> None:
     except OSError:
         return
     for name in names:
-        m = re.fullmatch(re.escape(_FILE_PREFIX) + r"(\d+)-.*", name)
-        if m is not None and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
+        pid = shared_file_pid(name)
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             try:
                 os.unlink(os.path.join(where, name))
             except OSError:
@@ -98,10 +104,11 @@ def _remove_shared() -> None:
 atexit.register(_remove_shared)
 
 
-def _map_file(path: str, size: int) -> mmap.mmap:
+def _map_file(path: str) -> mmap.mmap:
+    """The whole of shared file ``path``, mapped shared."""
     fd = os.open(path, os.O_RDWR)
     try:
-        return mmap.mmap(fd, size)
+        return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
@@ -229,15 +236,16 @@ class SimMemory:
         i = bisect_right(self._starts, ptr) - 1
         return i >= 0 and self._starts[i] in self._res
 
-    def attach(self, path: str, size: int) -> int:
-        """Map another process's exported allocation (``path`` of ``size`` bytes) at a fresh
-        address; it does not count against this device's capacity (it is the exporter's)."""
+    def attach(self, path: str) -> int:
+        """Map another process's exported allocation (shared file ``path``) at a fresh address;
+        it does not count against this device's capacity (it is the exporter's)."""
         try:
-            mm = _map_file(path, size)
+            mm = _map_file(path)
         except (OSError, ValueError) as exc:
             raise cuda_error(
                 "cudaIpcOpenMemHandle", "cudaErrorMapBufferObjectFailed", f"{path}: {exc}"
             ) from None
+        size = len(mm)
         ptr = self._next
         self._next += -(-size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
         self._starts.append(ptr)
