@@ -23,6 +23,7 @@ import graphpool as gp
 import graphpool.ipc as gipc
 import ipc_worker
 from gpu_guard import cuda_unusable
+from graphpool import dlpack as gp_dlpack
 from graphpool import runtime
 from simenv import settle
 
@@ -230,6 +231,11 @@ def test_a_handle_opened_in_its_own_process_is_a_view(here: str) -> None:
         cai = view.__cuda_array_interface__
         assert cai["data"] == (ptr, False) and cai["shape"] == (4096,) and cai["stream"] is None
         assert view.__dlpack_device__() == (2, buf.device)
+        exports = gp_dlpack.live_exports()
+        capsule = view.__dlpack__()
+        assert type(capsule).__name__ == "PyCapsule" and gp_dlpack.live_exports() == exports + 1
+        del capsule
+        assert gp_dlpack.live_exports() == exports
         buf.free()  # the view holds it
         gp.empty_cache()
         assert _segment_has(ptr) == "active_allocated"

@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -241,7 +240,7 @@ def export(alloc: CachingAllocator, block: Block, device: int) -> _Export:
         segment = dev.ipc_export(base)
     except CUDAError as exc:
         raise IpcError(f"the device refused to export the segment at 0x{base:x}: {exc}") from exc
-    path = os.path.join(_record_dir(), f"{_PREFIX}{os.getpid()}-{next(_counter)}-{secrets.token_hex(6)}")
+    path = os.path.join(_record_dir(), f"{_PREFIX}{os.getpid()}-{next(_counter)}-{os.urandom(6).hex()}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.write(fd, json.dumps({"holders": [], "pending": 0, "revoked": False}).encode())

@@ -22,7 +22,6 @@ import itertools
 import mmap
 import os
 import re
-import secrets
 import sys
 import tempfile
 from bisect import bisect_right
@@ -102,6 +101,8 @@ def _remove_shared() -> None:
 
 
 atexit.register(_remove_shared)
+# a forked child removes none of its parent's files (its copies of them stay mapped)
+os.register_at_fork(after_in_child=_shared_paths.clear)
 
 
 def _map_file(path: str) -> mmap.mmap:
@@ -213,7 +214,7 @@ class SimMemory:
         where = shared_dir()
         _sweep_dead(where)
         size = self._sizes[ptr]
-        name = f"{_FILE_PREFIX}{os.getpid()}-{next(_shared_counter)}-{secrets.token_hex(4)}"
+        name = f"{_FILE_PREFIX}{os.getpid()}-{next(_shared_counter)}-{os.urandom(4).hex()}"
         path = os.path.join(where, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         _shared_paths.add(path)
