@@ -25,7 +25,8 @@ import ipc_worker
 from gpu_guard import cuda_unusable
 from graphpool import dlpack as gp_dlpack
 from graphpool import runtime
-from simenv import settle
+from graphpool.policy.pools import DEFAULT
+from simenv import fresh_sim, settle
 
 BACKENDS = ["sim", pytest.param("cuda", marks=pytest.mark.gpu)]
 TIMEOUT = 60
@@ -304,6 +305,37 @@ def test_a_captured_graphs_block_is_not_exported(here: str) -> None:
         inside.ipc_handle()
     inside.free()
     g.reset()
+
+
+def test_the_simulated_devices_ipc_calls(sim: Any) -> None:
+    buf = gp.alloc(100)
+    base = gp.memory_snapshot()[0]["address"]
+    dev = _dev()
+    raw = dev.ipc_export(base)
+    assert len(raw) == 64 and dev.ipc_export(base) == raw  # CUDA's size; one handle per allocation
+    with pytest.raises(gp.CUDAError, match="cudaErrorInvalidValue"):
+        dev.ipc_export(buf.ptr + 512)  # not the start of an allocation
+    with pytest.raises(gp.CUDAError, match="cudaErrorInvalidContext"):
+        dev.ipc_open(raw)  # CUDA refuses a handle of the calling process
+    with pytest.raises(gp.CUDAError, match="cudaErrorInvalidValue"):
+        dev.ipc_open(b"x" * 64)
+    with pytest.raises(gp.CUDAError, match="cudaErrorInvalidValue"):
+        dev.ipc_close(base)  # nothing was opened there
+    buf.free()
+
+
+def test_an_expandable_segment_is_not_exported() -> None:
+    sizes = dataclasses.replace(DEFAULT, expandable_segments=True)
+    with fresh_sim(sizes=sizes):
+        buf = gp.alloc(4096)
+        assert gp.memory_snapshot()[0]["is_expandable"]
+        with pytest.raises(gp.IpcError, match="expandable_segments:False"):
+            buf.ipc_handle()
+        # the device refuses a reservation too, as CUDA's legacy IPC does
+        with pytest.raises(gp.CUDAError, match="cudaErrorInvalidValue"):
+            _dev().ipc_export(gp.memory_snapshot()[0]["address"])
+        buf.free()
+    assert gipc.exported_count() == 0
 
 
 def test_exporter_gone_and_importer_dead(here: str) -> None:
