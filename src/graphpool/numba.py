@@ -7,7 +7,9 @@ launch, ``cuda.current_context()``...). Alternatively set the environment variab
 
 Device allocations then come from graphpool on graphpool's current stream of the
 context's device; pinned and mapped host memory stays with Numba (the plugin derives
-from ``HostOnlyCUDAMemoryManager``). Numba is imported on first use of the plugin class.
+from ``HostOnlyCUDAMemoryManager``). ``get_ipc_handle`` exports graphpool's segment with
+the array's offset in it, so Numba's IPC (``array.get_ipc_handle()``) works as with Numba's
+own manager. Numba is imported on first use of the plugin class.
 """
 
 from __future__ import annotations
