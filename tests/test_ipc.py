@@ -324,6 +324,14 @@ def test_the_simulated_devices_ipc_calls(sim: Any) -> None:
     buf.free()
 
 
+def test_no_writable_record_directory(here: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("GRAPHPOOL_IPC_DIR", str(tmp_path / "missing"))
+    buf = gp.alloc(512)
+    with pytest.raises(gp.IpcError, match="GRAPHPOOL_IPC_DIR"):
+        buf.ipc_handle()
+    buf.free()
+
+
 def test_an_expandable_segment_is_not_exported() -> None:
     sizes = dataclasses.replace(DEFAULT, expandable_segments=True)
     with fresh_sim(sizes=sizes):

@@ -240,12 +240,20 @@ def export(alloc: CachingAllocator, block: Block, device: int) -> _Export:
         segment = dev.ipc_export(base)
     except CUDAError as exc:
         raise IpcError(f"the device refused to export the segment at 0x{base:x}: {exc}") from exc
-    path = os.path.join(_record_dir(), f"{_PREFIX}{os.getpid()}-{next(_counter)}-{os.urandom(6).hex()}")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    where = _record_dir()
+    path = os.path.join(where, f"{_PREFIX}{os.getpid()}-{next(_counter)}-{os.urandom(6).hex()}")
     try:
-        os.write(fd, json.dumps({"holders": [], "pending": 0, "revoked": False}).encode())
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, json.dumps({"holders": [], "pending": 0, "revoked": False}).encode())
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        _unlink(path)
+        raise IpcError(
+            f"cannot make the record of an export in {where} ({exc}): set GRAPHPOOL_IPC_DIR to a "
+            "writable directory that every process of the machine sees"
+        ) from exc
     pid, start = _me()
     handle = IpcHandle(runtime.get().name, device, segment, base, size, block.ptr - base, 0, pid, start, path)
     entry = _Export(alloc, block, handle)

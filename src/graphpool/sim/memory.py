@@ -216,7 +216,12 @@ class SimMemory:
         size = self._sizes[ptr]
         name = f"{_FILE_PREFIX}{os.getpid()}-{next(_shared_counter)}-{os.urandom(4).hex()}"
         path = os.path.join(where, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise cuda_error(
+                "cudaIpcGetMemHandle", "cudaErrorMapBufferObjectFailed", f"{path}: {exc}"
+            ) from None
         _shared_paths.add(path)
         try:
             os.ftruncate(fd, size)
