@@ -220,7 +220,9 @@ class SimMemory:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except OSError as exc:
             raise cuda_error(
-                "cudaIpcGetMemHandle", "cudaErrorMapBufferObjectFailed", f"{path}: {exc}"
+                "cudaIpcGetMemHandle",
+                "cudaErrorMapBufferObjectFailed",
+                f"{exc}; set GRAPHPOOL_IPC_DIR to a writable directory",
             ) from None
         _shared_paths.add(path)
         try:
