@@ -70,6 +70,9 @@ class Worker:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+        for q in (self.commands, self.answers):  # no feeder thread outlives the worker
+            q.close()
+            q.join_thread()
 
 
 def _use(backend: str) -> None:
