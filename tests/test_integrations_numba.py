@@ -47,12 +47,10 @@ SCRIPT = textwrap.dedent(
     e = cuda.device_array_like(d)
     e.copy_to_device(d)
     np.testing.assert_array_equal(e.copy_to_host(), host)
-    try:
-        ctx.get_ipc_handle(d.gpu_data)
-    except NotImplementedError:
-        pass
-    else:
-        raise AssertionError("IPC handles should be refused")
+    ipch = ctx.get_ipc_handle(d.gpu_data)  # the graphpool segment, and the offset in it
+    seg = [s for s in gp.memory_snapshot() if s["address"] <= ptr < s["address"] + s["total_size"]][0]
+    assert ipch.size == d.nbytes and ipch.offset == ptr - seg["address"], (ipch.size, ipch.offset)
+    del ipch
     before = gp.memory_stats()
     z = ctx.memalloc(0)  # zero bytes: a NULL pointer that holds no memory (as gp.alloc(0))
     assert gp.memory_stats()["allocation.all.allocated"] == before["allocation.all.allocated"]

@@ -51,6 +51,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.dlpack",
             "graphpool.buffer",
             "graphpool.snapshot",
+            "graphpool.ipc",
             "graphpool.memory",
             "graphpool.build",
             "graphpool.hooks",

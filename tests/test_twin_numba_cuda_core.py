@@ -56,6 +56,8 @@ def numba_cuda(monkeypatch: pytest.MonkeyPatch, sim_as_cuda: None) -> Any:
     numba, cuda = twins.make_numba()
     monkeypatch.setitem(sys.modules, "numba", numba)
     monkeypatch.setitem(sys.modules, "numba.cuda", cuda)
+    monkeypatch.setitem(sys.modules, "numba.cuda.cudadrv", cuda.cudadrv)
+    monkeypatch.setitem(sys.modules, "numba.cuda.cudadrv.driver", cuda.cudadrv.driver)
     monkeypatch.setattr(gnumba, "_plugin", None)
     return cuda
 
@@ -79,12 +81,29 @@ def test_numba_emm_plugin(numba_cuda: Any) -> None:
     e = cuda.device_array_like(d)
     e.copy_to_device(d)
     np.testing.assert_array_equal(e.copy_to_host(), host)
-    with pytest.raises(NotImplementedError, match="IPC"):
-        ctx.get_ipc_handle(d.gpu_data)
-    del d, e
+    ipch = ctx.get_ipc_handle(d.gpu_data)  # Numba's IpcHandle: the segment, and the offset in it
+    seg = _segment_of(ptr)
+    assert ipch.base is d.gpu_data and ipch.size == d.nbytes and ipch.offset == ptr - seg["address"]
+    assert ipch.handle.reserved == runtime.get().device(0).ipc_export(seg["address"])
+    assert ipch.source_info == {"pci_domain_id": 0, "pci_bus_id": 0, "pci_device_id": 0}
+    del d, e, ipch  # the handle kept the array's memory alive (its base), as Numba's does
     gc.collect()
     cuda.synchronize()
     assert gp.memory_allocated() == base
+
+
+def test_numba_ipc_handle_refuses_a_captured_graphs_memory(numba_cuda: Any) -> None:
+    gnumba.install()
+    ctx = numba_cuda.current_context()
+    s = gp.Stream()
+    g = gp.CUDAGraph()
+    with gp.graph(g, stream=s):
+        mp = ctx.memalloc(4096)
+        runtime.get().device(0).memset(int(mp.device_ctypes_pointer.value), 0, 4096, s.handle)
+    with pytest.raises(gp.IpcError, match="private pool"):
+        ctx.get_ipc_handle(mp)
+    del mp
+    g.reset()
 
 
 def test_numba_allocates_on_graphpools_current_stream(numba_cuda: Any) -> None:

@@ -422,7 +422,8 @@ _SUPPORTED_EMM_INTERFACE_VERSION = 1
 
 
 def make_numba() -> tuple[types.ModuleType, types.ModuleType]:
-    """Fresh fake ``numba`` and ``numba.cuda`` modules (no context made yet)."""
+    """Fresh fake ``numba`` and ``numba.cuda`` modules (no context made yet); ``numba.cuda``
+    has ``cudadrv.driver`` (IPC handles) as an attribute: put it in ``sys.modules`` too."""
     numba = types.ModuleType("numba")
     cuda = types.ModuleType("numba.cuda")
     numba.cuda = cuda  # type: ignore[attr-defined]
@@ -488,6 +489,38 @@ def make_numba() -> tuple[types.ModuleType, types.ModuleType]:
     class _Device:
         def __init__(self, id: int) -> None:
             self.id = id
+
+        def get_device_identity(self) -> dict[str, int]:
+            return {"pci_domain_id": 0, "pci_bus_id": self.id, "pci_device_id": 0}
+
+    # numba.cuda.cudadrv.driver: the IPC handle kinds Numba's EMM plugins return
+    class CUipcMemHandle:  # cuda.bindings.driver's: 64 bytes at getPtr()
+        def __init__(self) -> None:
+            self._raw = (ctypes.c_byte * 64)()
+
+        def getPtr(self) -> int:
+            return ctypes.addressof(self._raw)
+
+        @property
+        def reserved(self) -> bytes:
+            return bytes(self._raw)
+
+    class IpcHandle:
+        def __init__(
+            self, base: Any, handle: Any, size: int, source_info: Any = None, offset: int = 0
+        ) -> None:
+            self.base = base
+            self.handle = handle
+            self.size = size
+            self.source_info = source_info
+            self.offset = offset
+
+    driver = types.ModuleType("numba.cuda.cudadrv.driver")
+    driver.binding = types.SimpleNamespace(CUipcMemHandle=CUipcMemHandle)  # type: ignore[attr-defined]
+    driver.IpcHandle = IpcHandle  # type: ignore[attr-defined]
+    cudadrv = types.ModuleType("numba.cuda.cudadrv")
+    cudadrv.driver = driver  # type: ignore[attr-defined]
+    cuda.cudadrv = cudadrv  # type: ignore[attr-defined]
 
     class Context:
         def __init__(self, device: int) -> None:

@@ -22,6 +22,7 @@ from graphpool.errors import (
     DoubleFreeError,
     ForeignPointerError,
     GraphpoolError,
+    IpcError,
     OutOfMemoryError,
     ReplayHazardError,
 )
@@ -32,6 +33,7 @@ from graphpool.graphs import (
     replay_checks,
     set_replay_checks,
 )
+from graphpool.ipc import IpcBuffer, IpcHandle, open_ipc
 from graphpool.memory import (
     alloc,
     attach_out_of_memory_observer,
@@ -215,6 +217,19 @@ def _guard_interrupts() -> None:
 
 _guard_interrupts()
 
+
+def _register_ipc_reducer() -> None:
+    """Send DeviceBuffers through multiprocessing queues and pipes as IPC handles: they arrive
+    as IpcBuffers (as torch.multiprocessing does for CUDA tensors). Plain pickle still refuses."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from graphpool.ipc import reduce_buffer
+
+    ForkingPickler.register(DeviceBuffer, reduce_buffer)
+
+
+_register_ipc_reducer()
+
 __all__ = [
     "BackendReplacedError",
     "BackendUnavailableError",
@@ -227,6 +242,9 @@ __all__ = [
     "Event",
     "ForeignPointerError",
     "GraphpoolError",
+    "IpcBuffer",
+    "IpcError",
+    "IpcHandle",
     "OutOfMemoryError",
     "PoolId",
     "ReplayHazardError",
@@ -260,6 +278,7 @@ __all__ = [
     "memory_snapshot",
     "memory_stats",
     "memory_summary",
+    "open_ipc",
     "record_memory_history",
     "replay_checks",
     "reset_accumulated_memory_stats",

@@ -32,6 +32,7 @@ from graphpool.errors import DoubleFreeError
 from graphpool.policy import interrupts
 
 if TYPE_CHECKING:
+    from graphpool.ipc import IpcHandle
     from graphpool.policy.allocator import CachingAllocator
     from graphpool.policy.block import Block
     from graphpool.streams import Stream, StreamLike
@@ -55,12 +56,13 @@ class DeviceBuffer:
     Made by ``gp.alloc`` only; calling the class raises TypeError.
     """
 
-    __slots__ = ("_ptr", "_nbytes", "_stream", "_block", "_alloc", "_live")
+    __slots__ = ("_ptr", "_nbytes", "_stream", "_block", "_alloc", "_ipc", "_live")
     __deletable__ = ("_live",)  # compiled: reads of _live check that it is set (module docstring)
 
     _ptr: int
     _nbytes: int
     _stream: Stream
+    _ipc: Any  # graphpool.ipc's export record once ipc_handle() shared the buffer, else None
 
     def __init__(
         self, block: object, nbytes: int, stream: Stream, alloc: CachingAllocator, key: object = None
@@ -82,6 +84,7 @@ class DeviceBuffer:
         self._nbytes = nbytes
         self._stream = stream
         self._alloc = alloc
+        self._ipc = None
         self._live = True  # last: the finalizer acts only on a fully made buffer
 
     @property
@@ -119,7 +122,10 @@ class DeviceBuffer:
         self._live = False
         block = self._block
         if block is not None:  # a null buffer (gp.alloc(0)) holds nothing
-            self._alloc.free_owned(block)
+            if self._ipc is None:
+                self._alloc.free_owned(block)
+            else:  # shared with other processes: held until none has it open (graphpool.ipc)
+                self._ipc.owner_free(None, True)
 
     def _check_backend(self) -> None:
         """Raise BackendReplacedError if the backend this buffer was made under was replaced."""
@@ -161,7 +167,10 @@ class DeviceBuffer:
         if live:
             self._live = False
             if self._block is not None:
-                self._alloc.defer_free(self._block)
+                if self._ipc is None:
+                    self._alloc.defer_free(self._block)
+                else:
+                    self._ipc.owner_free(None, False)
 
     def _free_after(self, stream: int) -> None:
         """Queue the free of a buffer that stream handle ``stream`` used too: the block is reused
@@ -170,7 +179,34 @@ class DeviceBuffer:
         if self._live:
             self._live = False
             if self._block is not None:
-                self._alloc.defer_free(self._block, stream)
+                if self._ipc is None:
+                    self._alloc.defer_free(self._block, stream)
+                else:
+                    self._ipc.owner_free(stream, False)
+
+    # ------------------------------------------------------------------- IPC
+    def ipc_handle(self) -> IpcHandle:
+        """A picklable handle that another process opens with ``graphpool.open_ipc`` to map
+        this memory (docs/behaviour.rst, "IPC and multiple processes").
+
+        From then on, freeing the buffer keeps its memory from other allocations until no
+        process holds it open. Open the handle before freeing the buffer. IpcError for memory
+        that cannot be shared (a captured graph's or a MemPool's, an expandable segment's,
+        a null buffer)."""
+        from graphpool import ipc
+        from graphpool.errors import IpcError
+
+        if not self._live:
+            raise DoubleFreeError(f"buffer at 0x{self._ptr:x} was freed; there is nothing to share")
+        self._check_backend()
+        block = self._block
+        if block is None:
+            raise IpcError("a null buffer (gp.alloc(0)) holds no memory to share")
+        entry = self._ipc
+        if entry is None:
+            entry = ipc.export(self._alloc, block, self.device)
+            self._ipc = entry
+        return ipc.handle_of(entry, self._nbytes)
 
     # -------------------------------------------------------- copy and pickle
     def __copy__(self) -> DeviceBuffer:

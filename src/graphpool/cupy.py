@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from graphpool import routing, runtime
+from graphpool.buffer import DeviceBuffer
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.framework_captures import CaptureHooks
 from graphpool.hooks import CupyHooks
@@ -117,6 +118,21 @@ def malloc(nbytes: int) -> Any:
         return pointer(_cp.cuda.Memory(0), 0)
     buf = alloc(nbytes, stream=s)
     return pointer(unowned(buf.ptr, nbytes, buf, device), 0)
+
+
+def buffer_of(array: Any) -> DeviceBuffer:
+    """The graphpool DeviceBuffer behind a CuPy array (or ``cupy.cuda.MemoryPointer``) that
+    was allocated while graphpool was CuPy's allocator: to share it with another process
+    (``buffer_of(a).ipc_handle()``), or to ``record_stream`` it. The array may start inside
+    the buffer (a view): its offset is ``a.data.ptr - buffer_of(a).ptr``. TypeError otherwise."""
+    pointer = getattr(array, "data", array)
+    owner = getattr(getattr(pointer, "mem", None), "_owner", None)
+    if not isinstance(owner, DeviceBuffer):
+        raise TypeError(
+            f"{type(array).__name__} was not allocated by graphpool (install graphpool.cupy before "
+            "allocating the array)"
+        )
+    return owner
 
 
 def _wrapper(device: int, handle: int) -> Stream:
@@ -312,6 +328,7 @@ using = using_allocator
 """The older short name of ``using_allocator``."""
 
 __all__ = [
+    "buffer_of",
     "cupy_stream",
     "hooked",
     "install",

@@ -199,7 +199,10 @@ def _buffer(buf: Any, what: str) -> DeviceBuffer:
     # Told by its class, not imported: graphpool.buffer calls into this module (__dlpack__),
     # and the import graph has no cycles. Nothing subclasses DeviceBuffer.
     cls = type(buf)
-    if cls.__name__ != "DeviceBuffer" or cls.__module__ != "graphpool.buffer":
+    if (cls.__name__, cls.__module__) not in (
+        ("DeviceBuffer", "graphpool.buffer"),
+        ("IpcBuffer", "graphpool.ipc"),
+    ):
         raise TypeError(f"{what} needs a graphpool DeviceBuffer (from gp.alloc), not {type(buf).__name__}")
     if buf.freed:
         raise DoubleFreeError(f"buffer at 0x{buf.ptr:x} was freed")
@@ -287,8 +290,8 @@ def _consumer_stream(stream: Any) -> int | None:
 
 def _synchronize(buf: DeviceBuffer, consumer: int | None) -> None:
     """Make ``consumer`` wait for the work queued so far on the buffer's stream."""
-    if consumer is None or consumer == buf.stream.handle:
-        return
+    if consumer is None or getattr(buf, "stream", None) is None or consumer == buf.stream.handle:
+        return  # an IpcBuffer has no stream here: the exporter's work is the sender's to finish
     from graphpool.streams import Event, Stream
 
     event = Event(device=buf.device)

@@ -44,6 +44,11 @@ class BackendUnavailableError(GraphpoolError, RuntimeError):
     """The backend asked for cannot run here (for "cuda": no CUDA driver or GPU found)."""
 
 
+class IpcError(GraphpoolError, RuntimeError):
+    """Memory could not be shared with, or opened from, another process (``buf.ipc_handle()``,
+    ``gp.open_ipc``): what cannot be exported, an exporter that is gone, a closed buffer."""
+
+
 class CUDAError(GraphpoolError, RuntimeError):
     """A CUDA call (real or simulated) failed; ``code`` and ``name`` identify the error."""
 
@@ -81,6 +86,7 @@ __all__ = [
     "DoubleFreeError",
     "ForeignPointerError",
     "GraphpoolError",
+    "IpcError",
     "OutOfMemoryError",
     "ReplayHazardError",
 ]

@@ -7,7 +7,7 @@ import operator
 import threading
 from typing import Any, Final, SupportsFloat, SupportsIndex
 
-from graphpool import routing, runtime
+from graphpool import ipc, routing, runtime
 from graphpool.buffer import _KEY, DeviceBuffer
 from graphpool.policy import interrupts, observers
 from graphpool.policy.allocator import CachingAllocator
@@ -168,8 +168,10 @@ def reset_accumulated_memory_stats(device: object = None) -> None:
 def empty_cache(device: object = None) -> None:
     """Return cached unsplit free segments (ordinary and freeable private pools) to the driver.
 
-    Refused with CaptureError while a capture is underway on the device.
+    Refused with CaptureError while a capture is underway on the device. Exported buffers
+    their owners freed go back to the allocator first if no process holds them any more.
     """
+    ipc.reclaim()
     _alloc_of(device).empty_cache()
 
 

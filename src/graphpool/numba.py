@@ -7,7 +7,9 @@ launch, ``cuda.current_context()``...). Alternatively set the environment variab
 
 Device allocations then come from graphpool on graphpool's current stream of the
 context's device; pinned and mapped host memory stays with Numba (the plugin derives
-from ``HostOnlyCUDAMemoryManager``). Numba is imported on first use of the plugin class.
+from ``HostOnlyCUDAMemoryManager``). ``get_ipc_handle`` exports graphpool's segment with
+the array's offset in it, so Numba's IPC (``array.get_ipc_handle()``) works as with Numba's
+own manager. Numba is imported on first use of the plugin class.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from __future__ import annotations
 import ctypes
 import threading
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from graphpool import runtime
 
 if TYPE_CHECKING:
     from numba.cuda import HostOnlyCUDAMemoryManager, MemoryInfo, MemoryPointer
+    from numba.cuda.cudadrv.driver import IpcHandle
 
     from graphpool.buffer import DeviceBuffer
 
@@ -75,9 +78,17 @@ def _make_plugin() -> type[HostOnlyCUDAMemoryManager]:
             info: MemoryInfo = cuda.MemoryInfo(free=free, total=total)
             return info
 
-        def get_ipc_handle(self, memory: MemoryPointer) -> NoReturn:
-            """Not supported: graphpool blocks are parts of larger segments."""
-            raise NotImplementedError("graphpool's Numba plugin does not export IPC handles")
+        def get_ipc_handle(self, memory: MemoryPointer) -> IpcHandle:
+            """A ``numba.cuda.IpcHandle`` of ``memory``, as Numba's own manager makes one: the
+            graphpool segment holding it, exported through graphpool's device (CUDA exports
+            whole allocations), and ``memory``'s offset in it. graphpool.IpcError for memory
+            graphpool does not share (a captured graph's, an expandable segment's). Numba's
+            importers map the memory themselves: keep ``memory`` alive while they use it."""
+            from graphpool import ipc
+
+            ptr = int(memory.device_ctypes_pointer.value or 0)
+            raw, offset = ipc.export_pointer(runtime.allocator(self._device_index()), ptr)
+            return _numba_ipc_handle(memory, raw, offset, self.context)
 
         def initialize(self) -> None:
             """Make sure graphpool's runtime is up (nothing else to prepare)."""
@@ -100,6 +111,28 @@ def _make_plugin() -> type[HostOnlyCUDAMemoryManager]:
     GraphpoolEMMPlugin.__module__ = __name__
     GraphpoolEMMPlugin.__qualname__ = "GraphpoolEMMPlugin"
     return GraphpoolEMMPlugin
+
+
+def _numba_ipc_handle(memory: MemoryPointer, raw: bytes, offset: int, context: Any) -> IpcHandle:
+    """Numba's IpcHandle over CUDA IPC handle bytes ``raw``, in the handle type Numba's driver
+    opens (cuda.bindings' CUipcMemHandle; a ctypes array under Numba's old ctypes binding)."""
+    import numba.cuda.cudadrv.driver as numba_driver
+
+    from graphpool.errors import IpcError
+
+    if len(raw) != 64:  # the size of CUDA's handle, which the types below hold
+        raise IpcError(f"the device's IPC handle has {len(raw)} bytes, not CUDA's 64: Numba cannot take it")
+    binding = getattr(numba_driver, "binding", None)
+    if getattr(numba_driver, "USE_NV_BINDING", True) and binding is not None:
+        handle: Any = binding.CUipcMemHandle()
+        ctypes.memmove(int(handle.getPtr()), raw, len(raw))
+    else:
+        from numba.cuda.cudadrv import drvapi
+
+        handle = drvapi.cu_ipc_mem_handle.from_buffer_copy(raw)
+    identity = context.device.get_device_identity() if context is not None else None
+    made: IpcHandle = numba_driver.IpcHandle(memory, handle, memory.size, identity, offset=offset)
+    return made
 
 
 def _device_pointer(ptr: int) -> Any:

@@ -23,6 +23,7 @@ Conventions:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import threading
 from collections.abc import Callable
@@ -149,6 +150,10 @@ def _check(call: str, err: Any) -> None:
     except Exception:
         name, meaning = getattr(err, "name", str(code)), ""
     raise CUDAError(call, code, name, meaning)
+
+
+IPC_HANDLE_SIZE = 64
+"""Bytes in a cudaIpcMemHandle_t (read and written through its address: getPtr)."""
 
 
 def _stream(handle: int) -> int:
@@ -319,6 +324,34 @@ class CudaDevice:
         err, free, total = _rt.cudaMemGetInfo()
         _check("cudaMemGetInfo", err)
         return int(free), int(total)
+
+    # -- IPC: memory shared with other processes of the machine (legacy CUDA IPC)
+    @_on_device
+    def ipc_export(self, ptr: int) -> bytes:
+        """cudaIpcGetMemHandle of the cudaMalloc allocation starting at ``ptr``: its 64 bytes."""
+        err, handle = _rt.cudaIpcGetMemHandle(ptr)
+        _check("cudaIpcGetMemHandle", err)
+        return ctypes.string_at(int(handle.getPtr()), IPC_HANDLE_SIZE)
+
+    @_on_device
+    def ipc_open(self, handle: bytes) -> int:
+        """cudaIpcOpenMemHandle on this device, peer access enabled lazily (another device's
+        memory opens where the two devices are peers)."""
+        raw = bytes(handle)
+        if len(raw) != IPC_HANDLE_SIZE:
+            raise CUDAError(
+                "cudaIpcOpenMemHandle", 1, "cudaErrorInvalidValue", f"a handle of {len(raw)} bytes"
+            )
+        h = _rt.cudaIpcMemHandle_t()
+        ctypes.memmove(int(h.getPtr()), raw, IPC_HANDLE_SIZE)
+        err, ptr = _rt.cudaIpcOpenMemHandle(h, _rt.cudaIpcMemLazyEnablePeerAccess)
+        _check("cudaIpcOpenMemHandle", err)
+        return int(ptr)
+
+    @_on_device
+    def ipc_close(self, ptr: int) -> None:
+        """cudaIpcCloseMemHandle."""
+        _check("cudaIpcCloseMemHandle", _rt.cudaIpcCloseMemHandle(ptr)[0])
 
     # -- virtual memory (expandable segments), through the driver API
     def _vmm(self) -> tuple[Any, Any]:

@@ -213,6 +213,33 @@ class Device(Protocol):
 
 
 @runtime_checkable
+class IpcDevice(Protocol):
+    """A device that shares memory with other processes of the machine (CUDA IPC).
+
+    Apart from ``Device`` so that a device without it still is one; graphpool's CUDA device
+    and the simulator implement both. CUDA exports whole driver allocations: ``ipc_export``
+    takes the start of one, and the importer adds the offset of the part it wants.
+    """
+
+    def ipc_export(self, ptr: int) -> bytes:
+        """An opaque handle naming the live ``malloc`` allocation that starts at ``ptr``,
+        valid in other processes of this machine (cudaIpcGetMemHandle). The same allocation
+        always gives the same handle. Raises ``CUDAError`` for any other address (an
+        address inside an allocation, a reservation of ``vmm_reserve``)."""
+        ...
+
+    def ipc_open(self, handle: bytes) -> int:
+        """Map the allocation ``handle`` names (exported by another process) into this
+        process; returns the address of its start here (cudaIpcOpenMemHandle). CUDA refuses a
+        handle of the calling process itself, and a handle whose allocation was freed."""
+        ...
+
+    def ipc_close(self, ptr: int) -> None:
+        """Unmap an allocation ``ipc_open`` mapped at ``ptr`` (cudaIpcCloseMemHandle)."""
+        ...
+
+
+@runtime_checkable
 class Backend(Protocol):
     """A set of devices of one kind ("cuda" or "sim")."""
 

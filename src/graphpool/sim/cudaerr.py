@@ -11,6 +11,8 @@ from graphpool.errors import CUDAError
 ERRORS: dict[str, tuple[int, str]] = {
     "cudaErrorInvalidValue": (1, "invalid argument"),
     "cudaErrorInvalidDevice": (101, "invalid device ordinal"),
+    "cudaErrorInvalidContext": (201, "invalid device context"),
+    "cudaErrorMapBufferObjectFailed": (205, "mapping of buffer object failed"),
     "cudaErrorInvalidResourceHandle": (400, "invalid resource handle"),
     "cudaErrorIllegalState": (
         401,

@@ -15,6 +15,7 @@ independent check of it.
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -32,7 +33,10 @@ from graphpool.device.protocol import (
 from graphpool.sim import capture
 from graphpool.sim.capture import Capture, Node
 from graphpool.sim.cudaerr import cuda_error
-from graphpool.sim.memory import GRANULARITY, SimMemory
+from graphpool.sim.memory import GRANULARITY, SimMemory, shared_dir, shared_file_pid
+
+IPC_HANDLE_SIZE = 64
+"""Bytes in an IPC handle, as CUDA's cudaIpcMemHandle_t."""
 
 GiB = 1024**3
 DEFAULT_DEVICE_COUNT = 2
@@ -98,7 +102,8 @@ class _Stream:
 class SimDevice:
     """One simulated device; implements ``graphpool.device.protocol.Device``.
 
-    Beyond the protocol: ``launch_kernel`` and ``launch_sleep`` (queue work),
+    Implements ``IpcDevice`` too (memory shared with other processes through files of
+    OS shared memory). Beyond the protocols: ``launch_kernel`` and ``launch_sleep`` (queue work),
     ``view`` (bytes at an address, for kernels), ``pending_ops`` and ``allocations``
     (inspection), ``memory_bytes``.
     """
@@ -196,6 +201,32 @@ class SimDevice:
         """(address, size, mapped bytes) of every live reservation, by address."""
         with self._lock:
             return self._mem.reservations()
+
+    # -- IPC: exported memory lives in OS shared memory (graphpool.sim.memory)
+    def ipc_export(self, ptr: int) -> bytes:
+        """cudaIpcGetMemHandle of the allocation starting at ``ptr``: its bytes move into a
+        shared file, whose name (NUL-padded to CUDA's 64 bytes) is the handle."""
+        with self._lock:
+            path, _ = self._mem.export(ptr)
+        return os.path.basename(path).encode().ljust(IPC_HANDLE_SIZE, b"\0")
+
+    def ipc_open(self, handle: bytes) -> int:
+        """cudaIpcOpenMemHandle: map the exported allocation at an address of this process.
+        Refused in the exporting process itself, as CUDA refuses it."""
+        call = "cudaIpcOpenMemHandle"
+        name = bytes(handle).rstrip(b"\0").decode(errors="replace") if isinstance(handle, bytes) else ""
+        pid = shared_file_pid(name)
+        if not isinstance(handle, bytes) or len(handle) != IPC_HANDLE_SIZE or pid is None:
+            raise cuda_error(call, "cudaErrorInvalidValue", "not a simulated IPC handle")
+        if pid == os.getpid():
+            raise cuda_error(call, "cudaErrorInvalidContext", "the handle was exported by this process")
+        with self._lock:
+            return self._mem.attach(os.path.join(shared_dir(), name))
+
+    def ipc_close(self, ptr: int) -> None:
+        """cudaIpcCloseMemHandle of an address ``ipc_open`` returned."""
+        with self._lock:
+            self._mem.detach(ptr)
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray:
         """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live."""

@@ -5,12 +5,25 @@ stale pointer always lands in a freed range and is reported instead of silently
 aliasing newer memory. Backing stores are ``np.zeros`` arrays, which the OS maps
 lazily, so large segments cost nothing until touched. Not thread-safe: the device's
 lock guards it.
+
+Sharing with other processes (CUDA IPC): ``export`` moves an allocation's bytes into a file
+of OS shared memory (``/dev/shm``, or ``GRAPHPOOL_IPC_DIR``), once, and another process's
+``attach`` maps that file at an address of its own, so both see and change the same bytes.
+NumPy views that ``view`` gave out before the export keep the old private bytes: kernels
+take their views when they run, so only a caller holding a view across the export sees it.
+The file goes when the allocation is released or the process exits; an importer's mapping
+keeps the bytes until it detaches, as a mapped file does.
 """
 
 from __future__ import annotations
 
+import atexit
+import itertools
 import mmap
+import os
+import re
 import sys
+import tempfile
 from bisect import bisect_right
 
 import numpy as np
@@ -22,6 +35,83 @@ SEGMENT_ALIGNMENT = 2 * 1024 * 1024
 
 GRANULARITY = 2 * 1024 * 1024
 """The unit of mapped physical memory (cuMemGetAllocationGranularity on an H200)."""
+
+
+_FILE_PREFIX = "graphpool-sim-"
+_shared_counter = itertools.count()
+_shared_paths: set[str] = set()
+"""Shared files this process made and has not removed yet (removed at exit)."""
+_swept = False
+
+
+def shared_dir() -> str:
+    """Where the simulator keeps exported memory: ``GRAPHPOOL_IPC_DIR``, else ``/dev/shm``
+    (RAM) when it is a writable directory, else the temporary directory."""
+    chosen = os.environ.get("GRAPHPOOL_IPC_DIR")
+    if chosen:
+        return chosen
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        return "/dev/shm"
+    return tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def shared_file_pid(name: str) -> int | None:
+    """The process that made shared file ``name``, None if it is no such file's name."""
+    m = re.fullmatch(re.escape(_FILE_PREFIX) + r"(\d+)-\d+-[0-9a-f]+", name)
+    return int(m.group(1)) if m is not None else None
+
+
+def _sweep_dead(where: str) -> None:
+    """Remove shared files left by processes that were killed before they could (once)."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    try:
+        names = os.listdir(where)
+    except OSError:
+        return
+    for name in names:
+        pid = shared_file_pid(name)
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
+            try:
+                os.unlink(os.path.join(where, name))
+            except OSError:
+                pass
+
+
+def _remove_shared() -> None:
+    """At exit: remove the shared files of this process (importers keep their mappings)."""
+    for path in list(_shared_paths):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        _shared_paths.discard(path)
+
+
+atexit.register(_remove_shared)
+# a forked child removes none of its parent's files (its copies of them stay mapped)
+os.register_at_fork(after_in_child=_shared_paths.clear)
+
+
+def _map_file(path: str) -> mmap.mmap:
+    """The whole of shared file ``path``, mapped shared."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 class _Reservation:
@@ -82,6 +172,8 @@ class SimMemory:
         self._sizes: dict[int, int] = {}  # start -> size, for every allocation ever made
         self._live: dict[int, np.ndarray] = {}  # start -> backing bytes, live ones only
         self._res: dict[int, _Reservation] = {}  # start -> reservation, live ones only
+        self._shared: dict[int, str] = {}  # start -> its shared file, exported live ones only
+        self._imports: dict[int, np.ndarray] = {}  # start -> bytes, another process's, attached
 
     def allocate(self, nbytes: int) -> int | None:
         """A fresh address for ``nbytes``; ``None`` when ``used + nbytes`` exceeds the capacity."""
@@ -100,7 +192,79 @@ class SimMemory:
         if self._live.pop(ptr, None) is None:
             return False
         self.used -= self._sizes[ptr]
+        path = self._shared.pop(ptr, None)
+        if path is not None:
+            _shared_paths.discard(path)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         return True
+
+    def export(self, ptr: int) -> tuple[str, int]:
+        """(shared file, size) of the live allocation starting at ``ptr``; its bytes move
+        into the file on the first call (module docstring)."""
+        path = self._shared.get(ptr)
+        if path is not None:
+            return path, self._sizes[ptr]
+        store = self._live.get(ptr)
+        if store is None:
+            why = "it is inside a reservation" if self._reservation_at(ptr) else "no allocation starts there"
+            raise cuda_error("cudaIpcGetMemHandle", "cudaErrorInvalidValue", f"{ptr:#x}: {why}")
+        where = shared_dir()
+        _sweep_dead(where)
+        size = self._sizes[ptr]
+        name = f"{_FILE_PREFIX}{os.getpid()}-{next(_shared_counter)}-{os.urandom(4).hex()}"
+        path = os.path.join(where, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise cuda_error(
+                "cudaIpcGetMemHandle",
+                "cudaErrorMapBufferObjectFailed",
+                f"{exc}; set GRAPHPOOL_IPC_DIR to a writable directory",
+            ) from None
+        _shared_paths.add(path)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            _shared_paths.discard(path)
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        shared = np.frombuffer(mm, dtype=np.uint8)
+        shared[:] = store
+        self._live[ptr] = shared
+        self._shared[ptr] = path
+        return path, size
+
+    def _reservation_at(self, ptr: int) -> bool:
+        i = bisect_right(self._starts, ptr) - 1
+        return i >= 0 and self._starts[i] in self._res
+
+    def attach(self, path: str) -> int:
+        """Map another process's exported allocation (shared file ``path``) at a fresh address;
+        it does not count against this device's capacity (it is the exporter's)."""
+        try:
+            mm = _map_file(path)
+        except (OSError, ValueError) as exc:
+            raise cuda_error(
+                "cudaIpcOpenMemHandle", "cudaErrorMapBufferObjectFailed", f"{path}: {exc}"
+            ) from None
+        size = len(mm)
+        ptr = self._next
+        self._next += -(-size // SEGMENT_ALIGNMENT) * SEGMENT_ALIGNMENT
+        self._starts.append(ptr)
+        self._sizes[ptr] = size
+        self._imports[ptr] = np.frombuffer(mm, dtype=np.uint8)
+        return ptr
+
+    def detach(self, ptr: int) -> None:
+        """Unmap what ``attach`` mapped at ``ptr``; later accesses fault."""
+        if self._imports.pop(ptr, None) is None:
+            raise cuda_error("cudaIpcCloseMemHandle", "cudaErrorInvalidValue", f"{ptr:#x} was not opened")
 
     def reserve(self, nbytes: int) -> int:
         """A fresh virtual range of ``nbytes`` (a multiple of ``GRANULARITY``), nothing mapped."""
@@ -190,6 +354,8 @@ class SimMemory:
                 f"[{ptr:#x}, +{nbytes}) runs past the allocation [{start:#x}, +{size})",
             )
         store = self._live.get(start)
+        if store is None:
+            store = self._imports.get(start)
         if store is None:
             raise cuda_error(
                 call,
