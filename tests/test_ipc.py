@@ -436,6 +436,7 @@ def test_cupy_arrays_shared_between_two_processes() -> None:
     import graphpool.cupy as gcupy
 
     w = Worker("cuda")
+    gcupy.use_function_allocator = True  # arrays with a DeviceBuffer behind them (buffer_of)
     try:
         with gcupy.installed():
             arr = cupy.arange(10_000, dtype=cupy.float32)
@@ -448,5 +449,6 @@ def test_cupy_arrays_shared_between_two_processes() -> None:
             w.call("close", key)
             del arr, buf
     finally:
+        gcupy.use_function_allocator = False
         w.stop()
     settle()

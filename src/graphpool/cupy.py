@@ -124,10 +124,18 @@ def buffer_of(array: Any) -> DeviceBuffer:
     """The graphpool DeviceBuffer behind a CuPy array (or ``cupy.cuda.MemoryPointer``) that
     was allocated while graphpool was CuPy's allocator: to share it with another process
     (``buffer_of(a).ipc_handle()``), or to ``record_stream`` it. The array may start inside
-    the buffer (a view): its offset is ``a.data.ptr - buffer_of(a).ptr``. TypeError otherwise."""
+    the buffer (a view): its offset is ``a.data.ptr - buffer_of(a).ptr``. TypeError otherwise,
+    also for arrays served through CuPy's ``PythonFunctionAllocator`` (the fast path, which keeps
+    no DeviceBuffer): set ``use_function_allocator = True`` before ``install()`` to share arrays."""
     pointer = getattr(array, "data", array)
     owner = getattr(getattr(pointer, "mem", None), "_owner", None)
     if not isinstance(owner, DeviceBuffer):
+        if _installed and _hooks is not None:
+            raise TypeError(
+                f"{type(array).__name__} has no DeviceBuffer behind it: graphpool serves CuPy through "
+                "CuPy's PythonFunctionAllocator, which keeps none; set "
+                "graphpool.cupy.use_function_allocator = True before install() to share CuPy arrays"
+            )
         raise TypeError(
             f"{type(array).__name__} was not allocated by graphpool (install graphpool.cupy before "
             "allocating the array)"
