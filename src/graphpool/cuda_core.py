@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from graphpool import _warnings, runtime
+from graphpool import _warnings, pinned, runtime
 from graphpool.memory import alloc
 from graphpool.streams import Stream, cuda_stream_handle, current_stream, resolve_handle
 
@@ -180,6 +180,7 @@ def _begin_building(self: Any, *args: Any, **kwargs: Any) -> Any:
             )
         except Exception as exc:  # never break the user's capture; detection still covers it
             _warnings.warn(f"graphpool could not register the GraphBuilder's capture: {exc}", RuntimeWarning)
+        pinned.capture_begun(*key)
     return out
 
 
@@ -193,6 +194,7 @@ def _end_building(self: Any, *args: Any, **kwargs: Any) -> Any:
         rec = _adopted.pop(key, None)
         if rec is not None:
             runtime.allocator(key[0]).end_adopted(rec)
+        pinned.capture_ended(*key)
 
 
 def install_hooks() -> bool:

@@ -23,7 +23,9 @@ Conventions:
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -44,6 +46,8 @@ _MODES: tuple[Any, ...] = ()
 _H2D: Any = None
 _D2H: Any = None
 _D2D: Any = None
+_DEFAULT_KIND: Any = None  # cudaMemcpyDefault (memcpy_host)
+_HOST_PORTABLE = 1  # cudaHostAllocPortable (host_malloc)
 _NON_BLOCKING = 0
 _DISABLE_TIMING = 0
 _LEGACY = 0
@@ -62,7 +66,7 @@ def _load() -> Any:
     Raises ImportError when cuda-python is not installed.
     """
     global _rt, _SUCCESS, _OOM, _NOT_READY, _MODES, _H2D, _D2H, _D2D
-    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY
+    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY, _DEFAULT_KIND, _HOST_PORTABLE
     if _rt is not None:
         return _rt
     with _load_lock:
@@ -85,6 +89,8 @@ def _load() -> Any:
         _H2D = kind.cudaMemcpyHostToDevice
         _D2H = kind.cudaMemcpyDeviceToHost
         _D2D = kind.cudaMemcpyDeviceToDevice
+        _DEFAULT_KIND = kind.cudaMemcpyDefault
+        _HOST_PORTABLE = int(getattr(rt, "cudaHostAllocPortable", 1))
         _NON_BLOCKING = int(rt.cudaStreamNonBlocking)
         _DISABLE_TIMING = int(rt.cudaEventDisableTiming)
         _LEGACY = int(rt.cudaStreamLegacy)
@@ -445,6 +451,40 @@ class CudaDevice:
         _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(s)[0])
         return bytes(buf)
 
+    # -- pinned host memory (graphpool.pinned) ---------------------------------
+    @_on_device
+    def host_malloc(self, nbytes: int) -> int | None:
+        """cudaHostAlloc (portable: every device's copies may use it); ``None`` on
+        cudaErrorMemoryAllocation."""
+        err, ptr = _rt.cudaHostAlloc(nbytes, _HOST_PORTABLE)
+        if err:
+            if err == _OOM:
+                _rt.cudaGetLastError()
+                return None
+            _check("cudaHostAlloc", err)
+        return int(ptr)
+
+    @_on_device
+    def host_free(self, ptr: int) -> None:
+        """cudaFreeHost (waits for queued work; unsafe during capture)."""
+        _check("cudaFreeHost", _rt.cudaFreeHost(ptr)[0])
+
+    def host_mem_info(self) -> tuple[int, int]:
+        """(available, total) physical host memory, from the OS (no CUDA call)."""
+        return _host_mem_info()
+
+    def host_view(self, ptr: int, nbytes: int) -> memoryview:
+        """The bytes at host address ``ptr`` (page-locked memory of this process)."""
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+    @_on_device
+    def memcpy_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """cudaMemcpyAsync with cudaMemcpyDefault: either side pinned host memory."""
+        _check(
+            "cudaMemcpyAsync",
+            _rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT_KIND, _stream(stream))[0],
+        )
+
     # -- streams --------------------------------------------------------------
     @_on_device
     def create_stream(self) -> int:
@@ -656,6 +696,16 @@ class CudaDevice:
     def destroy_graph_exec(self, graph_exec: int) -> None:
         """cudaGraphExecDestroy."""
         _check("cudaGraphExecDestroy", _rt.cudaGraphExecDestroy(graph_exec)[0])
+
+
+def _host_mem_info() -> tuple[int, int]:
+    """(available, total) physical memory of the host; where the OS cannot tell, a total too
+    large to refuse any request (the driver's cudaHostAlloc still refuses what it cannot pin)."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, ValueError, OSError):
+        return 1 << 50, 1 << 50
 
 
 def _mode(mode: int) -> Any:

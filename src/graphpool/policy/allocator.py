@@ -102,6 +102,11 @@ _log.isEnabledFor(logging.DEBUG)  # fill it for the levels the allocator tests
 _log.isEnabledFor(logging.INFO)
 
 
+_retrying = threading.local()
+"""``on`` while this thread's malloc retries after other caches gave memory back (cooperation):
+that retry's failure is final."""
+
+
 def _enabled(level: int) -> bool:
     """``_log.isEnabledFor(level)``, read from the logger's cache when it holds the answer.
 
@@ -275,6 +280,9 @@ class CachingAllocator:
         self._qstream = -1
         self._qkey: Any = -1
         self._sweep_due = SWEEP_EVERY  # allocations off capture until the next _sweep (_route)
+        # Cooperation (graphpool.cooperate): asked, with the lock released, to make other
+        # caches of the process give memory back before an out-of-memory error is raised.
+        self.release_others: Callable[[int, int], int] | None = None
 
     def _apply_sizes(self, sizes: SizeConfig) -> None:
         """Take ``sizes`` and the figures malloc reads from it. With no ``max_split_size``,
@@ -334,6 +342,10 @@ class CachingAllocator:
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
+            pending = err.__dict__.pop("_graphpool_cooperate", None)
+            if pending is not None:  # marked for cooperation, but no malloc retries it: count it
+                oom = err
+                self._run_locked(name, lambda: self._count_oom(oom, *pending))
             self._after_oom(err)
             if self._signals:
                 interrupts.run_pending()
@@ -513,6 +525,9 @@ class CachingAllocator:
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
+            pending = err.__dict__.pop("_graphpool_cooperate", None)
+            if pending is not None:  # not counted yet: others give memory back, then one retry
+                return self._cooperate(err, pending, nbytes, stream, owned)
             self._after_oom(err)
             if self._signals:  # see _run_locked
                 interrupts.run_pending()
@@ -524,6 +539,40 @@ class CachingAllocator:
         if self._signals:  # a handler deferred by the update that raises gives the block back first
             self._signals_after_malloc(out)
         return out
+
+    # ------------------------------------------------- cooperation (one hook)
+    # graphpool.cooperate sets ``release_others``. Before an out-of-memory error that other
+    # caches might avert (the device refused a segment: no limit hit, no capture underway,
+    # not this thread's retry), ``_raise_oom`` raises it uncounted and marked; malloc, the
+    # lock released, asks the others to give memory back and, if they gave any, retries
+    # once. Only the final failure is counted (num_ooms, the history) and reported to the
+    # observers; a marked error that leaves by another path is counted there (_run_locked).
+    def _cooperate(
+        self,
+        err: OutOfMemoryError,
+        pending: tuple[int, FreeList | None, int],
+        nbytes: SupportsIndex,
+        stream: int,
+        owned: bool,
+    ) -> object:
+        if self._signals:
+            interrupts.run_pending()
+        released = 0
+        fn = self.release_others
+        if fn is not None:
+            try:
+                released = int(fn(self.device.index, pending[0]))
+            except Exception as exc:  # never hides the out-of-memory error
+                err.__context__ = exc
+        if released > 0:
+            _retrying.on = True
+            try:
+                return self._malloc(nbytes, stream, owned)
+            finally:
+                _retrying.on = False
+        self._run_locked("malloc", lambda: self._count_oom(err, *pending))
+        self._after_oom(err)
+        raise err
 
     def _after_malloc(
         self, out: object, ptr: int, requested: int, stream: int, owner: PrivatePool | None
@@ -593,19 +642,34 @@ class CachingAllocator:
     def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None, stream: int = 0) -> NoReturn:
         """Count an out-of-memory (device, and the private pool ``fl`` belongs to), record it in
         the history and raise it; ``_after_oom`` logs it and calls the observers once the lock
-        is released."""
+        is released. One that other caches might avert goes out uncounted, for malloc to
+        cooperate first (see ``_cooperate``)."""
+        limit, self._limit_hit = self._limit_hit, None
+        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
+        if (
+            self.release_others is not None
+            and seg is not None
+            and limit is None
+            and not self._world.active
+            and not getattr(_retrying, "on", False)
+        ):
+            err._graphpool_cooperate = (nbytes, fl, stream)  # type: ignore[attr-defined]
+            raise err
+        self._count_oom(err, nbytes, fl, stream)
+        raise err
+
+    def _count_oom(self, err: OutOfMemoryError, nbytes: int, fl: FreeList | None, stream: int) -> None:
+        """Count a final out-of-memory error (device, private pool), record it in the history,
+        and note the observers to call once the lock is released (``_after_oom``)."""
         self.stats.num_ooms += 1
         if fl is not None and fl.owner is not None:
             fl.owner.stats.num_ooms += 1
-        limit, self._limit_hit = self._limit_hit, None
-        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
         if self._history is not None:  # before the observers: one may take a snapshot
             self._history.oom(nbytes, stream, self._device_free(), None if fl is None else fl.owner)
         fns = observers.current()
         # Logging and observers run once the lock is released (``_after_oom``): a logging
         # handler or an observer may take its own locks, call graphpool or wait for threads.
         err._graphpool_oom = (fns, nbytes, self._device_stats() if fns else None)  # type: ignore[attr-defined]
-        raise err
 
     def _after_oom(self, err: OutOfMemoryError) -> None:
         """An out-of-memory error is leaving malloc, the lock released: log it and call the
