@@ -181,7 +181,9 @@ def test_allocations_during_a_capture_come_from_its_private_pool(backend: Any) -
         h = gp.alloc_pinned(NBYTES)  # on the capturing stream
         gp.alloc(512).free()  # some captured work
         runtime.get().device(0).memset(h.ptr, 1, NBYTES, s.handle)
-    seg = next(x for x in gp.pinned_memory_snapshot() if x["address"] <= h.ptr < x["address"] + x["total_size"])
+    seg = next(
+        x for x in gp.pinned_memory_snapshot() if x["address"] <= h.ptr < x["address"] + x["total_size"]
+    )
     assert seg["segment_pool_id"] is not None
     h.free()
     eager = gp.alloc_pinned(NBYTES, stream=s)

@@ -80,7 +80,6 @@ def make_cupy() -> types.ModuleType:
             self.status = status
 
     class _Runtime:
-        CUDARuntimeError = CUDARuntimeError
         errorMemoryAllocation = 2
         memcpyDefault = 4
 
@@ -92,6 +91,8 @@ def make_cupy() -> types.ModuleType:
         def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
             """cudaMemcpyAsync (a pinned host side included: the simulator's ``memcpy_host``)."""
             _sim(_device()).memcpy_host(dst, src, size, stream)
+
+    _Runtime.CUDARuntimeError = CUDARuntimeError  # type: ignore[attr-defined]
 
     class Device:
         def __init__(self, device: int = 0) -> None:
