@@ -16,6 +16,11 @@ What each fake reproduces (and the integration relies on):
   pool of CuPy's own (caching, not graphpool's), ``UnownedMemory`` holding its owner,
   ``MemoryPointer``; 1-D arrays allocating through the current allocator and launching
   their kernels on CuPy's current stream (closing over addresses only, as GPU kernels do).
+  Pinned memory: ``PinnedMemoryPointer``, ``PinnedMemoryPool`` (CuPy's: a freed buffer goes back
+  at once, whatever stream or capture used it), ``set_pinned_memory_allocator``,
+  ``alloc_pinned_memory``, ``get_default_pinned_memory_pool``, ``empty_pinned`` (cupyx's),
+  ``runtime.memcpyAsync`` and ``CUDARuntimeError``; ``get_default_memory_pool`` with
+  ``total_bytes``/``used_bytes``/``free_all_blocks``.
 * Numba: ``HostOnlyCUDAMemoryManager`` (the context keyword, ``reset``,
   ``defer_cleanup``), ``set_memory_manager`` instantiating a dummy with ``context=None``
   to read ``interface_version`` as Numba does, ``MemoryPointer`` calling its finalizer

@@ -14,6 +14,10 @@ detection (``gp.set_capture_detection``). ``uninstall()`` restores the allocator
 methods CuPy had before. ``installed()`` does both around a ``with`` block. All three are
 idempotent.
 
+``install_pinned()`` / ``uninstall_pinned()`` do the same for pinned host memory: graphpool's
+pinned pool (``gp.alloc_pinned``) becomes CuPy's pinned memory allocator
+(``cupy.cuda.set_pinned_memory_allocator``), independently of ``install()``.
+
 CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
 """
 
