@@ -243,3 +243,27 @@ def test_simulated_host_memory_is_shared_by_devices_and_follows_capture_rules(si
     assert d0.host_allocations() == []
     free, total = d0.host_mem_info()
     assert free == total
+
+
+def test_both_pools_of_a_device_get_their_graphs_back(sim: Any) -> None:
+    """A capture begun outside graphpool, adopted by the device pool and the pinned pool: each
+    learns of the graph's destruction (CUDA user objects), whichever asks the device first."""
+    dev = sim.device(0)
+    s = gp.Stream()
+    h = gp.alloc_pinned(NBYTES, stream=s)
+    first = h.ptr
+    dev.begin_capture(s.handle, 2)  # a raw capture (relaxed), no hook
+    d = gp.alloc(NBYTES, stream=s)  # detected: the device pool adopts it
+    h.copy_to(d)
+    h.free()  # the pinned pool adopts it (its stream captures): kept for the graph
+    graph = dev.end_capture(s.handle)
+    exe = dev.instantiate(graph)
+    dev.launch(exe, s.handle)
+    gp.synchronize()
+    assert gp.alloc_pinned(NBYTES, stream=s).ptr != first
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    gp.memory_stats()  # the device pool asks the device first
+    gp.pinned_memory_stats()
+    assert gp.alloc_pinned(NBYTES, stream=s).ptr == first  # the pinned pool heard it too
+    d.free()

@@ -157,10 +157,10 @@ class HostMemory:
         return self.device.capture_id(_real(stream))
 
     def attach_release(self, stream: int, token: int) -> None:
-        self.device.attach_release(_real(stream), token)
+        self.device.attach_host_release(_real(stream), token)  # never drained by the device pool
 
     def take_released(self) -> list[int]:
-        return self.device.take_released()
+        return self.device.take_host_released()
 
     def exchange_capture_mode(self, mode: int) -> int:
         return self.device.exchange_capture_mode(mode)
@@ -201,6 +201,12 @@ class HostMemory:
 
     def memcpy_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.device.memcpy_host(dst, src, nbytes, _real(stream))
+
+    def attach_host_release(self, stream: int, token: int) -> None:
+        self.device.attach_host_release(_real(stream), token)
+
+    def take_host_released(self) -> list[int]:
+        return self.device.take_host_released()
 
 
 # ------------------------------------------------------------------ the pools

@@ -283,6 +283,7 @@ class CudaDevice:
         self.index = index
         self.name = str(raw)
         self._attached: set[int] = set()  # release tokens of this device not yet reported
+        self._host_attached: set[int] = set()  # the pinned pool's (attach_host_release)
         self._made: set[int] = set()  # streams create_stream made and nobody destroyed
         # Held across "made and not destroyed?" and the query that follows, and across a
         # destroy: no thread asks CUDA about a handle another thread is destroying. Reentrant:
@@ -632,6 +633,28 @@ class CudaDevice:
         _native.attach_release(_stream(stream) if stream == LEGACY_STREAM else stream, token)
         with _released_lock:
             self._attached.add(token)
+
+    def attach_host_release(self, stream: int, token: int) -> None:
+        """``attach_release`` for the pinned pool: reported by ``take_host_released`` only."""
+        if _native is None:
+            raise CUDAError(
+                "cuUserObjectCreate", 801, "cudaErrorNotSupported", f"needs the C module: {native_missing}"
+            )
+        _native.attach_release(_stream(stream) if stream == LEGACY_STREAM else stream, token)
+        with _released_lock:
+            self._host_attached.add(token)
+
+    def take_host_released(self) -> list[int]:
+        """The pinned pool's tokens whose graphs were destroyed since the last call."""
+        if _native is None or not self._host_attached:
+            return []
+        fresh = _native.take_released()
+        with _released_lock:
+            _released.update(fresh)
+            mine = self._host_attached & _released
+            _released.difference_update(mine)
+            self._host_attached -= mine
+        return sorted(mine)
 
     def take_released(self) -> list[int]:
         """This device's tokens whose graphs were destroyed since the last call.

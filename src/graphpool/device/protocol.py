@@ -128,6 +128,16 @@ class Device(Protocol):
         copies from or to the same host addresses again."""
         ...
 
+    def attach_host_release(self, stream: int, token: int) -> None:
+        """``attach_release`` for the pinned pool, a second allocator on this device: ``token``
+        is reported by ``take_host_released`` only, never by ``take_released`` (each allocator
+        drains its own tokens)."""
+        ...
+
+    def take_host_released(self) -> list[int]:
+        """Tokens of ``attach_host_release`` whose graphs are gone since the last call."""
+        ...
+
     # -- streams --------------------------------------------------------------
     def create_stream(self) -> int:
         """A new non-blocking stream (it does not synchronize with the legacy stream)."""

@@ -132,6 +132,7 @@ class SimDevice:
         self._token_refs: dict[int, int] = {}
         self._holders: dict[int, tuple[int, ...]] = {}  # graph or exec handle -> its tokens
         self._released: list[int] = []
+        self._host_tokens: set[int] = set()  # attach_host_release's, not yet taken
         self._last_launch: dict[int, _Marker] = {}  # exec -> the end of its latest launch
         self._peers: list[SimDevice] = [self]  # the backend's devices (SimBackend sets it)
 
@@ -551,7 +552,24 @@ class SimDevice:
 
     def take_released(self) -> list[int]:
         with self._lock:
+            if self._host_tokens:  # the pinned pool's stay for take_host_released
+                out = [t for t in self._released if t not in self._host_tokens]
+                self._released = [t for t in self._released if t in self._host_tokens]
+                return out
             out, self._released = self._released, []
+            return out
+
+    def attach_host_release(self, stream: int, token: int) -> None:
+        with self._lock:
+            self.attach_release(stream, token)
+            self._host_tokens.add(token)
+
+    def take_host_released(self) -> list[int]:
+        with self._lock:
+            out = [t for t in self._released if t in self._host_tokens]
+            if out:
+                self._released = [t for t in self._released if t not in self._host_tokens]
+                self._host_tokens.difference_update(out)
             return out
 
     def _retain(self, handle: int, tokens: tuple[int, ...]) -> None:
