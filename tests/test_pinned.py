@@ -120,7 +120,8 @@ def test_a_buffer_freed_during_a_capture_is_kept_for_the_graph(backend: Any) -> 
     g.replay()
     gp.synchronize()
     assert np.all(_read(d, s) == 1.0)
-    assert gp.pinned_memory_snapshot()  # the pool's segments, memory_snapshot's layout
+    segs = gp.pinned_memory_snapshot()  # the pool's segments, memory_snapshot's layout
+    assert {seg["stream"] for seg in segs} == {s.handle}  # the stream, not the pool's key
     g.reset()
     gc.collect()
     gp.synchronize()

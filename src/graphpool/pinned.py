@@ -267,7 +267,9 @@ def _adopt(a: CachingAllocator, device: int, stream: int) -> None:
     try:
         if a.device.capture_info(stream)[0] != CAPTURE_STATUS_ACTIVE:
             return
-        _adopted[(device, stream)] = a.adopt_capture(stream, label=f"capture on stream 0x{stream:x} (pinned)")
+        rec = a.adopt_capture(stream, label=f"capture on stream 0x{stream:x} (pinned)")
+        with _lock:
+            _adopted[(device, stream)] = rec
     except Exception as exc:
         _warnings.warn(f"graphpool: the pinned pool could not register a capture: {exc}", RuntimeWarning)
 
@@ -276,7 +278,8 @@ def capture_begun(device: int, stream: int) -> None:
     """Graphpool (or a framework hook) began a capture on ``stream``: the pinned pool of
     ``device``, if any, keeps what is freed during it for its graph. Cheap when no pinned
     memory was ever allocated."""
-    _announced.add((device, stream))
+    with _lock:
+        _announced.add((device, stream))
     a = _existing(device)
     if a is not None:
         _adopt(a, device, stream)
@@ -285,8 +288,9 @@ def capture_begun(device: int, stream: int) -> None:
 def capture_ended(device: int, stream: int) -> None:
     """The capture begun on ``stream`` ended (or failed): the pinned pool stops routing to its
     private pool; what it kept stays kept until the graph is destroyed."""
-    _announced.discard((device, stream))
-    rec = _adopted.pop((device, stream), None)
+    with _lock:
+        _announced.discard((device, stream))
+        rec = _adopted.pop((device, stream), None)
     a = _existing(device)
     if rec is not None and a is not None:
         try:
@@ -487,8 +491,13 @@ def pinned_memory_stats(device: object = None) -> dict[str, int]:
 
 
 def pinned_memory_snapshot(device: object = None) -> list[dict[str, Any]]:
-    """The pinned pool's segments and blocks, in ``gp.memory_snapshot()``'s layout."""
-    return pool(None if device is None else _index(device)).snapshot()
+    """The pinned pool's segments and blocks, in ``gp.memory_snapshot()``'s layout (each
+    segment's ``stream`` is the stream it serves, not the pool's key for it)."""
+    segments = pool(None if device is None else _index(device)).snapshot()
+    for seg in segments:
+        if isinstance(seg.get("stream"), int):
+            seg["stream"] = _real(seg["stream"])
+    return segments
 
 
 def empty_pinned_cache(device: object = None) -> None:
