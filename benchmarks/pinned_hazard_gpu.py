@@ -104,9 +104,9 @@ def main() -> int:
     print(f"CuPy {cupy.__version__}, {cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}")
     print(f"{'pool':<10} {'direction':<15} {'eager got the freed buffer':>27} {'wrong elements':>15}")
     for r in rows:
-        print(
-            f"{r['pool']:<10} {r['direction']:<15} {str(r['same buffer']):>27} {r['wrong']:>7,} of {r['elements']:,}"
-        )
+        same = "yes" if r["same buffer"] else "no"
+        wrong = f"{r['wrong']:,} of {r['elements']:,}"
+        print(f"{r['pool']:<10} {r['direction']:<15} {same:>27} {wrong:>15}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -468,6 +468,9 @@ def alloc_pinned(nbytes: int, stream: StreamLike | None = None) -> PinnedBuffer:
     s = current_stream() if stream is None else as_stream(stream, "gp.alloc_pinned")
     s._check_backend()
     a = pool(s.device)
+    detect = runtime.capture_detection()
+    if a.detect != detect:  # gp.set_capture_detection reaches the device pools only
+        a.detect = detect
     if n == 0:
         return PinnedBuffer(None, 0, s, a, _KEY)
     try:
