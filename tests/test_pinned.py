@@ -8,10 +8,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 import graphpool as gp
 from graphpool import pinned, runtime
 from graphpool.sim import SimBackend
+from simenv import fresh_sim
 
 N = 4096  # float32 elements: 16 KiB, a small-pool block
 NBYTES = 4 * N
@@ -268,3 +271,50 @@ def test_both_pools_of_a_device_get_their_graphs_back(sim: Any) -> None:
     gp.pinned_memory_stats()
     assert gp.alloc_pinned(NBYTES, stream=s).ptr == first  # the pinned pool heard it too
     d.free()
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "alloc", "free", "free", "sync"]),
+        st.integers(0, 2),
+        st.sampled_from([100, 512, 3000]),
+        st.integers(0, 1),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS)
+@example(ops=[("alloc", 0, 100, 0), ("free", 0, 100, 0), ("alloc", 1, 100, 0)])
+def test_reuse_never_corrupts_a_queued_copy(ops: list[tuple[str, int, int, int]]) -> None:
+    """Random pinned allocations on two streams, each filled by the host and copied to device
+    memory on its stream (the copies run only at synchronizations, on the simulator), freed in
+    any order: every copy delivers the bytes its buffer held, so no block was handed out (and
+    written by the host) before the copy that read it ran."""
+    with fresh_sim(1, 64 << 20):
+        streams = [gp.Stream(), gp.Stream()]
+        live: dict[int, gp.PinnedBuffer] = {}
+        expected: list[tuple[gp.DeviceBuffer, int]] = []
+        for i, (op, slot, size, which) in enumerate(ops):
+            if op == "alloc" and slot not in live:
+                s = streams[which]
+                h = gp.alloc_pinned(size, stream=s)
+                value = i % 250 + 1
+                h.numpy()[:] = value
+                d = gp.alloc(size, stream=s)
+                h.copy_to(d)
+                live[slot] = h
+                expected.append((d, value))
+            elif op == "free" and slot in live:
+                live.pop(slot).free()
+            elif op == "sync":
+                gp.synchronize()
+        gp.synchronize()
+        for d, value in expected:
+            raw = runtime.get().device(0).read(d.ptr, d.nbytes, 0)
+            assert set(raw) == {value}
+            d.free()
+        for h in live.values():
+            h.free()
+        gp.check_invariants()
