@@ -183,8 +183,8 @@ def test_allocations_during_a_capture_come_from_its_private_pool(backend: Any) -
     g = gp.CUDAGraph()
     with gp.graph(g, stream=s):
         h = gp.alloc_pinned(NBYTES)  # on the capturing stream
-        gp.alloc(512).free()  # some captured work
-        runtime.get().device(0).memset(h.ptr, 1, NBYTES, s.handle)
+        src = gp.alloc(NBYTES)  # from the capture's private device pool
+        h.copy_from(src)  # some captured work
     seg = next(
         x for x in gp.pinned_memory_snapshot() if x["address"] <= h.ptr < x["address"] + x["total_size"]
     )
@@ -193,6 +193,7 @@ def test_allocations_during_a_capture_come_from_its_private_pool(backend: Any) -
     eager = gp.alloc_pinned(NBYTES, stream=s)
     assert not seg["address"] <= eager.ptr < seg["address"] + seg["total_size"]
     eager.free()
+    src.free()
     del g
 
 
