@@ -52,6 +52,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.buffer",
             "graphpool.snapshot",
             "graphpool.memory",
+            "graphpool.pinned",
+            "graphpool.cooperate",
             "graphpool.build",
         ),
     ),

@@ -30,7 +30,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from graphpool import runtime
+from graphpool import cooperate, runtime
 from graphpool.streams import resolve_handle
 
 MallocHook = Callable[[int, int, int], int]
@@ -131,6 +131,7 @@ def install() -> None:
                 "install() must run before PyTorch's first CUDA allocation"
             ) from e
         atexit.register(shim.close)  # tensors PyTorch drops after Python is gone are left alone
+        cooperate.serve("torch")  # PyTorch's cache is graphpool's: not asked before an OOM
         _installed = True
 
 
