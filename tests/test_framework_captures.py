@@ -155,14 +155,15 @@ def test_a_capture_that_cannot_be_registered_only_warns(hooks: CaptureHooks) -> 
     s = gp.Stream()
     b = Builder(s)
     real = hooks._key
-    hooks._key = lambda obj: (obj.stream.device, gp.Stream().handle)  # a stream not capturing
+    idle = gp.Stream()
+    hooks._key = lambda obj: (obj.stream.device, idle.handle)  # a stream not capturing
     try:
         with pytest.warns(RuntimeWarning, match="could not register the made-up capture"):
             b.begin()
         assert _in_use() == []
     finally:
+        graph = b.end()  # with the same key: the pinned pool hears this capture end too
         hooks._key = real
-        graph = b.end()
     runtime.get().device(s.device).destroy_graph(graph)
 
 

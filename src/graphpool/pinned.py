@@ -263,10 +263,16 @@ def pool(device: int | None = None) -> CachingAllocator:
 
 def _adopt(a: CachingAllocator, device: int, stream: int) -> None:
     """Register the capture underway on ``stream`` with pinned pool ``a`` (never raises: the
-    capture goes on; a warning says what failed)."""
+    capture goes on; a warning says what failed). A stream that is gone or no longer
+    capturing is skipped quietly: its capture ended without being announced (a graph
+    collected mid-capture ends it in a finalizer, which may not take this module's lock)."""
     try:
-        if a.device.capture_info(stream)[0] != CAPTURE_STATUS_ACTIVE:
-            return
+        status = a.device.capture_info(stream)[0]
+    except Exception:  # the stream was destroyed: no capture to keep frees for
+        return
+    if status != CAPTURE_STATUS_ACTIVE:
+        return
+    try:
         rec = a.adopt_capture(stream, label=f"capture on stream 0x{stream:x} (pinned)")
         with _lock:
             _adopted[(device, stream)] = rec
