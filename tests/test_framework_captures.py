@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import graphpool as gp
-from graphpool import framework_captures, runtime
+from graphpool import framework_captures, pinned, runtime
 from graphpool.framework_captures import CaptureHooks
 
 RELAXED = 2
@@ -155,15 +155,50 @@ def test_a_capture_that_cannot_be_registered_only_warns(hooks: CaptureHooks) -> 
     s = gp.Stream()
     b = Builder(s)
     real = hooks._key
-    hooks._key = lambda obj: (obj.stream.device, gp.Stream().handle)  # a stream not capturing
+    idle = gp.Stream()
+    hooks._key = lambda obj: (obj.stream.device, idle.handle)  # a stream not capturing
     try:
         with pytest.warns(RuntimeWarning, match="could not register the made-up capture"):
             b.begin()
         assert _in_use() == []
     finally:
+        graph = b.end()  # with the same key: the pinned pool hears this capture end too
         hooks._key = real
-        graph = b.end()
     runtime.get().device(s.device).destroy_graph(graph)
+
+
+def test_the_pinned_pool_hears_of_each_capture_and_register_can_leave_the_device_pool_out(
+    spy: Spy,
+) -> None:
+    """Pinned buffers freed during a framework's capture are kept for its graph only if the
+    pinned pool hears of it (begin and end); ``register`` False (graphpool.cupy with only
+    ``install_pinned()``) leaves the device pool out of it."""
+    gp.set_capture_detection(False)
+    try:
+        for register, adopted in ((None, 1), (lambda: False, 0)):
+            h = CaptureHooks(
+                "begin", "end", "made-up capture", key=_key, active=lambda: True, register=register
+            )
+            assert h.install(Builder)
+            s = gp.Stream()
+            b = Builder(s)
+            try:
+                b.begin()
+                assert (s.device, s.handle) in pinned._announced, "the pinned pool never heard of it"
+                assert len(spy.adopted) == adopted
+                assert len(_in_use()) == adopted
+            finally:
+                graph = b.end()
+                h.uninstall()
+            assert (s.device, s.handle) not in pinned._announced, "the pinned pool never heard it end"
+            runtime.get().device(s.device).destroy_graph(graph)
+            spy.adopted.clear()
+    finally:
+        gp.set_capture_detection(True)
+        gc.collect()
+        gp.synchronize()
+        gp.empty_cache()
+        gp.check_invariants()
 
 
 def test_inactive_hooks_register_nothing() -> None:

@@ -53,6 +53,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "graphpool.snapshot",
             "graphpool.ipc",
             "graphpool.memory",
+            "graphpool.pinned",
+            "graphpool.cooperate",
             "graphpool.build",
             "graphpool.hooks",
         ),

@@ -16,6 +16,11 @@ What each fake reproduces (and the integration relies on):
   pool of CuPy's own (caching, not graphpool's), ``UnownedMemory`` holding its owner,
   ``MemoryPointer``; 1-D arrays allocating through the current allocator and launching
   their kernels on CuPy's current stream (closing over addresses only, as GPU kernels do).
+  Pinned memory: ``PinnedMemoryPointer``, ``PinnedMemoryPool`` (CuPy's: a freed buffer goes back
+  at once, whatever stream or capture used it), ``set_pinned_memory_allocator``,
+  ``alloc_pinned_memory``, ``get_default_pinned_memory_pool``, ``empty_pinned`` (cupyx's),
+  ``runtime.memcpyAsync`` and ``CUDARuntimeError``; ``get_default_memory_pool`` with
+  ``total_bytes``/``used_bytes``/``free_all_blocks``.
 * Numba: ``HostOnlyCUDAMemoryManager`` (the context keyword, ``reset``,
   ``defer_cleanup``), ``set_memory_manager`` instantiating a dummy with ``context=None``
   to read ``interface_version`` as Numba does, ``MemoryPointer`` calling its finalizer
@@ -78,10 +83,25 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
     def _device() -> int:
         return getattr(tls, "device", 0)
 
+    class CUDARuntimeError(RuntimeError):
+        def __init__(self, status: int) -> None:
+            super().__init__(f"CUDA runtime error {status}")
+            self.status = status
+
     class _Runtime:
+        errorMemoryAllocation = 2
+        memcpyDefault = 4
+
         @staticmethod
         def getDevice() -> int:
             return _device()
+
+        @staticmethod
+        def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+            """cudaMemcpyAsync (a pinned host side included: the simulator's ``memcpy_host``)."""
+            _sim(_device()).memcpy_host(dst, src, size, stream)
+
+    _Runtime.CUDARuntimeError = CUDARuntimeError  # type: ignore[attr-defined]
 
     class Device:
         def __init__(self, device: int = 0) -> None:
@@ -220,6 +240,21 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
         def __init__(self) -> None:
             self._free: dict[tuple[int, int], list[int]] = {}
             self.n_device_malloc = 0
+            self._total = 0
+
+        def total_bytes(self) -> int:
+            return self._total
+
+        def used_bytes(self) -> int:
+            return self._total - sum(size * len(v) for (_, size), v in self._free.items())
+
+        def free_all_blocks(self) -> None:
+            """Give every free block back to the device (of every device, as CuPy's does)."""
+            for (device, size), ptrs in self._free.items():
+                for ptr in ptrs:
+                    _sim(device).free(ptr)
+                    self._total -= size
+            self._free.clear()
 
         def malloc(self, nbytes: int) -> MemoryPointer:
             device = _device()
@@ -232,6 +267,7 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
                 if ptr is None:
                     raise MemoryError(f"fake CuPy pool: out of memory allocating {size} bytes")
                 self.n_device_malloc += 1
+                self._total += size
             return MemoryPointer(_PooledMemory(self, ptr, size, device), 0)
 
     class PythonFunctionAllocatorMemory:
@@ -264,6 +300,71 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
         memory.PythonFunctionAllocatorMemory = PythonFunctionAllocatorMemory  # type: ignore[attr-defined]
         cuda.memory = memory  # type: ignore[attr-defined]
 
+    class PinnedMemoryPointer:
+        """CuPy's: ``mem`` (``ptr``, ``size``) kept alive, ``ptr`` into it, ``size()``."""
+
+        def __init__(self, mem: Any, offset: int) -> None:
+            self.mem = mem
+            self.ptr = mem.ptr + offset
+
+        def size(self) -> int:
+            return int(self.mem.size) - (self.ptr - int(self.mem.ptr))
+
+    class _PooledPinned:
+        def __init__(self, pool: PinnedMemoryPool, ptr: int, size: int) -> None:
+            self.pool, self.ptr, self.size = pool, ptr, size
+
+        def __del__(self) -> None:
+            self.pool._free.setdefault(self.size, []).append(self.ptr)
+
+    class PinnedMemoryPool:
+        """CuPy's pinned pool: a freed buffer goes back at once and is handed to the next request
+        of its size (rounded to a power of two), whatever stream or capture used it."""
+
+        def __init__(self) -> None:
+            self._free: dict[int, list[int]] = {}
+
+        def malloc(self, nbytes: int) -> PinnedMemoryPointer:
+            size = 1 << max(9, (max(1, int(nbytes)) - 1).bit_length())
+            free = self._free.get(size)
+            if free:
+                ptr = free.pop()
+            else:
+                got = _sim(_device()).host_malloc(size)
+                if got is None:
+                    raise CUDARuntimeError(2)
+                ptr = got
+            return PinnedMemoryPointer(_PooledPinned(self, ptr, size), 0)
+
+        def n_free_blocks(self) -> int:
+            return sum(len(v) for v in self._free.values())
+
+    default_pinned_pool = PinnedMemoryPool()
+    pinned_state: dict[str, Any] = {"allocator": default_pinned_pool.malloc}
+
+    def set_pinned_memory_allocator(allocator: Callable[[int], Any] | None = None) -> None:
+        pinned_state["allocator"] = default_pinned_pool.malloc if allocator is None else allocator
+
+    def alloc_pinned_memory(nbytes: int) -> Any:
+        return pinned_state["allocator"](nbytes)
+
+    def empty_pinned(shape: int, dtype: Any = np.float32) -> np.ndarray:
+        """cupyx.empty_pinned: a NumPy array over ``alloc_pinned_memory`` (the simulator's host
+        bytes stand in for the host address; the pointer keeps the memory alive)."""
+        count = int(shape)
+        mem = alloc_pinned_memory(count * np.dtype(dtype).itemsize)
+        view = _sim(_device()).host_view(mem.ptr, count * np.dtype(dtype).itemsize)
+        arr = np.frombuffer(view, dtype=dtype)
+        keep[id(arr)] = mem
+        weakref.finalize(arr, keep.pop, id(arr), None)
+        return arr
+
+    keep: dict[int, Any] = {}
+
+    def pinned_ptr(arr: np.ndarray) -> int:
+        """The pinned pointer of an ``empty_pinned`` array (``arr.ctypes.data`` on a GPU)."""
+        return int(keep[id(arr)].ptr)
+
     default_pool = MemoryPool()
     state: dict[str, Any] = {"allocator": default_pool.malloc}
 
@@ -290,8 +391,16 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
         "get_allocator": get_allocator,
         "alloc": alloc,
         "default_pool": default_pool,
+        "PinnedMemoryPointer": PinnedMemoryPointer,
+        "PinnedMemoryPool": PinnedMemoryPool,
+        "set_pinned_memory_allocator": set_pinned_memory_allocator,
+        "alloc_pinned_memory": alloc_pinned_memory,
+        "empty_pinned": empty_pinned,
+        "pinned_ptr": pinned_ptr,
     }.items():
         setattr(cuda, name, value)
+    cp.get_default_memory_pool = lambda: default_pool  # type: ignore[attr-defined]
+    cp.get_default_pinned_memory_pool = lambda: default_pinned_pool  # type: ignore[attr-defined]
 
     class ndarray:
         """A 1-D (or 0-d) array; every operation is a kernel on CuPy's current stream."""

@@ -13,6 +13,12 @@ from typing import TYPE_CHECKING, Any, overload
 from graphpool import build as _build
 from graphpool.buffer import DeviceBuffer
 from graphpool.build import compiled
+from graphpool.cooperate import (
+    register_cache_releaser,
+    release_cached_memory,
+    set_release_other_caches,
+    unregister_cache_releaser,
+)
 from graphpool.errors import (
     BackendReplacedError,
     BackendUnavailableError,
@@ -53,6 +59,13 @@ from graphpool.memory import (
     reset_peak_memory_stats,
     set_memory_limit,
     set_per_process_memory_fraction,
+)
+from graphpool.pinned import (
+    PinnedBuffer,
+    alloc_pinned,
+    empty_pinned_cache,
+    pinned_memory_snapshot,
+    pinned_memory_stats,
 )
 from graphpool.policy import interrupts as _interrupts
 from graphpool.policy.private_pools import PoolId
@@ -246,10 +259,12 @@ __all__ = [
     "IpcError",
     "IpcHandle",
     "OutOfMemoryError",
+    "PinnedBuffer",
     "PoolId",
     "ReplayHazardError",
     "Stream",
     "alloc",
+    "alloc_pinned",
     "attach_out_of_memory_observer",
     "backend",
     "capture_detection",
@@ -263,6 +278,7 @@ __all__ = [
     "device_count",
     "dump_snapshot",
     "empty_cache",
+    "empty_pinned_cache",
     "get_memory_limit",
     "get_per_process_memory_fraction",
     "graph",
@@ -279,7 +295,11 @@ __all__ = [
     "memory_stats",
     "memory_summary",
     "open_ipc",
+    "pinned_memory_snapshot",
+    "pinned_memory_stats",
     "record_memory_history",
+    "register_cache_releaser",
+    "release_cached_memory",
     "replay_checks",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
@@ -289,8 +309,10 @@ __all__ = [
     "set_device",
     "set_memory_limit",
     "set_per_process_memory_fraction",
+    "set_release_other_caches",
     "set_replay_checks",
     "stream",
     "synchronize",
     "torch_snapshot",
+    "unregister_cache_releaser",
 ]

@@ -20,6 +20,10 @@ own ``cupy.cuda.using_allocator``); ``is_installed()`` says whether graphpool is
 allocator now. ``installed`` and ``using`` are older names of ``using_allocator``. All are
 idempotent.
 
+``install_pinned()`` / ``uninstall_pinned()`` do the same for pinned host memory: graphpool's
+pinned pool (``gp.alloc_pinned``) becomes CuPy's pinned memory allocator
+(``cupy.cuda.set_pinned_memory_allocator``), independently of ``install()``.
+
 CuPy is imported on ``install()``, never at module import. Needs the "cuda" backend.
 """
 
@@ -35,9 +39,11 @@ from typing import Any
 from graphpool import routing, runtime
 from graphpool.buffer import DeviceBuffer
 from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.errors import OutOfMemoryError
 from graphpool.framework_captures import CaptureHooks
 from graphpool.hooks import CupyHooks
 from graphpool.memory import alloc
+from graphpool.pinned import PinnedBuffer, alloc_pinned
 from graphpool.routing import Route
 from graphpool.streams import Stream, current_stream, resolve_handle
 
@@ -59,6 +65,7 @@ chain of attribute lookups for each. Before ``install()``, a call that says so (
 ``malloc``'s path)."""
 _lock = threading.Lock()
 _installed = False
+_pinned_installed = False
 _previous: Any = None
 """CuPy's allocator before ``install()``."""
 _allocator: Any = None
@@ -243,9 +250,12 @@ _HOOKS = CaptureHooks(
     "end_capture",
     "CuPy capture",
     key=_stream_key,
-    active=lambda: _installed and runtime.get().name == "cuda",
+    active=lambda: (_installed or _pinned_installed) and runtime.get().name == "cuda",
+    register=lambda: _installed,
 )
-"""CuPy's ``Stream.begin_capture``/``end_capture``, wrapped while graphpool is CuPy's allocator."""
+"""CuPy's ``Stream.begin_capture``/``end_capture``, wrapped while graphpool is CuPy's allocator
+or its pinned allocator (the pinned pool hears of each capture; the device pool registers it
+only while graphpool is CuPy's allocator)."""
 
 
 def _hook(cupy: Any) -> None:
@@ -306,7 +316,8 @@ def uninstall() -> None:
         routing.remove_follower(_FOLLOWER)
         if _cp.cuda.get_allocator() is _allocator:
             _cp.cuda.set_allocator(_previous)
-        _HOOKS.uninstall()
+        if not _pinned_installed:  # the pinned pool still needs CuPy's captures announced
+            _HOOKS.uninstall()
         _previous = _allocator = None
         _installed = False
 
@@ -347,3 +358,84 @@ __all__ = [
     "using",
     "using_allocator",
 ]
+
+
+# ------------------------------------------------------------------ pinned memory
+class _PinnedMemory:
+    """What a CuPy ``PinnedMemoryPointer`` made by ``pinned_malloc`` points into (its ``mem``:
+    ``ptr`` and ``size``, as CuPy's ``PinnedMemory``): it owns the graphpool PinnedBuffer, which
+    goes back to graphpool's pinned pool when CuPy drops the pointer."""
+
+    __slots__ = ("ptr", "size", "buffer")
+
+    def __init__(self, buffer: PinnedBuffer) -> None:
+        self.ptr = buffer.ptr
+        self.size = buffer.nbytes
+        self.buffer = buffer
+
+    def __int__(self) -> int:
+        return self.ptr
+
+
+def pinned_malloc(nbytes: int) -> Any:
+    """The allocator handed to ``cupy.cuda.set_pinned_memory_allocator``: ``nbytes`` of pinned
+    host memory from graphpool's pinned pool, for CuPy's current stream and device, as a
+    ``cupy.cuda.PinnedMemoryPointer``. Out of pinned memory it raises CuPy's
+    ``CUDARuntimeError`` (cudaErrorMemoryAllocation), on which CuPy falls back to a synchronous
+    copy, as with its own pool."""
+    cp = _cp
+    if cp is None or not _pinned_installed:
+        raise RuntimeError(
+            "graphpool.cupy.pinned_malloc serves CuPy only after graphpool.cupy.install_pinned()"
+        )
+    device = int(cp.cuda.runtime.getDevice())
+    s = _wrapper(device, int(cp.cuda.get_current_stream(device).ptr))
+    try:
+        buf = alloc_pinned(nbytes, stream=s)
+    except OutOfMemoryError as exc:
+        rt = cp.cuda.runtime
+        err = getattr(rt, "CUDARuntimeError", None)
+        if err is None:
+            raise
+        raise err(getattr(rt, "errorMemoryAllocation", 2)) from exc
+    return cp.cuda.PinnedMemoryPointer(_PinnedMemory(buf), 0)
+
+
+def install_pinned() -> None:
+    """Make graphpool's pinned pool CuPy's pinned memory allocator
+    (``cupy.cuda.set_pinned_memory_allocator``): CuPy's staging buffers, ``cupyx.empty_pinned``
+    and ``cupy.cuda.alloc_pinned_memory`` then follow graphpool's rules (reuse after their
+    stream's work, blocks freed during a capture kept for its graph; docs/behaviour.rst,
+    "Pinned host memory"). Also hooks CuPy's ``Stream.begin_capture``/``end_capture`` so the
+    pool hears of CuPy's captures. Independent of ``install()``. Idempotent; ImportError
+    without CuPy, RuntimeError unless the backend is "cuda"."""
+    global _cp, _pinned_installed
+    import cupy
+
+    _require_cuda()
+    with _lock:
+        if _pinned_installed:
+            return
+        _cp = cupy
+        cupy.cuda.set_pinned_memory_allocator(pinned_malloc)
+        _hook(cupy)
+        _pinned_installed = True
+
+
+def uninstall_pinned() -> None:
+    """Give CuPy its default pinned pool back (``cupy.get_default_pinned_memory_pool().malloc``:
+    CuPy cannot tell which allocator was set before). Idempotent; buffers CuPy still holds go
+    back to graphpool's pinned pool when dropped."""
+    global _pinned_installed
+    with _lock:
+        if not _pinned_installed:
+            return
+        _cp.cuda.set_pinned_memory_allocator(_cp.get_default_pinned_memory_pool().malloc)
+        if not _installed:
+            _HOOKS.uninstall()
+        _pinned_installed = False
+
+
+def is_pinned_installed() -> bool:
+    """True between ``install_pinned()`` and ``uninstall_pinned()``."""
+    return _pinned_installed

@@ -12,7 +12,9 @@ freed in it. The rule, written once here for every framework:
   on, and detection still covers it);
 * when the framework's end call returns (or raises), ``end_adopted`` stops routing to the
   capture's pool; the pool itself lives until the graph and every executable made from it
-  are destroyed (a CUDA user object in the graph releases it).
+  are destroyed (a CUDA user object in the graph releases it);
+* the pinned host memory pool (graphpool.pinned) hears of both, so that pinned buffers
+  freed during the capture are kept for its graph.
 
 An integration makes one ``CaptureHooks`` for its framework and installs it on the class
 that defines the two methods; a class that cannot be patched (an extension type) is left
@@ -24,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from graphpool import _warnings, runtime
+from graphpool import _warnings, pinned, runtime
 
 StreamKey = tuple[int, int]
 """(device index, stream handle) of a capture."""
@@ -37,6 +39,8 @@ class CaptureHooks:
     capture in words, for the pool's label and the warning (``"CuPy capture"``). ``key``:
     the (device, stream handle) of the object the methods are called on. ``active``: whether
     to register a capture now (the "cuda" backend, and the integration installed).
+    ``register``: whether the device pool registers it too (default: whenever ``active``);
+    the pinned pool is told of it whenever ``active``.
     """
 
     def __init__(
@@ -46,12 +50,14 @@ class CaptureHooks:
         what: str,
         key: Callable[[Any], StreamKey],
         active: Callable[[], bool],
+        register: Callable[[], bool] | None = None,
     ) -> None:
         self.begin = begin
         self.end = end
         self.what = what
         self._key = key
         self._active = active
+        self._register = register
         self._owner: Any = None
         self._originals: tuple[Any, Any] | None = None
         self._own: dict[str, Any] = {}
@@ -110,21 +116,22 @@ class CaptureHooks:
         if not self._active():
             return
         key = self._key(obj)
-        try:
-            self._adopted[key] = runtime.allocator(key[0]).adopt_capture(
-                key[1], label=f"{self.what} on stream 0x{key[1]:x}"
-            )
-        except Exception as exc:  # never break the user's capture; detection still covers it
-            _warnings.warn(f"graphpool could not register the {self.what}: {exc}", RuntimeWarning)
+        if self._register is None or self._register():
+            try:
+                self._adopted[key] = runtime.allocator(key[0]).adopt_capture(
+                    key[1], label=f"{self.what} on stream 0x{key[1]:x}"
+                )
+            except Exception as exc:  # never break the user's capture; detection still covers it
+                _warnings.warn(f"graphpool could not register the {self.what}: {exc}", RuntimeWarning)
+        pinned.capture_begun(*key)  # pinned buffers freed during it are kept for its graph
 
     def ended(self, obj: Any) -> None:
         """The capture ``obj`` began has ended: stop routing to its pool (which its graph keeps)."""
-        if not self._adopted:
-            return
         key = self._key(obj)
-        rec = self._adopted.pop(key, None)
+        rec = self._adopted.pop(key, None) if self._adopted else None
         if rec is not None:
             runtime.allocator(key[0]).end_adopted(rec)
+        pinned.capture_ended(*key)  # the pinned pool stops keeping frees for it
 
     def _begin_wrapper(self, original: Any) -> Callable[..., Any]:
         hooks = self

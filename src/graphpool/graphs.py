@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from graphpool import _warnings, runtime
+from graphpool import _warnings, pinned, runtime
 from graphpool.device.protocol import (
     CAPTURE_MODE_RELAXED,
     CAPTURE_MODES,
@@ -132,6 +132,7 @@ class CUDAGraph:
         self._alloc = alloc
         self._stream = s
         self._capturing = True
+        pinned.capture_begun(s.device, s.handle)  # pinned buffers freed during it: kept for it
 
     def capture_end(self) -> None:
         """End the capture on the stream that began it and make the graph replayable."""
@@ -169,6 +170,7 @@ class CUDAGraph:
                 self._abort()
                 raise
         self._alloc.end_capture(self._rec)
+        pinned.capture_ended(s.device, s.handle)
         self._graph, self._exec = graph, graph_exec
         self._dev = dev
         self._replay_streams = self._rec.replay_streams
@@ -184,6 +186,8 @@ class CUDAGraph:
     def _abort(self) -> None:
         """Drop a capture that will never replay; the allocator gets everything back."""
         rec, alloc = self._rec, self._alloc
+        if self._stream is not None:
+            pinned.capture_ended(self._stream.device, self._stream.handle)
         self._rec = self._alloc = None
         self._stream = None
         self._capturing = False

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from graphpool import routing
@@ -64,6 +65,7 @@ class Runtime:
                     a.limits = a.limits.with_fraction(conf.per_process_memory_fraction).with_bytes(
                         conf.memory_limit
                     )
+                    a.release_others = _releaser_for(conf)
                     history = _history
                     if history is not None:
                         a.record_history(*history)
@@ -109,6 +111,35 @@ def alloc_conf() -> AllocConf:
     return parse_alloc_conf(text + "," + _config_text)
 
 
+releaser: Callable[[int, int], int] | None = None
+"""What each allocator asks, before an out-of-memory error, to make the process's other caches
+give memory back (graphpool.cooperate sets it when imported, which ``import graphpool`` does)."""
+
+_release_others: bool | None = None
+"""``set_release_other_caches``'s setting; None: ``release_other_caches`` of the configuration
+(default on)."""
+
+
+def _releaser_for(conf: AllocConf) -> Callable[[int, int], int] | None:
+    on = _release_others if _release_others is not None else conf.release_other_caches is not False
+    return releaser if on else None
+
+
+def set_release_other_caches(on: bool) -> None:
+    """Cooperation on or off for every allocator, made now or later (graphpool.cooperate)."""
+    global _release_others
+    if not isinstance(on, bool):
+        raise TypeError(f"set_release_other_caches takes True or False, not {on!r}")
+    with _lock:
+        _release_others = on
+        rt = _runtime
+        if rt is not None:
+            with rt._lock:
+                for a in rt.allocators:
+                    if a is not None:
+                        a.release_others = releaser if on else None
+
+
 def configured_sizes(sizes: SizeConfig, conf: AllocConf) -> SizeConfig:
     """``sizes`` with the policy options of ``conf`` (max_split_size_mb, ...) in it."""
     fields = conf.policy()
@@ -149,6 +180,9 @@ def set_allocator_config(text: str) -> None:
             if rt is not None:
                 for a in made:
                     a.configure(configured_sizes(rt.sizes, conf))
+                if named.release_other_caches is not None and _release_others is None:
+                    for a in made:
+                        a.release_others = _releaser_for(conf)
                 with limits_lock:  # only the caps ``text`` names change
                     for a in made:
                         if named.per_process_memory_fraction is not None:

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from graphpool import routing, runtime
+from graphpool import cooperate, routing, runtime
 from graphpool.hooks import TorchHooks
 from graphpool.routing import Route
 from graphpool.streams import resolve_handle
@@ -133,6 +133,7 @@ def install() -> None:
                 "install() must run before PyTorch's first CUDA allocation"
             ) from e
         atexit.register(shim.close)  # tensors PyTorch drops after Python is gone are left alone
+        cooperate.serve("torch")  # PyTorch's cache is graphpool's: not asked before an OOM
         _installed = True
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -45,6 +46,8 @@ _MODES: tuple[Any, ...] = ()
 _H2D: Any = None
 _D2H: Any = None
 _D2D: Any = None
+_DEFAULT_KIND: Any = None  # cudaMemcpyDefault (memcpy_host)
+_HOST_PORTABLE = 1  # cudaHostAllocPortable (host_malloc)
 _NON_BLOCKING = 0
 _DISABLE_TIMING = 0
 _LEGACY = 0
@@ -63,7 +66,7 @@ def _load() -> Any:
     Raises ImportError when cuda-python is not installed.
     """
     global _rt, _SUCCESS, _OOM, _NOT_READY, _MODES, _H2D, _D2H, _D2D
-    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY
+    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY, _DEFAULT_KIND, _HOST_PORTABLE
     if _rt is not None:
         return _rt
     with _load_lock:
@@ -86,6 +89,8 @@ def _load() -> Any:
         _H2D = kind.cudaMemcpyHostToDevice
         _D2H = kind.cudaMemcpyDeviceToHost
         _D2D = kind.cudaMemcpyDeviceToDevice
+        _DEFAULT_KIND = kind.cudaMemcpyDefault
+        _HOST_PORTABLE = int(getattr(rt, "cudaHostAllocPortable", 1))
         _NON_BLOCKING = int(rt.cudaStreamNonBlocking)
         _DISABLE_TIMING = int(rt.cudaEventDisableTiming)
         _LEGACY = int(rt.cudaStreamLegacy)
@@ -282,6 +287,7 @@ class CudaDevice:
         self.index = index
         self.name = str(raw)
         self._attached: set[int] = set()  # release tokens of this device not yet reported
+        self._host_attached: set[int] = set()  # the pinned pool's (attach_host_release)
         self._made: set[int] = set()  # streams create_stream made and nobody destroyed
         # Held across "made and not destroyed?" and the query that follows, and across a
         # destroy: no thread asks CUDA about a handle another thread is destroying. Reentrant:
@@ -481,6 +487,40 @@ class CudaDevice:
         _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(s)[0])
         return bytes(buf)
 
+    # -- pinned host memory (graphpool.pinned) ---------------------------------
+    @_on_device
+    def host_malloc(self, nbytes: int) -> int | None:
+        """cudaHostAlloc (portable: every device's copies may use it); ``None`` on
+        cudaErrorMemoryAllocation."""
+        err, ptr = _rt.cudaHostAlloc(nbytes, _HOST_PORTABLE)
+        if err:
+            if err == _OOM:
+                _rt.cudaGetLastError()
+                return None
+            _check("cudaHostAlloc", err)
+        return int(ptr)
+
+    @_on_device
+    def host_free(self, ptr: int) -> None:
+        """cudaFreeHost (waits for queued work; unsafe during capture)."""
+        _check("cudaFreeHost", _rt.cudaFreeHost(ptr)[0])
+
+    def host_mem_info(self) -> tuple[int, int]:
+        """(available, total) physical host memory, from the OS (no CUDA call)."""
+        return _host_mem_info()
+
+    def host_view(self, ptr: int, nbytes: int) -> memoryview:
+        """The bytes at host address ``ptr`` (page-locked memory of this process)."""
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(ptr)).cast("B")
+
+    @_on_device
+    def memcpy_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """cudaMemcpyAsync with cudaMemcpyDefault: either side pinned host memory."""
+        _check(
+            "cudaMemcpyAsync",
+            _rt.cudaMemcpyAsync(dst, src, nbytes, _DEFAULT_KIND, _stream(stream))[0],
+        )
+
     # -- streams --------------------------------------------------------------
     @_on_device
     def create_stream(self) -> int:
@@ -629,6 +669,28 @@ class CudaDevice:
         with _released_lock:
             self._attached.add(token)
 
+    def attach_host_release(self, stream: int, token: int) -> None:
+        """``attach_release`` for the pinned pool: reported by ``take_host_released`` only."""
+        if _native is None:
+            raise CUDAError(
+                "cuUserObjectCreate", 801, "cudaErrorNotSupported", f"needs the C module: {native_missing}"
+            )
+        _native.attach_release(_stream(stream) if stream == LEGACY_STREAM else stream, token)
+        with _released_lock:
+            self._host_attached.add(token)
+
+    def take_host_released(self) -> list[int]:
+        """The pinned pool's tokens whose graphs were destroyed since the last call."""
+        if _native is None or not self._host_attached:
+            return []
+        fresh = _native.take_released()
+        with _released_lock:
+            _released.update(fresh)
+            mine = self._host_attached & _released
+            _released.difference_update(mine)
+            self._host_attached -= mine
+        return sorted(mine)
+
     def take_released(self) -> list[int]:
         """This device's tokens whose graphs were destroyed since the last call.
 
@@ -703,6 +765,16 @@ class CudaDevice:
     def destroy_graph_exec(self, graph_exec: int) -> None:
         """cudaGraphExecDestroy."""
         _check("cudaGraphExecDestroy", _rt.cudaGraphExecDestroy(graph_exec)[0])
+
+
+def _host_mem_info() -> tuple[int, int]:
+    """(available, total) physical memory of the host; where the OS cannot tell, a total too
+    large to refuse any request (the driver's cudaHostAlloc still refuses what it cannot pin)."""
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    except (AttributeError, ValueError, OSError):
+        return 1 << 50, 1 << 50
 
 
 def _mode(mode: int) -> Any:

@@ -99,6 +99,45 @@ class Device(Protocol):
         """Wait for ``stream``'s work so far, then copy ``nbytes`` at ``ptr`` to the host."""
         ...
 
+    # -- pinned host memory (the pinned pool, graphpool.pinned) ----------------
+    # Page-locked host memory that this device's copies read and write without staging.
+    # Host memory belongs to the process: the simulator's devices of one backend share it.
+    def host_malloc(self, nbytes: int) -> int | None:
+        """Allocate ``nbytes`` (> 0) of page-locked host memory, usable by every device's copies
+        (``cudaHostAlloc``, portable); ``None`` when the host refuses (out of memory). Unsafe
+        during capture, like ``malloc``."""
+        ...
+
+    def host_free(self, ptr: int) -> None:
+        """Return memory from ``host_malloc`` (``cudaFreeHost``: it first waits for the device's
+        queued work). Unsafe during capture."""
+        ...
+
+    def host_mem_info(self) -> tuple[int, int]:
+        """(available, total) bytes of host memory."""
+        ...
+
+    def host_view(self, ptr: int, nbytes: int) -> memoryview:
+        """A writable byte view (format ``B``) of ``[ptr, ptr + nbytes)``, which lies in one live
+        ``host_malloc`` allocation: what the host reads and writes there."""
+        ...
+
+    def memcpy_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """Queue a copy on ``stream`` where either side may be ``host_malloc`` memory and the other
+        device memory (``cudaMemcpyAsync`` with ``cudaMemcpyDefault``). Capturable: a replay
+        copies from or to the same host addresses again."""
+        ...
+
+    def attach_host_release(self, stream: int, token: int) -> None:
+        """``attach_release`` for the pinned pool, a second allocator on this device: ``token``
+        is reported by ``take_host_released`` only, never by ``take_released`` (each allocator
+        drains its own tokens)."""
+        ...
+
+    def take_host_released(self) -> list[int]:
+        """Tokens of ``attach_host_release`` whose graphs are gone since the last call."""
+        ...
+
     # -- streams --------------------------------------------------------------
     def create_stream(self) -> int:
         """A new non-blocking stream (it does not synchronize with the legacy stream)."""

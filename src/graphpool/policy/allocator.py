@@ -99,6 +99,7 @@ from graphpool.policy.private_pools import (
     PrivatePool,
 )
 from graphpool.policy.reports import Reports
+from graphpool.policy.segments import _retrying
 
 _Lock: Callable[[], Any]
 try:  # the C lock, built with the compiled modules (graphpool/policy/_lock.c)
@@ -237,6 +238,10 @@ class CachingAllocator(Reports):
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
+            pending = err.__dict__.pop("_graphpool_cooperate", None)
+            if pending is not None:  # marked for cooperation, but no malloc retries it: count it
+                oom = err
+                self._run_locked(name, lambda: self._count_oom(oom, *pending))
             self._after_oom(err)
             if self._signals:
                 interrupts.run_pending()
@@ -416,6 +421,9 @@ class CachingAllocator(Reports):
                 finally:
                     self._busy = False
         except OutOfMemoryError as err:
+            pending = err.__dict__.pop("_graphpool_cooperate", None)
+            if pending is not None:  # not counted yet: others give memory back, then one retry
+                return self._cooperate(err, pending, nbytes, stream, owned)
             self._after_oom(err)
             if self._signals:  # see _run_locked
                 interrupts.run_pending()
@@ -427,6 +435,36 @@ class CachingAllocator(Reports):
         if self._signals:  # a handler deferred by the update that raises gives the block back first
             self._signals_after_malloc(out)
         return out
+
+    def _cooperate(
+        self,
+        err: OutOfMemoryError,
+        pending: tuple[int, FreeList | None, int],
+        nbytes: SupportsIndex,
+        stream: int,
+        owned: bool,
+    ) -> object:
+        """The lock released, ask the process's other caches to give memory back
+        (``release_others``, graphpool.cooperate) and retry the malloc once if they gave any;
+        else count ``err`` (``_count_oom``) and raise it. Segments' module doc tells the rule."""
+        if self._signals:
+            interrupts.run_pending()
+        released = 0
+        fn = self.release_others
+        if fn is not None:
+            try:
+                released = int(fn(self.device.index, pending[0]))
+            except Exception as exc:  # never hides the out-of-memory error
+                err.__context__ = exc
+        if released > 0:
+            _retrying.on = True
+            try:
+                return self._malloc(nbytes, stream, owned)
+            finally:
+                _retrying.on = False
+        self._run_locked("malloc", lambda: self._count_oom(err, *pending))
+        self._after_oom(err)
+        raise err
 
     def _after_malloc(
         self, out: object, ptr: int, requested: int, stream: int, owner: PrivatePool | None

@@ -39,8 +39,10 @@ CONF_KEYS = (
     "roundup_power2_divisions",
     "garbage_collection_threshold",
     "expandable_segments",
+    "release_other_caches",
 )
-"""The keys ``GRAPHPOOL_ALLOC_CONF`` knows (all but ``memory_limit`` are PyTorch's)."""
+"""The keys ``GRAPHPOOL_ALLOC_CONF`` knows (all but ``memory_limit`` and ``release_other_caches``
+are PyTorch's)."""
 
 MiB = 1024 * 1024
 MIN_SPLIT_MB = 20
@@ -103,6 +105,7 @@ class AllocConf(NamedTuple):
     roundup_power2_divisions: tuple[int, ...] | None = None
     garbage_collection_threshold: float | None = None
     expandable_segments: bool | None = None
+    release_other_caches: bool | None = None  # graphpool.cooperate (not a SizeConfig field)
 
     def policy(self) -> dict[str, Any]:
         """The ``SizeConfig`` fields this configuration sets (policy/pools.py)."""
@@ -220,10 +223,10 @@ def parse_alloc_conf(text: str) -> AllocConf:
             conf[key.removesuffix("_mb")] = mb * MiB
         elif key == "roundup_power2_divisions":
             conf[key] = parse_divisions(value)
-        else:  # expandable_segments
+        else:  # expandable_segments, release_other_caches
             flag = value.strip()
             if flag not in ("True", "true", "False", "false"):
-                raise ValueError(f"expandable_segments:{flag}: use True or False")
+                raise ValueError(f"{key}:{flag}: use True or False")
             conf[key] = flag in ("True", "true")
     return AllocConf(**conf)
 

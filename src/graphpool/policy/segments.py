@@ -7,6 +7,13 @@ is full), ``_collect`` (PyTorch's ``garbage_collect_cached_blocks``), ``_release
 (``release_available_cached_blocks``), ``_release_segment`` (the one place device memory is
 freed) and ``_raise_oom`` with its message.
 
+Cooperation before an out-of-memory error (graphpool.cooperate sets ``release_others``):
+when the device refused a segment (no limit hit, no capture underway, not this thread's
+retry), ``_raise_oom`` raises the error uncounted and marked (``_graphpool_cooperate``);
+``CachingAllocator._malloc``, the lock released, asks the process's other caches to give
+memory back and retries once if they gave any. Only the final failure is counted
+(``_count_oom``). The hot path is untouched: all of it runs on the way to the error.
+
 Driver calls run under the relaxed capture mode, so a capture underway on any thread (one
 graphpool may not have seen yet) is never invalidated by them; nothing is freed while a
 capture is underway anywhere in the process. A segment is filed before the history or the
@@ -17,7 +24,9 @@ handler inside it) never leaves a segment filed twice or freed twice.
 from __future__ import annotations
 
 import logging
+import threading
 from bisect import bisect_left
+from collections.abc import Callable
 from typing import NoReturn
 
 from graphpool import _warnings
@@ -42,6 +51,10 @@ from graphpool.policy.private_pools import (
 from graphpool.policy.stream_uses import StreamUses
 from graphpool.policy.units import fmt_bytes
 
+_retrying = threading.local()
+"""``on`` while this thread's malloc retries after other caches gave memory back (cooperation):
+that retry's failure is final."""
+
 
 class Segments(StreamUses):
     """Where segments come from and go back to (see the module doc)."""
@@ -52,6 +65,9 @@ class Segments(StreamUses):
         # description of the cap that refused the last driver allocation, for the OOM message.
         self.limits = MemoryLimits(self._total)
         self._limit_hit: str | None = None
+        # Cooperation (graphpool.cooperate): asked, with the lock released, to make other
+        # caches of the process give memory back before an out-of-memory error is raised.
+        self.release_others: Callable[[int, int], int] | None = None
 
     def _device_malloc(self, nbytes: int) -> int | None:
         """Driver allocation, always under the relaxed capture mode: a capture underway on any
@@ -261,19 +277,34 @@ class Segments(StreamUses):
     def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None, stream: int = 0) -> NoReturn:
         """Count an out-of-memory (device, and the private pool ``fl`` belongs to), record it in
         the history and raise it; ``_after_oom`` logs it and calls the observers once the lock
-        is released."""
+        is released. One that other caches might avert goes out uncounted, for malloc to
+        cooperate first (see the module doc)."""
+        limit, self._limit_hit = self._limit_hit, None
+        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
+        if (
+            self.release_others is not None
+            and seg is not None
+            and limit is None
+            and not self._world.active
+            and not getattr(_retrying, "on", False)
+        ):
+            err._graphpool_cooperate = (nbytes, fl, stream)  # type: ignore[attr-defined]
+            raise err
+        self._count_oom(err, nbytes, fl, stream)
+        raise err
+
+    def _count_oom(self, err: OutOfMemoryError, nbytes: int, fl: FreeList | None, stream: int) -> None:
+        """Count a final out-of-memory error (device, private pool), record it in the history,
+        and note the observers to call once the lock is released (``_after_oom``)."""
         self.stats.num_ooms += 1
         if fl is not None and fl.private_pool is not None:
             fl.private_pool.stats.num_ooms += 1
-        limit, self._limit_hit = self._limit_hit, None
-        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
         if self._history is not None:  # before the observers: one may take a snapshot
             self._history.oom(nbytes, stream, self._device_free(), None if fl is None else fl.private_pool)
         fns = observers.current()
         # Logging and observers run once the lock is released (``_after_oom``): a logging
         # handler or an observer may take its own locks, call graphpool or wait for threads.
         err._graphpool_oom = (fns, nbytes, self._device_stats() if fns else None)  # type: ignore[attr-defined]
-        raise err
 
     def _after_oom(self, err: OutOfMemoryError) -> None:
         """An out-of-memory error is leaving malloc, the lock released: log it and call the

@@ -44,6 +44,10 @@ DEFAULT_MEMORY_BYTES = 16 * GiB
 ADDRESS_BASE = 0x7F00_0000_0000
 ADDRESS_SPAN = 1 << 44
 """Device ``i`` hands out addresses from ``ADDRESS_BASE + i * ADDRESS_SPAN`` upward."""
+DEFAULT_HOST_MEMORY_BYTES = 64 * GiB
+HOST_ADDRESS_BASE = 0x1000_0000_0000
+"""Pinned host memory (``host_malloc``) of a backend's devices, from here upward: below every
+device's range, so an address tells host from device memory."""
 
 _handles = itertools.count(0x1000, 0x10)
 """Stream, event, graph and exec handles: unique across kinds and devices, like CUDA's pointers;
@@ -108,12 +112,21 @@ class SimDevice:
     (inspection), ``memory_bytes``.
     """
 
-    def __init__(self, index: int = 0, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
+    def __init__(
+        self,
+        index: int = 0,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        host_memory_bytes: int = DEFAULT_HOST_MEMORY_BYTES,
+    ) -> None:
         self.index = index
         self.name = f"graphpool simulated device {index}"
         self.memory_bytes = memory_bytes
         self._lock = threading.RLock()
         self._mem = SimMemory(ADDRESS_BASE + index * ADDRESS_SPAN, memory_bytes)
+        # Pinned host memory: the process's, so a backend gives its devices one (SimBackend);
+        # its own lock, never held while taking a device's.
+        self._host = SimMemory(HOST_ADDRESS_BASE, host_memory_bytes)
+        self._host_lock = threading.Lock()
         self._streams: dict[int, _Stream] = {LEGACY_STREAM: _Stream(LEGACY_STREAM)}
         self._made: set[int] = set()  # streams create_stream made, not destroyed
         self._events: dict[int, _Marker | _CaptureMark | None] = {}
@@ -124,6 +137,7 @@ class SimDevice:
         self._token_refs: dict[int, int] = {}
         self._holders: dict[int, tuple[int, ...]] = {}  # graph or exec handle -> its tokens
         self._released: list[int] = []
+        self._host_tokens: set[int] = set()  # attach_host_release's, not yet taken
         self._last_launch: dict[int, _Marker] = {}  # exec -> the end of its latest launch
         self._peers: list[SimDevice] = [self]  # the backend's devices (SimBackend sets it)
 
@@ -229,9 +243,59 @@ class SimDevice:
             self._mem.detach(ptr)
 
     def view(self, ptr: int, nbytes: int) -> np.ndarray:
-        """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live."""
+        """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live.
+        Pinned host memory (``host_malloc``) too: kernels and copies reach it, as on a GPU."""
+        if HOST_ADDRESS_BASE <= ptr < ADDRESS_BASE:
+            with self._host_lock:
+                return self._host.view(ptr, nbytes)
         with self._lock:
             return self._mem.view(ptr, nbytes)
+
+    # -- pinned host memory: real bytes, shared by the backend's devices --------
+    def host_malloc(self, nbytes: int) -> int | None:
+        """cudaHostAlloc: ``nbytes`` of host memory; None when the host capacity is used up."""
+        if nbytes <= 0:
+            raise cuda_error("cudaHostAlloc", "cudaErrorInvalidValue", f"size {nbytes}")
+        capture.check_unsafe("cudaHostAlloc")
+        with self._host_lock:
+            return self._host.allocate(nbytes)
+
+    def host_free(self, ptr: int) -> None:
+        """cudaFreeHost: waits for all queued work of this device first, as cudaFree does."""
+        with self._lock:
+            capture.check_unsafe("cudaFreeHost")
+            with self._host_lock:
+                if not self._host.is_live(ptr):
+                    raise cuda_error(
+                        "cudaFreeHost", "cudaErrorInvalidValue", f"{ptr:#x} is not a host allocation"
+                    )
+            interrupted = self._wait_uninterrupted()
+            with self._host_lock:
+                self._host.release(ptr)
+            if interrupted is not None:
+                raise interrupted
+
+    def host_mem_info(self) -> tuple[int, int]:
+        with self._host_lock:
+            return self._host.capacity - self._host.used, self._host.capacity
+
+    def host_view(self, ptr: int, nbytes: int) -> memoryview:
+        with self._host_lock:
+            return self._host.view(ptr, nbytes, "host_view").data
+
+    def host_allocations(self) -> list[tuple[int, int]]:
+        """(address, size) of every live ``host_malloc`` allocation, by address."""
+        with self._host_lock:
+            return self._host.allocations()
+
+    def memcpy_host(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """cudaMemcpyAsync(cudaMemcpyDefault): runs (or replays) on ``stream``, reading the host
+        bytes then, not now."""
+
+        def copy() -> None:
+            self.view(dst, nbytes)[:] = self.view(src, nbytes)
+
+        self._submit("cudaMemcpyAsync", stream, Node("memcpy_host", copy))
 
     def allocations(self) -> list[tuple[int, int]]:
         """(address, size) of every live ``malloc`` allocation, by address."""
@@ -519,7 +583,24 @@ class SimDevice:
 
     def take_released(self) -> list[int]:
         with self._lock:
+            if self._host_tokens:  # the pinned pool's stay for take_host_released
+                out = [t for t in self._released if t not in self._host_tokens]
+                self._released = [t for t in self._released if t in self._host_tokens]
+                return out
             out, self._released = self._released, []
+            return out
+
+    def attach_host_release(self, stream: int, token: int) -> None:
+        with self._lock:
+            self.attach_release(stream, token)
+            self._host_tokens.add(token)
+
+    def take_host_released(self) -> list[int]:
+        with self._lock:
+            out = [t for t in self._released if t in self._host_tokens]
+            if out:
+                self._released = [t for t in self._released if t not in self._host_tokens]
+                self._host_tokens.difference_update(out)
             return out
 
     def _retain(self, handle: int, tokens: tuple[int, ...]) -> None:
@@ -781,14 +862,24 @@ class SimBackend:
 
     name = "sim"
 
-    def __init__(self, device_count: int | None = None, memory_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device_count: int | None = None,
+        memory_bytes: int | None = None,
+        host_memory_bytes: int | None = None,
+    ) -> None:
         count = _defaults["device_count"] if device_count is None else device_count
         size = _defaults["memory_bytes"] if memory_bytes is None else memory_bytes
-        if count < 1 or size < 1:
-            raise ValueError(f"need device_count >= 1 and memory_bytes >= 1, got {count}, {size}")
-        self._devices = [SimDevice(i, size) for i in range(count)]
+        host = _defaults["host_memory_bytes"] if host_memory_bytes is None else host_memory_bytes
+        if count < 1 or size < 1 or host < 1:
+            raise ValueError(
+                f"need device_count, memory_bytes and host_memory_bytes >= 1, got {count}, {size}, {host}"
+            )
+        self._devices = [SimDevice(i, size, host) for i in range(count)]
         for dev in self._devices:
             dev._peers = self._devices  # cross-device event waits (SimDevice.stream_wait_event)
+            dev._host = self._devices[0]._host  # the process's host memory: one for all devices
+            dev._host_lock = self._devices[0]._host_lock
         self._current = threading.local()
 
     def __repr__(self) -> str:
@@ -820,10 +911,16 @@ class SimBackend:
             )
 
 
-_defaults = {"device_count": DEFAULT_DEVICE_COUNT, "memory_bytes": DEFAULT_MEMORY_BYTES}
+_defaults = {
+    "device_count": DEFAULT_DEVICE_COUNT,
+    "memory_bytes": DEFAULT_MEMORY_BYTES,
+    "host_memory_bytes": DEFAULT_HOST_MEMORY_BYTES,
+}
 
 
-def configure(device_count: int | None = None, memory_bytes: int | None = None) -> dict[str, int]:
+def configure(
+    device_count: int | None = None, memory_bytes: int | None = None, host_memory_bytes: int | None = None
+) -> dict[str, int]:
     """Set the defaults of ``SimBackend``s made from now on (e.g. by ``set_backend("sim")``).
 
     Returns the defaults now in force. Backends already made are unchanged.
@@ -836,4 +933,8 @@ def configure(device_count: int | None = None, memory_bytes: int | None = None) 
         if memory_bytes < 1:
             raise ValueError(f"memory_bytes must be >= 1, got {memory_bytes}")
         _defaults["memory_bytes"] = memory_bytes
+    if host_memory_bytes is not None:
+        if host_memory_bytes < 1:
+            raise ValueError(f"host_memory_bytes must be >= 1, got {host_memory_bytes}")
+        _defaults["host_memory_bytes"] = host_memory_bytes
     return dict(_defaults)
