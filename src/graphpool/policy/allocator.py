@@ -88,7 +88,7 @@ from graphpool.errors import (
     OutOfMemoryError,
 )
 from graphpool.policy import interrupts, logs
-from graphpool.policy.block import Block, iter_segment
+from graphpool.policy.block import Block
 from graphpool.policy.freelist import Bins, FreeList, bisect_sizes, past_tails
 from graphpool.policy.heap import LEGACY as _LEGACY
 from graphpool.policy.pools import DEFAULT, SizeConfig
@@ -901,20 +901,8 @@ class CachingAllocator(Reports):
 
     def segment_at(self, ptr: int) -> tuple[int, int, bool, PoolId | None] | None:
         """(base, size, expandable, private pool id or None) of the segment holding address
-        ``ptr``, None when no segment does. For IPC, which exports whole driver allocations.
-        O(log segments + blocks of the segment)."""
-
-        def find() -> tuple[int, int, bool, PoolId | None] | None:
-            head = self._containing(ptr)
-            if head is None:
-                return None
-            while head.prev is not None:
-                head = head.prev
-            owner = head.free_list.private_pool
-            size = sum(b.size for b in iter_segment(head))
-            return head.ptr, size, head.ptr in self._exp, None if owner is None else owner.id
-
-        return self._run_locked("segment_at", find)
+        ``ptr``, None when no segment does. For IPC, which exports whole driver allocations."""
+        return self._run_locked("segment_at", lambda: self._segment_at(ptr))
 
     def private_pools(self) -> list[PrivatePool]:
         """Every private pool that still exists."""

@@ -31,7 +31,7 @@ from graphpool.errors import (
     DoubleFreeError,
     ForeignPointerError,
 )
-from graphpool.policy.block import Block, ExpandableSegment
+from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.history import History
 from graphpool.policy.pools import SizeConfig
@@ -267,6 +267,18 @@ class Heap:
             return True
         owner = fl.private_pool
         return owner is not None and self._pools.get(owner.id) is owner
+
+    def _segment_at(self, ptr: int) -> tuple[int, int, bool, PoolId | None] | None:
+        """(base, size, expandable, private pool id or None) of the segment holding ``ptr``.
+        O(log segments + blocks of the segment)."""
+        head = self._containing(ptr)
+        if head is None:
+            return None
+        while head.prev is not None:
+            head = head.prev
+        owner = head.free_list.private_pool
+        size = sum(b.size for b in iter_segment(head))
+        return head.ptr, size, head.ptr in self._exp, None if owner is None else owner.id
 
     def _containing(self, ptr: int) -> Block | None:
         """The block of a segment that holds address ``ptr``, if any. O(log segments + blocks)."""
