@@ -1298,6 +1298,39 @@ def test_a_graph_released_while_its_replay_stream_captures_unseen_records_no_eve
     ok(a)
 
 
+def test_a_deferred_free_flushed_while_its_stream_captures_unseen_adopts_it_without_a_leak() -> None:
+    """A record_stream'd block freed during a capture waits (deferred) until no capture is
+    underway. When the last one ends, its user stream captures in a capture begun outside
+    graphpool after the free and not seen yet: the flush asks the stream before recording,
+    adopts that capture (no event goes into it), and the block waits on until it ends. The
+    adopted pool is released once the framework destroys that graph: nothing leaks or wedges."""
+    dev, a = make()
+    g = begin(a, dev, P, S1)
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    a.free(x)  # its pool's own block: not kept for g, its event deferred
+    dev.begin(S2)  # a library's capture on x's user stream, no allocation in it
+    end(a, dev, g)  # the flush: S2 is asked first, its capture adopted
+    assert not dev.recorded and a._capturing == 1
+    (adopted,) = [p for p in a.private_pools() if p.id != P]
+    assert adopted.use_count == 1 and adopted.segment_count == 0
+    assert a.memory_stats()["active_bytes.all.current"] == 1024  # x waits
+    ok(a)
+    dev.end(S2)
+    a.memory_stats()  # its end noticed: the event is recorded now, on a stream not capturing
+    assert [s for _, s in dev.recorded] == [S2] and not dev.captured and a._capturing == 0
+    assert adopted.use_count == 1  # its graph lives (the framework holds it)
+    (token,) = dev.attached
+    dev.release(token)  # the framework destroys that graph and its execs
+    a.memory_stats()
+    assert [p.id for p in a.private_pools()] == [P]
+    a.release_capture(g)
+    dev.complete_all()
+    a.empty_cache()
+    assert a.private_pools() == [] and a.memory_stats()["reserved_bytes.all.current"] == 0
+    ok(a)
+
+
 def test_a_queued_release_carried_out_by_an_unseen_captures_first_allocation_records_nothing_in_it() -> None:
     """The graph is collected (its release queued) and the first allocation inside a capture
     on its replay stream carries the release out: it asks the device about its stream

@@ -283,13 +283,17 @@ class Side:
         # a block that took no event at all has nothing to wait for: back at once
         h.events = "waiting" if recorded else None
 
-    def captures_ended(self) -> None:
-        """The device's last capture ended: deferred frees record their events now."""
-        for h in self.holds:
-            if h.events == "deferred":
-                uses, h.uses = h.uses, set()
-                self.record_events(h, uses)
-        self.prune()
+    def unseen_captures(self, uses: set[int]) -> list[tuple[int, int]]:
+        """(stream, capture id) of the captures that ``uses`` take part in and that the allocator
+        adopts when it asks before recording an event: underway, not registered, not dead."""
+        out: list[tuple[int, int]] = []
+        for s in sorted(uses):
+            cid = self.dev.capturing.get(s, 0)
+            if s in self.dev.destroyed or not cid or cid in self.active or cid in self.dead:
+                continue
+            if cid not in [c for _, c in out]:
+                out.append((s, cid))
+        return out
 
     def deferred_on_destroyed(self) -> bool:
         return any(h.events == "deferred" and h.uses & self.dev.destroyed for h in self.holds)
@@ -330,10 +334,37 @@ class AllocatorMachine(RuleBasedStateMachine):
     def capture_stopped(self, side: Side) -> None:
         if not side.active:
             side.own_from = None
-            side.captures_ended()
+            self.captures_ended(side)
         if not self.world_active():
             for s in self.sides:
                 s.calls_from = None
+
+    def captures_ended(self, side: Side) -> None:
+        """The device's last capture ended: deferred frees record their events now, in the order
+        they were freed. Before recording on a stream the allocator asks whether it captures
+        (docs/behaviour.rst, "Events the allocator records"): a capture found there that it has
+        not registered (begun outside graphpool after the free) is adopted, and from then on a
+        capture is underway on the device again, so that block and every later one stay
+        deferred until it ends (its pool lives until the framework destroys its graph)."""
+        for h in side.holds:
+            if h.events != "deferred":
+                continue
+            if side.active:
+                break  # adopted below: the rest wait on
+            unseen = side.unseen_captures(h.uses)
+            for s, cid in unseen:
+                rec = side.a._foreign.get(s)
+                assert rec is not None and rec.capture_id == cid, (
+                    "a deferred free's user stream capture was not adopted before its event"
+                )
+                side.active[cid] = Cap(rec.pool.id, s, cid, side.serial, self.main, None, rec.token)
+                reached("capture adopted when the deferred frees record their events")
+            if unseen:
+                self.capture_began(side)
+                continue
+            uses, h.uses = h.uses, set()
+            side.record_events(h, uses)
+        side.prune()
 
     def adopted(self, side: Side, stream: int, cid: int, attached: set[int], pools: set[PoolId]) -> Cap:
         """Detection registered the capture ``cid`` found on ``stream``."""
@@ -832,7 +863,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         """Every capture on both devices ends or fails, then both caches are emptied: the paths
         that need a quiet world (event polls, empty_cache, failed segments going back)."""
         for side in self.sides:
-            for cid in sorted(side.active):
+            for cid in self._each_capture(side):
                 cap = side.active[cid]
                 if not self._may_stop(side, cid):
                     continue
@@ -856,6 +887,20 @@ class AllocatorMachine(RuleBasedStateMachine):
                     side.dev.end(s)  # dead captures torn down; outside captures not yet seen end
         for d in (0, 1):
             self.empty_cache(d)
+
+    @staticmethod
+    def _each_capture(side: Side) -> Any:
+        """The device's captures in id order, then those adopted meanwhile (stopping the last
+        one flushes the deferred frees, which may adopt a capture on a user stream), each once."""
+        seen: set[int] = set()
+        while True:
+            todo = sorted(set(side.active) - seen)
+            if not todo:
+                return
+            seen.update(todo)
+            for cid in todo:
+                if cid in side.active:
+                    yield cid
 
     @rule(d=st.sampled_from((0, 0, 1)), data=st.data())
     def release_graph(self, d: int, data: st.DataObject) -> None:
@@ -1011,7 +1056,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for side in self.sides:
             side.dev.destroyed.clear()  # (the destroyed-stream bug would fire here otherwise)
         for side in self.sides:
-            for cid, cap in list(side.active.items()):
+            for cid in self._each_capture(side):
+                cap = side.active.pop(cid)
                 for s, c in list(side.dev.capturing.items()):
                     if c == cid:
                         side.dev.end(s)
@@ -1020,7 +1066,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 else:
                     side.a.memory_stats()
                     side.graphs.append(cap)
-            side.active.clear()
+                self.capture_stopped(side)  # (may adopt a capture on a deferred free's user stream)
             for cap in side.graphs:
                 if cap.rec is not None:
                     side.a.release_capture(cap.rec)
@@ -1578,4 +1624,47 @@ def test_model_forgets_waiting_after_oom_retry() -> None:
     assert first in side.live  # the block came back, and the model agreed it could
     m.accounting()
     m.allocator_invariants()
+    m.teardown()
+
+
+class _Draws:
+    """Feeds fixed values to a rule's ``data`` argument (a replayed example)."""
+
+    def __init__(self, *values: Any) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: Any, label: Any = None) -> Any:
+        return self.values.pop(0)
+
+
+def test_model_adopts_a_capture_found_when_deferred_frees_record_their_events() -> None:
+    """A found example: a record_stream'd block freed during a detected capture waits (deferred)
+    for the device's captures to end; another capture begun outside graphpool on its user
+    stream meanwhile is adopted when that flush asks the stream before recording, so its
+    pool lives until the framework destroys its graph. The model must know that capture (and
+    quiesce and teardown must end it and release its graph), else it reports the pool's
+    use count as a leak."""
+    m = AllocatorMachine()
+    side = m.sides[0]
+
+    def check() -> None:
+        m.accounting()
+        m.allocator_invariants()
+        m.capture_rules()
+        m.use_counts()
+
+    m.foreign_begin(d=0, explicit=False, stream=1)
+    m.malloc(d=0, nbytes=0, stream=1)  # detected: adopted into a pool of its own
+    first = min(side.live)
+    m.record_stream(d=0, data=_Draws(first), stream=2)  # type: ignore[arg-type]
+    m.free_and_malloc_again(d=0, data=_Draws(first))  # type: ignore[arg-type]
+    m.foreign_begin(d=0, explicit=False, stream=2)  # unseen: no allocation in it
+    check()
+    m.quiesce(data=_Draws())  # type: ignore[arg-type]
+    check()
+    assert not side.active and len(side.graphs) == 2  # both captures' graphs live
+    assert {p.use_count for p in side.a.private_pools()} == {1}
+    for _ in side.graphs[:]:
+        m.foreign_release(d=0, data=_Draws(side.graphs[0]))  # type: ignore[arg-type]
+        check()
     m.teardown()
