@@ -213,7 +213,9 @@ class Hold:
     lo: int
     hi: int
     keepers: list[Cap]  # kept until every one of these graphs is released
-    events: str | None = None  # "deferred" (recorded when the device's captures end), "waiting"
+    # "deferred" (recorded when the device's captures end), "waiting", "orphan" (a user stream
+    # is in a dead capture: recorded once an eager allocation or empty_cache finds none is)
+    events: str | None = None
     uses: set[int] = field(default_factory=set)  # deferred: the streams to record on
     pending: set[int] = field(default_factory=set)  # waiting: streams whose event is not complete
     block: Live | None = None  # what it was
@@ -249,13 +251,28 @@ class Side:
 
     def process(self) -> None:
         """A malloc polled the events: blocks whose every stream user is done go back."""
+        self.reask_orphans()
         for h in self.holds:
             if h.events == "waiting" and not h.pending:
                 h.events = None
         self.prune()
 
+    def reask_orphans(self) -> None:
+        """Blocks whose user streams were in a dead capture: asked again, last filed first; those
+        whose streams are all free now record their events."""
+        for h in reversed(self.holds):
+            if h.events == "orphan" and not self.in_dead_capture(h.uses):
+                uses, h.uses = h.uses, set()
+                self.record_events(h, uses)
+
+    def in_dead_capture(self, uses: set[int]) -> bool:
+        """Whether a (live) user stream takes part in a capture that can never end: the allocator
+        cannot adopt it, and records no event until the stream is free."""
+        return any(s not in self.dev.destroyed and self.dev.capturing.get(s, 0) in self.dead for s in uses)
+
     def sync_all(self) -> None:
         """Every pending event was waited for (empty_cache, out-of-memory retry)."""
+        self.reask_orphans()
         for h in self.holds:
             if h.events == "waiting":
                 h.events = None
@@ -270,7 +287,13 @@ class Side:
 
     def record_events(self, h: Hold, uses: set[int]) -> None:
         """Streams: an event on each extra user stream; a destroyed stream takes none,
-        the device is synchronized instead."""
+        the device is synchronized instead. No event at all while a user stream is in a dead
+        capture: the block waits, its streams kept (docs/behaviour.rst, "Events the allocator
+        records")."""
+        if self.in_dead_capture(uses):
+            reached("event waits for a dead capture")
+            h.events, h.uses = "orphan", set(uses)
+            return
         recorded = False
         for s in sorted(uses):
             if s in self.dev.destroyed:
@@ -451,7 +474,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             cap is None
             and not adopt
             and any(
-                h.events == "waiting"
+                (h.events == "waiting" or (h.events == "orphan" and not side.in_dead_capture(h.uses)))
                 and not any(not c.released for c in h.keepers)
                 and h.block is not None
                 and h.block.pool is None
@@ -1667,4 +1690,43 @@ def test_model_adopts_a_capture_found_when_deferred_frees_record_their_events() 
     for _ in side.graphs[:]:
         m.foreign_release(d=0, data=_Draws(side.graphs[0]))  # type: ignore[arg-type]
         check()
+    m.teardown()
+
+
+def test_model_keeps_a_free_whose_user_stream_is_in_a_dead_capture() -> None:
+    """A record_stream'd eager block freed during a capture, whose user stream is in a dead
+    capture (abandoned, the device refused to end it) when the capture ends: the allocator
+    cannot adopt that capture, so it records no event and the block waits, its streams kept,
+    until an eager allocation finds the stream free. The model must not let the block go
+    when the stream's work completes or the graph is released."""
+    m = AllocatorMachine()
+    side = m.sides[0]
+
+    def check() -> None:
+        m.accounting()
+        m.allocator_invariants()
+        m.capture_rules()
+        m.use_counts()
+
+    m.malloc(d=0, nbytes=0, stream=1)
+    x = min(side.live)
+    m.record_stream(d=0, data=_Draws(x), stream=2)  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=3, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=2, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    (dead,) = [c for c, cap in side.active.items() if cap.stream == 2]
+    m.stop_capture(d=0, data=_Draws(dead, True), how="abandon")  # type: ignore[arg-type]
+    assert side.dead == {dead}
+    m.free(d=0, data=_Draws(x), how="main")  # type: ignore[arg-type]
+    (live,) = side.active
+    m.stop_capture(d=0, data=_Draws(live), how="end")  # type: ignore[arg-type]
+    check()
+    m.complete_stream(d=0, stream=2)
+    m.release_graph(d=0, data=_Draws(side.graphs[0]))  # type: ignore[arg-type]
+    m.malloc(d=0, nbytes=0, stream=1)  # asks again: still in the dead capture
+    check()
+    assert side.dev.recorded == []
+    m.end_dead(d=0)
+    m.malloc(d=0, nbytes=0, stream=1)  # asks again: the event is recorded now
+    assert [s for _, s in side.dev.recorded] == [2]
+    check()
     m.teardown()
