@@ -1404,6 +1404,49 @@ def test_an_event_waits_while_its_stream_captures_in_a_capture_that_cannot_be_ad
     ok(a)
 
 
+@pytest.mark.parametrize("how", ["malloc", "empty_cache"])
+def test_an_orphan_asked_again_adopts_a_capture_begun_on_its_stream_and_touches_no_event(how: str) -> None:
+    """A block waits without an event (an orphan) while its user stream is in a capture that
+    cannot be adopted. That capture is torn down and a library begins a new one on the
+    stream, unseen. The next eager allocation (or empty_cache) asks the orphan's stream
+    again and adopts that capture: a capture is underway from then on, so the same call must
+    not go on to query or synchronize the other waiting events (the allocation raised
+    CaptureError; empty_cache synchronized inside the capture) nor free device memory."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    y = a.malloc(1000, stream=S1)
+    a.record_stream(y, S3)
+    g = begin(a, dev, P, S4)
+    a._dead.add(dev.begin(S2))  # S2 in a capture that can never end (its thread died)
+    a.free(x)  # kept for g, its event deferred
+    end(a, dev, g)  # S2 still in the dead capture: x waits without an event
+    a.free(y)  # an event on S3, pending
+    assert a._orphans and a._capturing == 0
+    dev.end(S2)  # the dead capture is torn down...
+    dev.begin(S2)  # ...and a library begins a capture on S2, not seen yet
+    n = len(dev.calls)
+    if how == "malloc":
+        a.malloc(1000, stream=S1)  # eager: asks x's stream again first
+    else:
+        with pytest.raises(CaptureError, match="underway"):
+            a.empty_cache()
+    assert a._capturing == 1 and not dev.captured  # adopted, nothing recorded into it
+    assert not set(dev.calls[n:]) & UNSAFE
+    ok(a)
+    dev.end(S2)
+    a.memory_stats()  # its end noticed: x's event is recorded now
+    assert [s for _, s in dev.recorded] == [S3, S2] and not dev.captured
+    (token,) = dev.attached
+    dev.release(token)
+    a.release_capture(g)
+    dev.complete_all()
+    a.empty_cache()
+    assert a.private_pools() == []
+    assert a.memory_stats()["active_bytes.all.current"] == (1024 if how == "malloc" else 0)
+    ok(a)
+
+
 def test_an_eager_free_after_a_detected_capture_ended_is_not_kept_for_its_graph() -> None:
     """A capture begun outside graphpool ended; no allocation has swept since (SWEEP_EVERY).
     A free made now of a block the capture could have used, had it been freed during it,
