@@ -242,6 +242,8 @@ class Side:
         self.own_from: int | None = None  # dev.calls index when this device's captures began
         self.segs: dict[int, Seg] = {}  # base -> segment made during a capture
         self.maxima: dict[tuple[Any, str], int] = {}
+        # the machine's registration of a capture the allocator adopted (stream, capture id)
+        self.on_adopt: Any = None
 
     def prune(self) -> None:
         self.holds = [h for h in self.holds if h.alive()]
@@ -258,12 +260,32 @@ class Side:
         self.prune()
 
     def reask_orphans(self) -> None:
-        """Blocks whose user streams were in a dead capture: asked again, last filed first; those
-        whose streams are all free now record their events."""
+        """Blocks whose user streams were in a dead capture: asked again (at an eager allocation
+        or empty_cache, with no capture underway), last filed first. A capture begun since on
+        such a stream, unseen, is adopted: that block and every one asked after it wait
+        (deferred) until it ends. Those whose streams are all free record their events."""
         for h in reversed(self.holds):
-            if h.events == "orphan" and not self.in_dead_capture(h.uses):
+            if h.events != "orphan":
+                continue
+            if self.active:
+                h.events = "deferred"  # a capture is underway now
+                continue
+            unseen = self.unseen_captures(h.uses)
+            if unseen:
+                for s, cid in unseen:
+                    self.on_adopt(self, s, cid)
+                    reached("capture adopted when an orphan is asked again")
+                h.events = "deferred"
+            elif not self.in_dead_capture(h.uses):
                 uses, h.uses = h.uses, set()
                 self.record_events(h, uses)
+
+    def orphan_adopts(self) -> bool:
+        """Whether asking the orphans again adopts a capture (reask_orphans, without doing it)."""
+        for h in reversed(self.holds):
+            if h.events == "orphan" and self.unseen_captures(h.uses):
+                return True
+        return False
 
     def in_dead_capture(self, uses: set[int]) -> bool:
         """Whether a (live) user stream takes part in a capture that can never end: the allocator
@@ -341,6 +363,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.world = CaptureWorld()
         self.sides = [Side(0, self.world), Side(1, self.world)]
+        for side in self.sides:
+            side.on_adopt = self.adopted_at
         self.main = threading.get_ident()
 
     # ------------------------------------------------------------- helpers
@@ -376,18 +400,20 @@ class AllocatorMachine(RuleBasedStateMachine):
                 break  # adopted below: the rest wait on
             unseen = side.unseen_captures(h.uses)
             for s, cid in unseen:
-                rec = side.a._foreign.get(s)
-                assert rec is not None and rec.capture_id == cid, (
-                    "a deferred free's user stream capture was not adopted before its event"
-                )
-                side.active[cid] = Cap(rec.pool.id, s, cid, side.serial, self.main, None, rec.token)
+                self.adopted_at(side, s, cid)
                 reached("capture adopted when the deferred frees record their events")
             if unseen:
-                self.capture_began(side)
                 continue
             uses, h.uses = h.uses, set()
             side.record_events(h, uses)
         side.prune()
+
+    def adopted_at(self, side: Side, stream: int, cid: int) -> None:
+        """The allocator adopted capture ``cid`` when it asked ``stream`` before recording an event."""
+        rec = side.a._foreign.get(stream)
+        assert rec is not None and rec.capture_id == cid, "a user stream's capture was not adopted"
+        side.active[cid] = Cap(rec.pool.id, stream, cid, side.serial, self.main, None, rec.token)
+        self.capture_began(side)
 
     def adopted(self, side: Side, stream: int, cid: int, attached: set[int], pools: set[PoolId]) -> Cap:
         """Detection registered the capture ``cid`` found on ``stream``."""
@@ -484,11 +510,15 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for h in side.holds
             )
         )
+        # An eager request with no capture underway asks the orphans' streams again first
+        asks = cap is None and not adopt and not self.world_active()
         try:
             ptr = a.malloc(nbytes, stream=stream)
         except OutOfMemoryError:
             if adopt:
                 cap = self.adopted(side, stream, cid, attached, pools)
+            if asks:
+                side.reask_orphans()
             after = a.memory_stats()
             assert after["num_ooms"] == before["num_ooms"] + 1
             assert after["allocation.all.current"] == before["allocation.all.current"]
@@ -516,6 +546,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             return False
         if adopt:
             cap = self.adopted(side, stream, cid, attached, pools)
+        if asks:
+            side.reask_orphans()
         if cap is None and not self.world_active():
             side.process()  # Events are polled at the next malloc (never during capture)
         after = a.memory_stats()
@@ -695,6 +727,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(d=st.sampled_from((0, 0, 1)))
     def empty_cache(self, d: int) -> None:
         side = self.sides[d]
+        if not self.world_active() and side.orphan_adopts():
+            # asking the orphans again adopts a capture begun on one's stream: refused
+            with pytest.raises(CaptureError):
+                side.a.empty_cache()
+            side.reask_orphans()
+            assert self.world_active()
+            return
         if self.world_active():
             before = side.a.memory_stats()
             with pytest.raises(CaptureError):
@@ -1728,5 +1767,46 @@ def test_model_keeps_a_free_whose_user_stream_is_in_a_dead_capture() -> None:
     m.end_dead(d=0)
     m.malloc(d=0, nbytes=0, stream=1)  # asks again: the event is recorded now
     assert [s for _, s in side.dev.recorded] == [2]
+    check()
+    m.teardown()
+
+
+@pytest.mark.parametrize("how", ["malloc", "empty_cache"])
+def test_model_adopts_a_capture_found_when_an_orphan_is_asked_again(how: str) -> None:
+    """The block above waits without an event; the dead capture is torn down and a framework
+    begins a capture on its stream. The next eager allocation, or empty_cache (refused then),
+    asks the stream again and adopts that capture: the model must know it."""
+    m = AllocatorMachine()
+    side = m.sides[0]
+
+    def check() -> None:
+        m.accounting()
+        m.allocator_invariants()
+        m.capture_rules()
+        m.use_counts()
+
+    m.malloc(d=0, nbytes=0, stream=1)
+    m.malloc(d=0, nbytes=0, stream=1)
+    x, y = sorted(side.live)
+    m.record_stream(d=0, data=_Draws(x), stream=2)  # type: ignore[arg-type]
+    m.record_stream(d=0, data=_Draws(y), stream=3)  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=3, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=2, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    (dead,) = [c for c, cap in side.active.items() if cap.stream == 2]
+    m.stop_capture(d=0, data=_Draws(dead, True), how="abandon")  # type: ignore[arg-type]
+    m.free(d=0, data=_Draws(x), how="main")  # type: ignore[arg-type]
+    (live,) = side.active
+    m.stop_capture(d=0, data=_Draws(live), how="end")  # type: ignore[arg-type]
+    m.free(d=0, data=_Draws(y), how="main")  # type: ignore[arg-type]  (an event on stream 3)
+    m.end_dead(d=0)
+    m.foreign_begin(d=0, explicit=False, stream=2)
+    check()
+    if how == "malloc":
+        m.malloc(d=0, nbytes=0, stream=1)
+    else:
+        m.empty_cache(d=0)
+    assert len(side.active) == 1
+    check()
+    m.quiesce(data=_Draws())  # type: ignore[arg-type]
     check()
     m.teardown()
