@@ -1298,6 +1298,39 @@ def test_a_graph_released_while_its_replay_stream_captures_unseen_records_no_eve
     ok(a)
 
 
+def test_a_deferred_free_flushed_while_its_stream_captures_unseen_adopts_it_without_a_leak() -> None:
+    """A record_stream'd block freed during a capture waits (deferred) until no capture is
+    underway. When the last one ends, its user stream captures in a capture begun outside
+    graphpool after the free and not seen yet: the flush asks the stream before recording,
+    adopts that capture (no event goes into it), and the block waits on until it ends. The
+    adopted pool is released once the framework destroys that graph: nothing leaks or wedges."""
+    dev, a = make()
+    g = begin(a, dev, P, S1)
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    a.free(x)  # its pool's own block: not kept for g, its event deferred
+    dev.begin(S2)  # a library's capture on x's user stream, no allocation in it
+    end(a, dev, g)  # the flush: S2 is asked first, its capture adopted
+    assert not dev.recorded and a._capturing == 1
+    (adopted,) = [p for p in a.private_pools() if p.id != P]
+    assert adopted.use_count == 1 and adopted.segment_count == 0
+    assert a.memory_stats()["active_bytes.all.current"] == 1024  # x waits
+    ok(a)
+    dev.end(S2)
+    a.memory_stats()  # its end noticed: the event is recorded now, on a stream not capturing
+    assert [s for _, s in dev.recorded] == [S2] and not dev.captured and a._capturing == 0
+    assert adopted.use_count == 1  # its graph lives (the framework holds it)
+    (token,) = dev.attached
+    dev.release(token)  # the framework destroys that graph and its execs
+    a.memory_stats()
+    assert [p.id for p in a.private_pools()] == [P]
+    a.release_capture(g)
+    dev.complete_all()
+    a.empty_cache()
+    assert a.private_pools() == [] and a.memory_stats()["reserved_bytes.all.current"] == 0
+    ok(a)
+
+
 def test_a_queued_release_carried_out_by_an_unseen_captures_first_allocation_records_nothing_in_it() -> None:
     """The graph is collected (its release queued) and the first allocation inside a capture
     on its replay stream carries the release out: it asks the device about its stream
@@ -1368,6 +1401,49 @@ def test_an_event_waits_while_its_stream_captures_in_a_capture_that_cannot_be_ad
     dev.complete_all()
     a.free(a.malloc(1000, stream=S4))
     assert a.memory_stats()["active_bytes.all.current"] == 0
+    ok(a)
+
+
+@pytest.mark.parametrize("how", ["malloc", "empty_cache"])
+def test_an_orphan_asked_again_adopts_a_capture_begun_on_its_stream_and_touches_no_event(how: str) -> None:
+    """A block waits without an event (an orphan) while its user stream is in a capture that
+    cannot be adopted. That capture is torn down and a library begins a new one on the
+    stream, unseen. The next eager allocation (or empty_cache) asks the orphan's stream
+    again and adopts that capture: a capture is underway from then on, so the same call must
+    not go on to query or synchronize the other waiting events (the allocation raised
+    CaptureError; empty_cache synchronized inside the capture) nor free device memory."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    y = a.malloc(1000, stream=S1)
+    a.record_stream(y, S3)
+    g = begin(a, dev, P, S4)
+    a._dead.add(dev.begin(S2))  # S2 in a capture that can never end (its thread died)
+    a.free(x)  # kept for g, its event deferred
+    end(a, dev, g)  # S2 still in the dead capture: x waits without an event
+    a.free(y)  # an event on S3, pending
+    assert a._orphans and a._capturing == 0
+    dev.end(S2)  # the dead capture is torn down...
+    dev.begin(S2)  # ...and a library begins a capture on S2, not seen yet
+    n = len(dev.calls)
+    if how == "malloc":
+        a.malloc(1000, stream=S1)  # eager: asks x's stream again first
+    else:
+        with pytest.raises(CaptureError, match="underway"):
+            a.empty_cache()
+    assert a._capturing == 1 and not dev.captured  # adopted, nothing recorded into it
+    assert not set(dev.calls[n:]) & UNSAFE
+    ok(a)
+    dev.end(S2)
+    a.memory_stats()  # its end noticed: x's event is recorded now
+    assert [s for _, s in dev.recorded] == [S3, S2] and not dev.captured
+    (token,) = dev.attached
+    dev.release(token)
+    a.release_capture(g)
+    dev.complete_all()
+    a.empty_cache()
+    assert a.private_pools() == []
+    assert a.memory_stats()["active_bytes.all.current"] == (1024 if how == "malloc" else 0)
     ok(a)
 
 

@@ -213,7 +213,9 @@ class Hold:
     lo: int
     hi: int
     keepers: list[Cap]  # kept until every one of these graphs is released
-    events: str | None = None  # "deferred" (recorded when the device's captures end), "waiting"
+    # "deferred" (recorded when the device's captures end), "waiting", "orphan" (a user stream
+    # is in a dead capture: recorded once an eager allocation or empty_cache finds none is)
+    events: str | None = None
     uses: set[int] = field(default_factory=set)  # deferred: the streams to record on
     pending: set[int] = field(default_factory=set)  # waiting: streams whose event is not complete
     block: Live | None = None  # what it was
@@ -240,6 +242,8 @@ class Side:
         self.own_from: int | None = None  # dev.calls index when this device's captures began
         self.segs: dict[int, Seg] = {}  # base -> segment made during a capture
         self.maxima: dict[tuple[Any, str], int] = {}
+        # the machine's registration of a capture the allocator adopted (stream, capture id)
+        self.on_adopt: Any = None
 
     def prune(self) -> None:
         self.holds = [h for h in self.holds if h.alive()]
@@ -249,13 +253,48 @@ class Side:
 
     def process(self) -> None:
         """A malloc polled the events: blocks whose every stream user is done go back."""
+        self.reask_orphans()
         for h in self.holds:
             if h.events == "waiting" and not h.pending:
                 h.events = None
         self.prune()
 
+    def reask_orphans(self) -> None:
+        """Blocks whose user streams were in a dead capture: asked again (at an eager allocation
+        or empty_cache, with no capture underway), last filed first. A capture begun since on
+        such a stream, unseen, is adopted: that block and every one asked after it wait
+        (deferred) until it ends. Those whose streams are all free record their events."""
+        for h in reversed(self.holds):
+            if h.events != "orphan":
+                continue
+            if self.active:
+                h.events = "deferred"  # a capture is underway now
+                continue
+            unseen = self.unseen_captures(h.uses)
+            if unseen:
+                for s, cid in unseen:
+                    self.on_adopt(self, s, cid)
+                    reached("capture adopted when an orphan is asked again")
+                h.events = "deferred"
+            elif not self.in_dead_capture(h.uses):
+                uses, h.uses = h.uses, set()
+                self.record_events(h, uses)
+
+    def orphan_adopts(self) -> bool:
+        """Whether asking the orphans again adopts a capture (reask_orphans, without doing it)."""
+        for h in reversed(self.holds):
+            if h.events == "orphan" and self.unseen_captures(h.uses):
+                return True
+        return False
+
+    def in_dead_capture(self, uses: set[int]) -> bool:
+        """Whether a (live) user stream takes part in a capture that can never end: the allocator
+        cannot adopt it, and records no event until the stream is free."""
+        return any(s not in self.dev.destroyed and self.dev.capturing.get(s, 0) in self.dead for s in uses)
+
     def sync_all(self) -> None:
         """Every pending event was waited for (empty_cache, out-of-memory retry)."""
+        self.reask_orphans()
         for h in self.holds:
             if h.events == "waiting":
                 h.events = None
@@ -270,7 +309,13 @@ class Side:
 
     def record_events(self, h: Hold, uses: set[int]) -> None:
         """Streams: an event on each extra user stream; a destroyed stream takes none,
-        the device is synchronized instead."""
+        the device is synchronized instead. No event at all while a user stream is in a dead
+        capture: the block waits, its streams kept (docs/behaviour.rst, "Events the allocator
+        records")."""
+        if self.in_dead_capture(uses):
+            reached("event waits for a dead capture")
+            h.events, h.uses = "orphan", set(uses)
+            return
         recorded = False
         for s in sorted(uses):
             if s in self.dev.destroyed:
@@ -283,13 +328,17 @@ class Side:
         # a block that took no event at all has nothing to wait for: back at once
         h.events = "waiting" if recorded else None
 
-    def captures_ended(self) -> None:
-        """The device's last capture ended: deferred frees record their events now."""
-        for h in self.holds:
-            if h.events == "deferred":
-                uses, h.uses = h.uses, set()
-                self.record_events(h, uses)
-        self.prune()
+    def unseen_captures(self, uses: set[int]) -> list[tuple[int, int]]:
+        """(stream, capture id) of the captures that ``uses`` take part in and that the allocator
+        adopts when it asks before recording an event: underway, not registered, not dead."""
+        out: list[tuple[int, int]] = []
+        for s in sorted(uses):
+            cid = self.dev.capturing.get(s, 0)
+            if s in self.dev.destroyed or not cid or cid in self.active or cid in self.dead:
+                continue
+            if cid not in [c for _, c in out]:
+                out.append((s, cid))
+        return out
 
     def deferred_on_destroyed(self) -> bool:
         return any(h.events == "deferred" and h.uses & self.dev.destroyed for h in self.holds)
@@ -314,6 +363,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         super().__init__()
         self.world = CaptureWorld()
         self.sides = [Side(0, self.world), Side(1, self.world)]
+        for side in self.sides:
+            side.on_adopt = self.adopted_at
         self.main = threading.get_ident()
 
     # ------------------------------------------------------------- helpers
@@ -330,10 +381,39 @@ class AllocatorMachine(RuleBasedStateMachine):
     def capture_stopped(self, side: Side) -> None:
         if not side.active:
             side.own_from = None
-            side.captures_ended()
+            self.captures_ended(side)
         if not self.world_active():
             for s in self.sides:
                 s.calls_from = None
+
+    def captures_ended(self, side: Side) -> None:
+        """The device's last capture ended: deferred frees record their events now, in the order
+        they were freed. Before recording on a stream the allocator asks whether it captures
+        (docs/behaviour.rst, "Events the allocator records"): a capture found there that it has
+        not registered (begun outside graphpool after the free) is adopted, and from then on a
+        capture is underway on the device again, so that block and every later one stay
+        deferred until it ends (its pool lives until the framework destroys its graph)."""
+        for h in side.holds:
+            if h.events != "deferred":
+                continue
+            if side.active:
+                break  # adopted below: the rest wait on
+            unseen = side.unseen_captures(h.uses)
+            for s, cid in unseen:
+                self.adopted_at(side, s, cid)
+                reached("capture adopted when the deferred frees record their events")
+            if unseen:
+                continue
+            uses, h.uses = h.uses, set()
+            side.record_events(h, uses)
+        side.prune()
+
+    def adopted_at(self, side: Side, stream: int, cid: int) -> None:
+        """The allocator adopted capture ``cid`` when it asked ``stream`` before recording an event."""
+        rec = side.a._foreign.get(stream)
+        assert rec is not None and rec.capture_id == cid, "a user stream's capture was not adopted"
+        side.active[cid] = Cap(rec.pool.id, stream, cid, side.serial, self.main, None, rec.token)
+        self.capture_began(side)
 
     def adopted(self, side: Side, stream: int, cid: int, attached: set[int], pools: set[PoolId]) -> Cap:
         """Detection registered the capture ``cid`` found on ``stream``."""
@@ -420,7 +500,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             cap is None
             and not adopt
             and any(
-                h.events == "waiting"
+                (h.events == "waiting" or (h.events == "orphan" and not side.in_dead_capture(h.uses)))
                 and not any(not c.released for c in h.keepers)
                 and h.block is not None
                 and h.block.pool is None
@@ -430,11 +510,15 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for h in side.holds
             )
         )
+        # An eager request with no capture underway asks the orphans' streams again first
+        asks = cap is None and not adopt and not self.world_active()
         try:
             ptr = a.malloc(nbytes, stream=stream)
         except OutOfMemoryError:
             if adopt:
                 cap = self.adopted(side, stream, cid, attached, pools)
+            if asks:
+                side.reask_orphans()
             after = a.memory_stats()
             assert after["num_ooms"] == before["num_ooms"] + 1
             assert after["allocation.all.current"] == before["allocation.all.current"]
@@ -462,6 +546,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             return False
         if adopt:
             cap = self.adopted(side, stream, cid, attached, pools)
+        if asks:
+            side.reask_orphans()
         if cap is None and not self.world_active():
             side.process()  # Events are polled at the next malloc (never during capture)
         after = a.memory_stats()
@@ -641,6 +727,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(d=st.sampled_from((0, 0, 1)))
     def empty_cache(self, d: int) -> None:
         side = self.sides[d]
+        if not self.world_active() and side.orphan_adopts():
+            # asking the orphans again adopts a capture begun on one's stream: refused
+            with pytest.raises(CaptureError):
+                side.a.empty_cache()
+            side.reask_orphans()
+            assert self.world_active()
+            return
         if self.world_active():
             before = side.a.memory_stats()
             with pytest.raises(CaptureError):
@@ -832,7 +925,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         """Every capture on both devices ends or fails, then both caches are emptied: the paths
         that need a quiet world (event polls, empty_cache, failed segments going back)."""
         for side in self.sides:
-            for cid in sorted(side.active):
+            for cid in self._each_capture(side):
                 cap = side.active[cid]
                 if not self._may_stop(side, cid):
                     continue
@@ -856,6 +949,20 @@ class AllocatorMachine(RuleBasedStateMachine):
                     side.dev.end(s)  # dead captures torn down; outside captures not yet seen end
         for d in (0, 1):
             self.empty_cache(d)
+
+    @staticmethod
+    def _each_capture(side: Side) -> Any:
+        """The device's captures in id order, then those adopted meanwhile (stopping the last
+        one flushes the deferred frees, which may adopt a capture on a user stream), each once."""
+        seen: set[int] = set()
+        while True:
+            todo = sorted(set(side.active) - seen)
+            if not todo:
+                return
+            seen.update(todo)
+            for cid in todo:
+                if cid in side.active:
+                    yield cid
 
     @rule(d=st.sampled_from((0, 0, 1)), data=st.data())
     def release_graph(self, d: int, data: st.DataObject) -> None:
@@ -1011,7 +1118,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for side in self.sides:
             side.dev.destroyed.clear()  # (the destroyed-stream bug would fire here otherwise)
         for side in self.sides:
-            for cid, cap in list(side.active.items()):
+            for cid in self._each_capture(side):
+                cap = side.active.pop(cid)
                 for s, c in list(side.dev.capturing.items()):
                     if c == cid:
                         side.dev.end(s)
@@ -1020,7 +1128,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 else:
                     side.a.memory_stats()
                     side.graphs.append(cap)
-            side.active.clear()
+                self.capture_stopped(side)  # (may adopt a capture on a deferred free's user stream)
             for cap in side.graphs:
                 if cap.rec is not None:
                     side.a.release_capture(cap.rec)
@@ -1578,4 +1686,127 @@ def test_model_forgets_waiting_after_oom_retry() -> None:
     assert first in side.live  # the block came back, and the model agreed it could
     m.accounting()
     m.allocator_invariants()
+    m.teardown()
+
+
+class _Draws:
+    """Feeds fixed values to a rule's ``data`` argument (a replayed example)."""
+
+    def __init__(self, *values: Any) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: Any, label: Any = None) -> Any:
+        return self.values.pop(0)
+
+
+def test_model_adopts_a_capture_found_when_deferred_frees_record_their_events() -> None:
+    """A found example: a record_stream'd block freed during a detected capture waits (deferred)
+    for the device's captures to end; another capture begun outside graphpool on its user
+    stream meanwhile is adopted when that flush asks the stream before recording, so its
+    pool lives until the framework destroys its graph. The model must know that capture (and
+    quiesce and teardown must end it and release its graph), else it reports the pool's
+    use count as a leak."""
+    m = AllocatorMachine()
+    side = m.sides[0]
+
+    def check() -> None:
+        m.accounting()
+        m.allocator_invariants()
+        m.capture_rules()
+        m.use_counts()
+
+    m.foreign_begin(d=0, explicit=False, stream=1)
+    m.malloc(d=0, nbytes=0, stream=1)  # detected: adopted into a pool of its own
+    first = min(side.live)
+    m.record_stream(d=0, data=_Draws(first), stream=2)  # type: ignore[arg-type]
+    m.free_and_malloc_again(d=0, data=_Draws(first))  # type: ignore[arg-type]
+    m.foreign_begin(d=0, explicit=False, stream=2)  # unseen: no allocation in it
+    check()
+    m.quiesce(data=_Draws())  # type: ignore[arg-type]
+    check()
+    assert not side.active and len(side.graphs) == 2  # both captures' graphs live
+    assert {p.use_count for p in side.a.private_pools()} == {1}
+    for _ in side.graphs[:]:
+        m.foreign_release(d=0, data=_Draws(side.graphs[0]))  # type: ignore[arg-type]
+        check()
+    m.teardown()
+
+
+def test_model_keeps_a_free_whose_user_stream_is_in_a_dead_capture() -> None:
+    """A record_stream'd eager block freed during a capture, whose user stream is in a dead
+    capture (abandoned, the device refused to end it) when the capture ends: the allocator
+    cannot adopt that capture, so it records no event and the block waits, its streams kept,
+    until an eager allocation finds the stream free. The model must not let the block go
+    when the stream's work completes or the graph is released."""
+    m = AllocatorMachine()
+    side = m.sides[0]
+
+    def check() -> None:
+        m.accounting()
+        m.allocator_invariants()
+        m.capture_rules()
+        m.use_counts()
+
+    m.malloc(d=0, nbytes=0, stream=1)
+    x = min(side.live)
+    m.record_stream(d=0, data=_Draws(x), stream=2)  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=3, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=2, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    (dead,) = [c for c, cap in side.active.items() if cap.stream == 2]
+    m.stop_capture(d=0, data=_Draws(dead, True), how="abandon")  # type: ignore[arg-type]
+    assert side.dead == {dead}
+    m.free(d=0, data=_Draws(x), how="main")  # type: ignore[arg-type]
+    (live,) = side.active
+    m.stop_capture(d=0, data=_Draws(live), how="end")  # type: ignore[arg-type]
+    check()
+    m.complete_stream(d=0, stream=2)
+    m.release_graph(d=0, data=_Draws(side.graphs[0]))  # type: ignore[arg-type]
+    m.malloc(d=0, nbytes=0, stream=1)  # asks again: still in the dead capture
+    check()
+    assert side.dev.recorded == []
+    m.end_dead(d=0)
+    m.malloc(d=0, nbytes=0, stream=1)  # asks again: the event is recorded now
+    assert [s for _, s in side.dev.recorded] == [2]
+    check()
+    m.teardown()
+
+
+@pytest.mark.parametrize("how", ["malloc", "empty_cache"])
+def test_model_adopts_a_capture_found_when_an_orphan_is_asked_again(how: str) -> None:
+    """The block above waits without an event; the dead capture is torn down and a framework
+    begins a capture on its stream. The next eager allocation, or empty_cache (refused then),
+    asks the stream again and adopts that capture: the model must know it."""
+    m = AllocatorMachine()
+    side = m.sides[0]
+
+    def check() -> None:
+        m.accounting()
+        m.allocator_invariants()
+        m.capture_rules()
+        m.use_counts()
+
+    m.malloc(d=0, nbytes=0, stream=1)
+    m.malloc(d=0, nbytes=0, stream=1)
+    x, y = sorted(side.live)
+    m.record_stream(d=0, data=_Draws(x), stream=2)  # type: ignore[arg-type]
+    m.record_stream(d=0, data=_Draws(y), stream=3)  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=3, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    m.begin_capture(d=0, stream=2, which="new", worker=False, data=_Draws())  # type: ignore[arg-type]
+    (dead,) = [c for c, cap in side.active.items() if cap.stream == 2]
+    m.stop_capture(d=0, data=_Draws(dead, True), how="abandon")  # type: ignore[arg-type]
+    m.free(d=0, data=_Draws(x), how="main")  # type: ignore[arg-type]
+    (live,) = side.active
+    m.stop_capture(d=0, data=_Draws(live), how="end")  # type: ignore[arg-type]
+    m.free(d=0, data=_Draws(y), how="main")  # type: ignore[arg-type]  (an event on stream 3)
+    m.end_dead(d=0)
+    m.foreign_begin(d=0, explicit=False, stream=2)
+    check()
+    if how == "malloc":
+        m.malloc(d=0, nbytes=0, stream=1)
+    else:
+        m.empty_cache(d=0)
+    assert len(side.active) == 1
+    check()
+    m.quiesce(data=_Draws())  # type: ignore[arg-type]
+    check()
     m.teardown()

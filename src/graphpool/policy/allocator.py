@@ -759,7 +759,7 @@ class CachingAllocator(Reports):
         if self._tokens:
             self._poll_released()
         self._sweep()
-        if self._world.active:
+        if not self._ask_orphans():  # (asking may adopt a capture begun on an orphan's stream)
             where = (
                 f"on device {self.device.index}"
                 if self._capturing

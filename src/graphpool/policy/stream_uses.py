@@ -141,8 +141,8 @@ class StreamUses(Captures):
         """
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
-            if self._orphans:
-                self._release_orphans()
+            if not self._ask_orphans():
+                return  # a capture found on an orphan's stream is underway now: no query
             for stream in list(self._waiting):
                 q = self._waiting[stream]
                 while q:
@@ -156,6 +156,17 @@ class StreamUses(Captures):
                     del self._waiting[stream]
         finally:
             self.device.exchange_capture_mode(prev)
+
+    def _ask_orphans(self) -> bool:
+        """Ask again about the orphans while no capture is underway (``_release_orphans``);
+        whether none is underway after. Asking may find a capture begun since on an orphan's
+        user stream and adopt it (``_streams_capturing``): from then on a capture is underway,
+        so the caller must not query or synchronize events nor free device memory. Every
+        path that needs a quiet world and may find orphans asks here first, before it
+        decides that the world is quiet."""
+        if self._orphans and not self._world.active:
+            self._release_orphans()
+        return not self._world.active
 
     def _release_orphans(self) -> None:
         """Blocks whose events could not be recorded yet. Those whose user stream vanished
@@ -180,10 +191,8 @@ class StreamUses(Captures):
 
     def _synchronize_events(self) -> None:
         """Wait for every pending event and free its block (empty_cache and OOM only)."""
-        if self._world.active:
+        if self._world.active or not self._ask_orphans():
             raise CaptureError("graphpool: no event is synchronized while a capture is underway")
-        if self._orphans:
-            self._release_orphans()
         # In place, one event at a time: an exception out of a device call (a signal handler's)
         # leaves every event not yet synchronized waiting, and its block held.
         waiting = self._waiting
