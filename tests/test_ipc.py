@@ -452,3 +452,34 @@ def test_cupy_arrays_shared_between_two_processes() -> None:
         gcupy.use_function_allocator = False
         w.stop()
     settle()
+
+
+def test_an_exception_between_give_backs_loses_no_exported_block(
+    here: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reclaim gives back one export at a time: one that raises after its block went back (a
+    signal handler, say) leaves the rest exported, and the next reclaim gives them back."""
+    a = runtime.allocator(0)
+    base = a.memory_stats()["allocated_bytes.all.current"]
+    bufs = [gp.alloc(1 << 20) for _ in range(3)]
+    for b in bufs:
+        b.ipc_handle()
+    real, calls = gipc._give_back, []
+
+    def raising(e: Any) -> None:
+        real(e)
+        calls.append(e)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(gipc, "_give_back", raising)
+    for b in bufs:
+        b._ipc.freed = True  # the owners let go (as a finalizer does: no reclaim yet)
+    with pytest.raises(KeyboardInterrupt):
+        gipc.reclaim()
+    assert gipc.exported_count() == 2
+    monkeypatch.setattr(gipc, "_give_back", real)
+    assert gipc.reclaim() == 2
+    del bufs
+    settle()
+    assert a.memory_stats()["allocated_bytes.all.current"] == base

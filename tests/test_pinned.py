@@ -339,3 +339,12 @@ def test_a_stale_announcement_is_skipped_quietly_when_the_pool_is_made() -> None
         finally:
             pinned.capture_ended(0, handle)
         gp.check_invariants()
+
+
+def test_a_pool_made_by_another_thread_meanwhile_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pinned.pool's window: another thread made the pool between the unlocked look-up and the
+    lock; this thread takes that pool (it announced nothing)."""
+    fresh_sim()
+    made = pinned.pool(0)
+    monkeypatch.setattr(pinned, "_existing", lambda device: None)
+    assert pinned.pool(0) is made

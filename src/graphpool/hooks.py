@@ -69,7 +69,7 @@ class CupyHooks:
         """``size`` bytes for CuPy's current stream of ``device``: the address."""
         raw: int = self._current(device).ptr
         last = self._last
-        if last is not None and last.raw == raw and last.device == device:
+        if last is not None and last.raw == raw and last.device == device and size != 0:
             route = last.route
             if route.generation == _routes.generation:
                 return route.alloc.malloc(size, stream=route.handle)

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Final
 from graphpool import runtime
 from graphpool.device.protocol import Device, IpcDevice
 from graphpool.errors import CUDAError, GraphpoolError, IpcError
+from graphpool.policy import interrupts
 
 if TYPE_CHECKING:
     from graphpool.buffer import DeviceBuffer
@@ -321,8 +322,13 @@ def reclaim() -> int:
             del _exports[e.handle.record]
     finally:
         _lock.release()
-    for e in done:
-        _give_back(e)
+    left = list(done)
+    try:
+        while left:
+            _give_back(left.pop(0))
+    finally:  # an exception between give-backs (a signal's handler): the rest wait for the next
+        for e in left:
+            _exports[e.handle.record] = e
     return len(done)
 
 
@@ -676,3 +682,9 @@ def exported_count() -> int:
 
 
 __all__ = ["IpcBuffer", "IpcHandle", "open_ipc", "reclaim", "reduce_buffer"]
+
+
+# Plain build: a guarded signal landing while a freed export changes hands (the owner's free
+# reaching its record; reclaim giving blocks back) is delivered after that code returned
+# (policy/interrupts.py, "Handoffs"), so no block is left neither exported nor given back.
+interrupts.handoff(_Export.owner_free, reclaim, _give_back)

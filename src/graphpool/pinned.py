@@ -240,6 +240,7 @@ def pool(device: int | None = None) -> CachingAllocator:
     if found is not None:
         return found
     dev = rt.device(index)  # ValueError for a bad index
+    announced: list[tuple[int, int]] = []  # set only by the thread that makes the pool
     with _lock:
         old_rt, pools = _pools
         if old_rt is not rt:
