@@ -483,3 +483,18 @@ def test_an_exception_between_give_backs_loses_no_exported_block(
     del bufs
     settle()
     assert a.memory_stats()["allocated_bytes.all.current"] == base
+
+
+def test_out_of_memory_asks_for_exports_no_process_holds(here: str) -> None:
+    """A freed export waits for graphpool's next IPC call or empty_cache; before an
+    out-of-memory error the allocator asks for it too (graphpool.cooperate)."""
+    from graphpool import cooperate
+
+    buf = gp.alloc(1 << 20)
+    buf.ipc_handle()
+    buf._ipc.freed = True  # the owner let go from a finalizer: nothing asked since
+    assert gipc.exported_count() == 1
+    assert cooperate.release_other_caches(0) >= 1 << 20
+    assert gipc.exported_count() == 0
+    assert gipc.reclaim_on(0) == 0  # nothing left to give
+    del buf

@@ -108,7 +108,19 @@ def _torch(device: int) -> int:
     return before - int(cuda.memory_reserved(device))
 
 
-BUILTIN: tuple[tuple[str, Releaser], ...] = (("CuPy's default memory pool", _cupy), ("PyTorch", _torch))
+def _exports(device: int) -> int:
+    """graphpool's own exported blocks that no process holds any more (graphpool.ipc keeps a
+    freed export until then, and otherwise looks again only at its own calls)."""
+    from graphpool import ipc
+
+    return ipc.reclaim_on(device)
+
+
+BUILTIN: tuple[tuple[str, Releaser], ...] = (
+    ("graphpool's released IPC exports", _exports),
+    ("CuPy's default memory pool", _cupy),
+    ("PyTorch", _torch),
+)
 """The caches asked first, by name."""
 
 

@@ -332,6 +332,20 @@ def reclaim() -> int:
     return len(done)
 
 
+def reclaim_on(device: int) -> int:
+    """``reclaim()`` for the out-of-memory path (``graphpool.cooperate``): the bytes of
+    ``device``'s exported blocks it gave back to their allocator."""
+
+    def held() -> int:
+        return sum(e.block.size for e in list(_exports.values()) if e.handle.device == device)
+
+    before = held()
+    if not before:
+        return 0
+    reclaim()
+    return max(0, before - held())
+
+
 def _unheld(path: str) -> bool:
     """Revoke record ``path`` if no running process holds it and no sent handle is pending."""
 
