@@ -498,3 +498,16 @@ def test_out_of_memory_asks_for_exports_no_process_holds(here: str) -> None:
     assert gipc.exported_count() == 0
     assert gipc.reclaim_on(0) == 0  # nothing left to give
     del buf
+
+
+def test_a_forged_handle_outside_its_segment_is_refused(here: str) -> None:
+    """A handle whose buffer does not lie inside its segment (edited, not made by ipc_handle)
+    would give an IpcBuffer whose interface claims memory the mapping lacks: refused."""
+    import dataclasses
+
+    buf = gp.alloc(1024)
+    h = buf.ipc_handle()
+    for bad in (dict(offset=-1), dict(nbytes=1 << 70), dict(size=h.offset + 512), dict(nbytes=0)):
+        with pytest.raises(gp.IpcError, match="does not lie inside its segment"):
+            gp.open_ipc(dataclasses.replace(h, **bad))
+    buf.free()

@@ -348,3 +348,13 @@ def test_a_pool_made_by_another_thread_meanwhile_is_used(monkeypatch: pytest.Mon
     made = pinned.pool(0)
     monkeypatch.setattr(pinned, "_existing", lambda device: None)
     assert pinned.pool(0) is made
+
+
+def test_a_copy_to_nothing_is_a_typed_error() -> None:
+    fresh_sim()
+    with gp.alloc_pinned(64) as p:
+        for other in (None, "0x10", 0, True):
+            with pytest.raises(TypeError, match="device address"):
+                p.copy_to(other)
+            with pytest.raises(TypeError, match="device address"):
+                p.copy_from(other)

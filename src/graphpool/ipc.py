@@ -588,6 +588,11 @@ def _open(handle: IpcHandle, claim: bool) -> IpcBuffer:
         )
     if not 0 <= handle.device < rt.count:
         raise IpcError(f"the handle names device {handle.device}; this process has {rt.count}")
+    if not (0 <= handle.offset and 0 < handle.nbytes and handle.offset + handle.nbytes <= handle.size):
+        raise IpcError(
+            f"the handle's buffer ({handle.nbytes} bytes at offset {handle.offset}) does not lie "
+            f"inside its segment ({handle.size} bytes): not a handle that ipc_handle() made"
+        )
     dev = rt.device(handle.device)
     if not isinstance(dev, IpcDevice):
         raise IpcError(f"device {handle.device} ({type(dev).__name__}) cannot open memory of other processes")

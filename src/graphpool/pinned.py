@@ -420,7 +420,11 @@ class PinnedBuffer:
             raise ValueError(f"pinned buffer of device {self.device} copied on a stream of device {s.device}")
         if n == 0:
             return
-        ptr = int(other if isinstance(other, int) else other.ptr)
+        address = other if isinstance(other, int) else getattr(other, "ptr", None)
+        if not isinstance(address, int) or isinstance(address, bool) or address <= 0:
+            what = "dst" if to_device else "src"
+            raise TypeError(f"{what} must be a device address or an object with .ptr, not {other!r}")
+        ptr = address
         if s.handle != self._stream.handle:
             self.record_stream(s)
         dev = self._alloc.device
