@@ -932,8 +932,33 @@ def _with_block() -> None:
 
 
 _HANDOFF_STREAMS: list[gp.Stream] = []
+
+
+def _pinned_free() -> None:
+    gp.alloc_pinned(4096).free()
+
+
+def _pinned_drop() -> None:
+    b = gp.alloc_pinned(4096)
+    del b
+
+
+def _pinned_with() -> None:
+    with gp.alloc_pinned(1 << 20):
+        pass
+
+
 HANDOFF_OPS = {
-    f.__name__.strip("_"): f for f in (_alloc_free, _alloc_drop, _alloc_on_stream_record_drop, _with_block)
+    f.__name__.strip("_"): f
+    for f in (
+        _alloc_free,
+        _alloc_drop,
+        _alloc_on_stream_record_drop,
+        _with_block,
+        _pinned_free,
+        _pinned_drop,
+        _pinned_with,
+    )
 }
 
 
@@ -989,8 +1014,11 @@ def test_a_guarded_handler_at_any_bytecode_of_an_allocation_or_free_loses_no_own
             missed.append(at)
         gp.synchronize()
         gp.alloc(512).free()
-        st = gp.memory_stats()
-        assert st["allocated_bytes.all.current"] == 0, f"{op}: an owner was lost (signal at bytecode {at})"
+        gp.alloc_pinned(512).free()  # the pinned pool carries out its queued frees too
+        for st in (gp.memory_stats(), gp.pinned_memory_stats()):
+            assert st["allocated_bytes.all.current"] == 0, (
+                f"{op}: an owner was lost (signal at bytecode {at})"
+            )
     assert not missed, f"{op}: signals never handled, at bytecodes {missed}"
     gp.check_invariants()
     gp.synchronize()

@@ -42,6 +42,7 @@ import numpy as np
 from graphpool import _warnings, runtime
 from graphpool.device.protocol import CAPTURE_STATUS_ACTIVE, CAPTURE_STATUS_NONE, Device
 from graphpool.errors import CaptureError, DoubleFreeError, GraphpoolError, OutOfMemoryError
+from graphpool.policy import interrupts
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.streams import Stream, StreamLike, _index, as_stream, current_stream
 
@@ -534,3 +535,11 @@ __all__ = [
     "pinned_memory_stats",
     "pool",
 ]
+
+
+# A guarded signal landing while a pinned block changes hands (made and not yet a PinnedBuffer;
+# marked freed and not yet with its pool) is delivered after that code returned (policy/
+# interrupts.py, "Handoffs"): this module is Python in both builds.
+interrupts.handoff(
+    alloc_pinned, PinnedBuffer.__init__, PinnedBuffer.free, PinnedBuffer.__exit__, PinnedBuffer.__del__
+)
