@@ -75,6 +75,20 @@ def test_c_entry_points_allocate_and_free_through_graphpool(lib: Any) -> None:
     lib.graphpool_torch_free(ptrs[0], 1000, 0, s.handle)
 
 
+def test_the_c_entry_points_follow_use_mem_pool(lib: Any) -> None:
+    """PyTorch's pluggable-allocator calls come from the allocating thread: inside
+    use_mem_pool they allocate from the pool."""
+    pool = gp.MemPool()
+    with gp.use_mem_pool(pool):
+        inside = lib.graphpool_torch_malloc(4096, 0, 0)
+    outside = lib.graphpool_torch_malloc(4096, 0, 0)
+    owner = {b["address"]: seg["segment_pool_id"] for seg in gp.memory_snapshot() for b in seg["blocks"]}
+    assert owner[inside] == tuple(pool.id) and owner[outside] is None
+    for p in (inside, outside):
+        lib.graphpool_torch_free(p, 4096, 0, 0)
+    assert pool.memory_stats()["allocated_bytes.all.current"] == 0
+
+
 def test_zero_bytes_is_a_null_pointer_holding_nothing(lib: Any) -> None:
     base = gp.memory_allocated()
     assert lib.graphpool_torch_malloc(0, 0, 0) is None  # NULL

@@ -434,3 +434,16 @@ def test_an_array_made_on_another_stream_during_a_hooked_capture_is_kept(cp: Any
     assert float(y.sum().item()) == 7.0 * n
     assert float(out.sum().item()) == 6.0 * n
     del g, y, out, x
+
+
+def test_arrays_inside_use_mem_pool_come_from_the_pool(cp: Any) -> None:
+    pool = gp.MemPool()
+    with gp.use_mem_pool(pool):
+        a = cp.ones(1 << 16, dtype=cp.float32)
+    b = cp.ones(1 << 16, dtype=cp.float32)
+    assert _segment_of(a.data.ptr)["segment_pool_id"] == tuple(pool.id)
+    assert _segment_of(b.data.ptr)["segment_pool_id"] is None
+    assert pool.memory_stats()["allocated_bytes.all.current"] == 4 << 16
+    del a, b
+    gc.collect()
+    assert pool.memory_stats()["allocated_bytes.all.current"] == 0

@@ -331,3 +331,30 @@ def test_per_thread_default_stream_is_refused(core: Any) -> None:
     buf = mr.allocate(512, stream=1)  # cudaStreamLegacy: the legacy stream
     assert _segment_of(int(buf.handle))["stream"] == 0
     buf.close()
+
+
+def test_numba_arrays_inside_use_mem_pool_come_from_the_pool(numba_cuda: Any) -> None:
+    gnumba.install()
+    pool = gp.MemPool()
+    with gp.use_mem_pool(pool):
+        d = numba_cuda.device_array_like(np.zeros(1000, np.float32))
+    e = numba_cuda.device_array_like(np.zeros(1000, np.float32))
+    assert _segment_of(d.device_ctypes_pointer.value)["segment_pool_id"] == tuple(pool.id)
+    assert _segment_of(e.device_ctypes_pointer.value)["segment_pool_id"] is None
+    del d, e
+
+
+def test_cuda_core_buffers_inside_use_mem_pool_come_from_the_pool(core: Any) -> None:
+    dev = core.Device(0)
+    dev.set_current()
+    s = dev.create_stream()
+    mr = gcore.GraphpoolMemoryResource(0)
+    pool = gp.MemPool()
+    with gp.use_mem_pool(pool):
+        buf = mr.allocate(4096, stream=s)
+    other = mr.allocate(4096, stream=s)
+    assert _segment_of(int(buf.handle))["segment_pool_id"] == tuple(pool.id)
+    assert _segment_of(int(other.handle))["segment_pool_id"] is None
+    buf.close(s)
+    other.close(s)
+    s.sync()

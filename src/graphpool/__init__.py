@@ -60,6 +60,7 @@ from graphpool.memory import (
     set_memory_limit,
     set_per_process_memory_fraction,
 )
+from graphpool.mempool import MemPool, use_mem_pool
 from graphpool.pinned import (
     PinnedBuffer,
     alloc_pinned,
@@ -258,6 +259,7 @@ __all__ = [
     "IpcBuffer",
     "IpcError",
     "IpcHandle",
+    "MemPool",
     "OutOfMemoryError",
     "PinnedBuffer",
     "PoolId",
@@ -315,4 +317,5 @@ __all__ = [
     "synchronize",
     "torch_snapshot",
     "unregister_cache_releaser",
+    "use_mem_pool",
 ]

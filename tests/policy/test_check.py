@@ -27,7 +27,7 @@ from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.check import check_invariants
 from graphpool.policy.freelist import Bins, FreeList
-from graphpool.policy.private_pools import CaptureRecord, PoolId, PrivatePool
+from graphpool.policy.private_pools import CaptureRecord, PoolId, PoolSpec, PrivatePool, mempools
 from graphpool.policy.stats import PoolStats
 
 S1, S2, S3, S4, S5 = 1, 2, 3, 4, 5
@@ -529,7 +529,74 @@ class Case:
     note: str = ""  # the check this case targets, when an earlier one must fire instead
 
 
+def corrupt_half_eager(st: State) -> None:
+    pool = st.a._pools[P]
+    pool.eager_small = FreeList(True, pool, True)
+
+
+def corrupt_list_owner(st: State) -> None:
+    st.a._pools[P].large.private_pool = st.a._pools[R]
+
+
+def corrupt_eager_flag(st: State) -> None:
+    st.a._pools[P].small.eager = True
+
+
+def corrupt_private_grows(st: State) -> None:
+    st.a._pools[P].small.grows = True
+
+
+def corrupt_empty_entry_stack(st: State) -> None:
+    st.a._thread_pools[12345] = []
+
+
+def corrupt_entered_gone(st: State) -> None:
+    st.a._thread_pools[12345] = [PrivatePool(PoolId(0, 999), PoolSpec(None, False))]
+
+
+def corrupt_entered_graph_pool(st: State) -> None:
+    st.a._thread_pools[12345] = [st.a._pools[P]]
+
+
+def corrupt_entry_count(st: State) -> None:
+    st.a._entered = 1
+
+
+def corrupt_graph_pool_held(st: State) -> None:
+    pool = st.a._pools[P]
+    pool.held = True
+    pool.use_count += 1
+
+
+def corrupt_eager_in_capture(st: State) -> None:
+    """A MemPool's eager block marked as handed to a capture."""
+    pid = PoolId(0, 998)
+    mempools[pid] = PoolSpec(None, False)
+    st.restore.append(lambda: mempools.pop(pid, None))
+    a = st.a
+    a.ensure_pool(pid)
+    a.enter_pool(pid)
+    ptr = a.malloc(512, stream=S1)
+    a.exit_pool(pid)
+    check_invariants(a)  # sound so far
+    a._active[ptr].allocated_in = st.rec
+
+
 CASES: dict[str, Case] = {
+    "half eager side": Case(corrupt_half_eager, "pool (7, 0) has half an eager side"),
+    "list owner": Case(corrupt_list_owner, "a free list of pool (7, 0) names another pool"),
+    "eager flag": Case(corrupt_eager_flag, "eager flag on the wrong list"),
+    "private grows": Case(
+        corrupt_private_grows, "a private pool's list grows (expandable segments are the ordinary pool's)"
+    ),
+    "empty entry stack": Case(corrupt_empty_entry_stack, "a thread with an empty use_mem_pool stack"),
+    "entered gone": Case(corrupt_entered_gone, "use_mem_pool entered a pool that no longer exists"),
+    "entered graph pool": Case(corrupt_entered_graph_pool, "use_mem_pool entered a graph pool"),
+    "entry count": Case(corrupt_entry_count, "use_mem_pool entry count != entered pools"),
+    "graph pool held": Case(corrupt_graph_pool_held, "a graph pool held by a MemPool"),
+    "eager block in a capture": Case(
+        corrupt_eager_in_capture, "of a MemPool's eager side was handed to a capture"
+    ),
     "segment bases": Case(corrupt_seg_bases, "segment bases out of sync"),
     "head predecessor": Case(corrupt_head_prev, "segment head has a predecessor"),
     "alignment": Case(corrupt_alignment, "block not aligned"),
@@ -595,7 +662,7 @@ CASES: dict[str, Case] = {
     "record pool": Case(corrupt_record_pool, "record of a dropped pool"),
     "record token": Case(corrupt_record_token, "foreign capture without its release token"),
     "orphan token": Case(corrupt_orphan_token, "release token of no record"),
-    "use count vs records": Case(corrupt_use_count_records, "records"),
+    "use count vs records": Case(corrupt_use_count_records, "records, entries and its MemPool"),
     "fresh without creator": Case(corrupt_fresh_without_creator, "returnable segment that names no capture"),
     "record fresh count": Case(corrupt_record_fresh, "segments it may take back, not", True),
     "creator not fresh": Case(
@@ -669,6 +736,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 63  # the checks today; update with a case for each new one
+    assert len(messages) == 73  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

@@ -48,6 +48,7 @@ _D2H: Any = None
 _D2D: Any = None
 _DEFAULT_KIND: Any = None  # cudaMemcpyDefault (memcpy_host)
 _HOST_PORTABLE = 1  # cudaHostAllocPortable (host_malloc)
+_ATTACH_GLOBAL = 1  # cudaMemAttachGlobal (malloc_managed)
 _NON_BLOCKING = 0
 _DISABLE_TIMING = 0
 _LEGACY = 0
@@ -66,7 +67,7 @@ def _load() -> Any:
     Raises ImportError when cuda-python is not installed.
     """
     global _rt, _SUCCESS, _OOM, _NOT_READY, _MODES, _H2D, _D2H, _D2D
-    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY, _DEFAULT_KIND, _HOST_PORTABLE
+    global _NON_BLOCKING, _DISABLE_TIMING, _LEGACY, _DEFAULT_KIND, _HOST_PORTABLE, _ATTACH_GLOBAL
     if _rt is not None:
         return _rt
     with _load_lock:
@@ -91,6 +92,7 @@ def _load() -> Any:
         _D2D = kind.cudaMemcpyDeviceToDevice
         _DEFAULT_KIND = kind.cudaMemcpyDefault
         _HOST_PORTABLE = int(getattr(rt, "cudaHostAllocPortable", 1))
+        _ATTACH_GLOBAL = int(getattr(rt, "cudaMemAttachGlobal", 1))
         _NON_BLOCKING = int(rt.cudaStreamNonBlocking)
         _DISABLE_TIMING = int(rt.cudaEventDisableTiming)
         _LEGACY = int(rt.cudaStreamLegacy)
@@ -317,6 +319,17 @@ class CudaDevice:
                 _rt.cudaGetLastError()  # leave no pending error behind
                 return None
             _check("cudaMalloc", err)
+        return int(ptr)
+
+    @_on_device
+    def malloc_managed(self, nbytes: int) -> int | None:
+        """cudaMallocManaged(cudaMemAttachGlobal); ``None`` on cudaErrorMemoryAllocation."""
+        err, ptr = _rt.cudaMallocManaged(nbytes, _ATTACH_GLOBAL)
+        if err:
+            if err == _OOM:
+                _rt.cudaGetLastError()
+                return None
+            _check("cudaMallocManaged", err)
         return int(ptr)
 
     @_on_device

@@ -279,6 +279,18 @@ class IpcDevice(Protocol):
 
 
 @runtime_checkable
+class ManagedDevice(Protocol):
+    """A device with managed memory (``cudaMallocManaged``): a MemPool's built-in upstream
+    for oversubscription. Apart from ``Device``, as ``IpcDevice`` is."""
+
+    def malloc_managed(self, nbytes: int) -> int | None:
+        """Allocate ``nbytes`` (> 0) of managed memory, which this device's work and the host
+        (``host_view``) both read and write; ``None`` when it cannot. ``free`` gives it back.
+        Unsafe during capture, like ``malloc``."""
+        ...
+
+
+@runtime_checkable
 class Backend(Protocol):
     """A set of devices of one kind ("cuda" or "sim")."""
 

@@ -13,12 +13,14 @@ read, where traits would cost a table lookup per attribute):
 =========================  ====================================================================
 heap.Heap                  blocks, split and merge, the segment registry, pointer lookups
                            and errors, the ownership of allocations
-captures.Captures          routing during captures, begin/adopt/end/abort/release/sweep,
+captures.Captures          routing (captures, use_mem_pool), begin/adopt/end/abort/release/sweep,
                            private pools, blocks kept for graphs
 stream_uses.StreamUses     frees that wait: record_stream events, deferrals, orphans
-segments.Segments          device malloc, limits, garbage collection, oversize release,
-                           giving segments back, the out-of-memory error
-expandable.Expandable      expandable segments: grow, shrink, stream takeover
+segments.Segments          device malloc and MemPools' upstreams, limits, garbage
+                           collection, oversize release, use_on_oom, giving segments back,
+                           the out-of-memory error
+expandable.Expandable      expandable segments: grow, shrink, stream takeover; the
+                           out-of-memory retry and the cache release (both kinds of segment)
 reports.Reports            statistics, snapshots, the history, the invariant check
 CachingAllocator (here)    the lock protocol, the hand-written malloc and free, the fallback
                            chain, every public method
@@ -71,7 +73,6 @@ the ``undo`` of ``_run_locked``).
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 from collections.abc import Callable
@@ -79,7 +80,6 @@ from typing import Any, Final, NoReturn, SupportsIndex, TypeVar, cast
 
 from graphpool import _warnings
 from graphpool.device.protocol import (
-    CAPTURE_MODE_RELAXED,
     Device,
 )
 from graphpool.errors import (
@@ -87,7 +87,7 @@ from graphpool.errors import (
     GraphpoolError,
     OutOfMemoryError,
 )
-from graphpool.policy import interrupts, logs
+from graphpool.policy import interrupts
 from graphpool.policy.block import Block
 from graphpool.policy.freelist import Bins, FreeList, bisect_sizes, past_tails
 from graphpool.policy.heap import LEGACY as _LEGACY
@@ -97,6 +97,7 @@ from graphpool.policy.private_pools import (
     CaptureWorld,
     PoolId,
     PrivatePool,
+    mempools,
 )
 from graphpool.policy.reports import Reports
 from graphpool.policy.segments import _retrying
@@ -324,10 +325,12 @@ class CachingAllocator(Reports):
                             rec = None
                     if rec is None and (self._waiting or self._orphans) and not self._world.active:
                         self._process_events()
-                    if rec is None:
-                        fl = self._small if small else self._large
-                    else:
+                    if rec is not None:
                         fl = rec.pool.small if small else rec.pool.large
+                    elif self._entered and (entered := self._entered_pool()) is not None:
+                        fl = cast(FreeList, entered.eager_small if small else entered.eager_large)
+                    else:
+                        fl = self._small if small else self._large
                     fl.calls += 1  # the free blocks' clock (garbage_collection_threshold)
                     # Best fit: the first block of this stream sorted by (size, address) with room
                     # (freelist.py). Written out here: a call would cost more than the bisect.
@@ -348,9 +351,11 @@ class CachingAllocator(Reports):
                     rest: Block | None = None
                     if block is None:
                         block = self._slow_block(fl, size, stream, requested, rec)
+                        fl = block.free_list  # (a MemPool's block, use_on_oom: its own list)
                     elif block.size >= self._max_split and self._refuses(block.size, size):
                         hit = None  # an oversize block this request may not take (max_split_size)
                         block = self._slow_block(fl, size, stream, requested, rec)
+                        fl = block.free_list
                     if block.prev is not None or block.next is not None:
                         d_cnt = -1
                         d_bytes = -block.size
@@ -554,8 +559,10 @@ class CachingAllocator(Reports):
             self._collect(self._gc_threshold)
         if self._expandable and fl.private_pool is None:
             return self._slow_expandable(fl, size, stream, nbytes)
+        owner = fl.private_pool
+        up = None if owner is None else owner.upstream
         seg = self.sizes.segment_size(size)
-        ptr = self._device_malloc(seg)
+        ptr = self._device_malloc(seg, up, stream)
         if (
             ptr is None
             and self._max_split <= self._total
@@ -568,53 +575,23 @@ class CachingAllocator(Reports):
             block = self._before_retry(fl, size, stream)
             if block is not None:
                 return block
-            ptr = self._device_malloc(seg)
+            ptr = self._device_malloc(seg, up, stream)
         if ptr is None:
             least = self.sizes.least_segment(size)
             if least < seg:
-                ptr = self._device_malloc(least)
+                ptr = self._device_malloc(least, up, stream)
                 if ptr is not None:
                     seg = least
         if ptr is None:
+            block = self._oom_fallback(fl, size, stream)
+            if block is not None:
+                return block
             self._raise_oom(nbytes, seg, fl, stream)
         head = self._add_segment(ptr, seg, stream, fl)
-        owner = fl.private_pool
         if owner is not None and rec is not None:  # may go back with the capture if it fails
             self._set_returns_with(head, rec)  # (see _touch)
         self._segment_made(head, "allocated", owner)
         return head
-
-    def _before_retry(self, fl: FreeList, size: int, stream: int) -> Block | None:
-        """The driver refused memory, no capture underway: wait for pending stream uses and
-        return a fitting block they freed (out of ``fl``), else release the cache (PyTorch's
-        retry) and count the retry; the caller then asks the driver again."""
-        self._synchronize_events()
-        block = fl.best_fit(stream, size, self._max_split)
-        if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
-            fl.remove(block)  # a stream use that just completed freed a fitting block
-            return block
-        self._release_cached()
-        self.stats.num_alloc_retries += 1
-        if fl.private_pool is not None:
-            fl.private_pool.stats.num_alloc_retries += 1
-        return None
-
-    def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
-        """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
-        segment; out of memory and no capture underway, wait for pending stream uses, look
-        in the cache again, release the cache (``empty_cache``'s work) and grow again."""
-        block = None if self._world.active else self._take_idle(fl, size, stream)
-        if block is None:
-            block = self._grow(fl, size, stream)
-        if block is None and not self._world.active:
-            block = self._before_retry(fl, size, stream)
-            if block is None:  # the release synchronized: streams busy before may be idle now
-                block = self._take_idle(fl, size, stream)
-            if block is None:
-                block = self._grow(fl, size, stream)
-        if block is None:
-            self._raise_oom(nbytes, self._round_gran(size), fl, stream)
-        return block
 
     def free(self, ptr: object) -> None:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError.
@@ -771,38 +748,6 @@ class CachingAllocator(Reports):
             )
         self._release_cached()
 
-    def _release_cached(self) -> None:
-        """Synchronize pending stream uses, then give back every segment no graph may use."""
-        self._synchronize_events()
-        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
-        try:
-            if self._exp:
-                self._rehome()
-            for fl in (self._small, self._large):
-                self._release_free_segments(fl)
-            for seg in list(self._exp.values()):  # partly free: unmap their free ends
-                self._shrink(seg)
-            for pool in self._pools.values():  # live pools: only segments of failed captures
-                if pool.use_count and pool.returnable:
-                    for head in list(pool.returnable):
-                        creator = head.returns_with
-                        whole = head.next is None and not head.allocated and head.holds == 0
-                        if whole and creator is not None and creator.failed:
-                            head.free_list.remove(head)
-                            self._release_segment(head)
-            for pid, pool in list(self._freeable.items()):
-                self._release_free_segments(pool.small)
-                self._release_free_segments(pool.large)
-                if pool.segment_count == 0:
-                    del self._freeable[pid]
-                    del self._pools[pid]
-                    if self._history is not None:
-                        self._history.pool("pool_release", pool)
-                    if logs.enabled(logging.DEBUG):
-                        self._log_pool("released", pool)
-        finally:
-            self.device.exchange_capture_mode(prev)
-
     def _drain(self) -> None:
         """Carry out frees and releases queued by finalizers."""
         pending = self._pending
@@ -817,6 +762,8 @@ class CachingAllocator(Reports):
                 try:
                     if type(item) is int or type(item) is Block:
                         self._free_queued(item)
+                    elif type(item) is PoolId:  # a MemPool was collected
+                        self._drop_mempool(item)
                     elif type(item) is tuple:  # a free after a use on another stream
                         block = self._live_block(item[0])
                         if block is not None and item[1] != block.stream:
@@ -886,6 +833,40 @@ class CachingAllocator(Reports):
     def release_capture(self, rec: CaptureRecord) -> None:
         """The graph of ``rec`` is gone: return its kept blocks and lower the pool's use count."""
         self._run_locked("release_capture", lambda: self._release_capture(rec))
+
+    def ensure_pool(self, pool_id: PoolId) -> PrivatePool:
+        """The pool of ``pool_id`` on this device, made now for a live MemPool's id if it does not
+        exist yet. ValueError for an id of no pool here and no live MemPool."""
+
+        def run() -> PrivatePool:
+            if self._pending:
+                self._drain()
+            pool = self._pools.get(pool_id)
+            if pool is None:
+                if pool_id not in mempools:
+                    raise ValueError(f"no private pool {tuple(pool_id)} on device {self.device.index}")
+                pool = self._make_pool(pool_id)
+            return pool
+
+        return self._run_locked("ensure_pool", run)
+
+    def enter_pool(self, pool_id: PoolId) -> None:
+        """The calling thread's eager allocations on this device come from the live MemPool
+        ``pool_id``'s pool until the matching ``exit_pool`` (``use_mem_pool``; entries nest).
+        ValueError for an id of no live MemPool."""
+        ident = threading.get_ident()
+        self._run_locked("enter_pool", lambda: self._enter_pool(pool_id, ident))
+
+    def exit_pool(self, pool_id: PoolId) -> None:
+        """End the calling thread's innermost ``enter_pool``, which must be ``pool_id``'s
+        (RuntimeError otherwise, and nothing changes)."""
+        ident = threading.get_ident()
+        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, ident))
+
+    def defer_mempool_drop(self, pool_id: PoolId) -> None:
+        """The MemPool ``pool_id`` was collected: its own use of this device's pool ends at the
+        next allocator call. Lock-free: for finalizers."""
+        self._pending.append(pool_id)
 
     def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:
         """The flattened statistics of the device, or of one private pool."""

@@ -1,5 +1,12 @@
-"""Captures: routing allocations to private pools while a capture is underway, and the
-capture lifecycle (begin, adopt, end, abort, release, sweep), with the blocks kept for graphs.
+"""Captures: routing allocations to private pools while a capture is underway (or while a
+thread is inside ``use_mem_pool``), and the capture lifecycle (begin, adopt, end, abort,
+release, sweep), with the blocks kept for graphs.
+
+Eager allocations into a pool object (``use_mem_pool``): while a thread has entered a
+MemPool's pool on this device (``_entered`` > 0 counts the open entries), its allocations
+off any capture come from that pool's eager side (private_pools.py, Note [Pool objects]).
+A capture's routing comes first: on a capturing stream the capture's pool serves, whatever
+pool the thread entered.
 
 While a capture is underway on this device (``_capturing`` > 0), an allocation on a stream
 that belongs to a registered capture is served from that capture's private pool
@@ -68,6 +75,7 @@ from graphpool.policy.private_pools import (
     PoolId,
     PrivatePool,
     Writes,
+    mempools,
     new_graph_pool_id,
     new_release_token,
 )
@@ -109,6 +117,10 @@ class Captures(Heap):
         self._qstream = -1
         self._qkey: Any = -1
         self._sweep_due = SWEEP_EVERY  # allocations off capture until the next _sweep (_route)
+        # use_mem_pool: the open entries on this device (the hot path's test), and each
+        # thread's entered pools, innermost last.
+        self._entered = 0
+        self._thread_pools: dict[int, list[PrivatePool]] = {}
 
     def _insert_events(self, block: Block) -> None:  # pragma: no cover - StreamUses defines it
         """Wait for the extra user streams of ``block`` (stream_uses.py defines it)."""
@@ -280,16 +292,7 @@ class Captures(Heap):
         """
         pool = self._pools.get(pool_id)
         if pool is None:
-            pool = PrivatePool(pool_id)
-            self._pools[pool_id] = pool
-            try:
-                if self._history is not None:
-                    self._history.pool("pool_create", pool)
-                if logs.enabled(logging.DEBUG):
-                    self._log_pool("created", pool)
-            except BaseException:  # a call out raised: the pool, unused, goes as if never made
-                del self._pools[pool_id]
-                raise
+            pool = self._make_pool(pool_id)
         self._freeable.pop(pool_id, None)
         pool.use_count += 1
         self._capture_seq += 1
@@ -307,6 +310,80 @@ class Captures(Heap):
                 if any(b.allocated for b in iter_segment(head)):
                     self._set_returns_with(head, None)
         return rec
+
+    def _make_pool(self, pool_id: PoolId) -> PrivatePool:
+        """Make and file the pool of ``pool_id`` (not filed yet). A live MemPool's id makes its
+        kind of pool (``mempools``), with the MemPool's own use counted (``held``)."""
+        spec = mempools.get(pool_id)
+        pool = PrivatePool(pool_id, spec)
+        if spec is not None:
+            pool.use_count = 1
+            pool.held = True
+            if self not in spec.places:
+                spec.places.append(self)
+        self._pools[pool_id] = pool
+        try:
+            if self._history is not None:
+                self._history.pool("pool_create", pool)
+            if logs.enabled(logging.DEBUG):
+                self._log_pool("created", pool)
+        except BaseException:  # a call out raised: the pool, unused, goes as if never made
+            del self._pools[pool_id]
+            raise
+        return pool
+
+    def _enter_pool(self, pool_id: PoolId, ident: int) -> None:
+        """Thread ``ident`` enters ``use_mem_pool`` of the MemPool ``pool_id``: its eager
+        allocations on this device come from that pool until it exits. Counts as a use."""
+        if self._pending:
+            self._drain()
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            if pool_id not in mempools:
+                raise ValueError(f"{tuple(pool_id)} is not the id of a live MemPool")
+            pool = self._make_pool(pool_id)
+        if pool.eager_small is None:
+            raise ValueError(
+                f"private pool {tuple(pool_id)} is a graph pool, not a MemPool's: use_mem_pool takes MemPools"
+            )
+        self._freeable.pop(pool_id, None)
+        pool.use_count += 1
+        stack = self._thread_pools.get(ident)
+        if stack is None:
+            self._thread_pools[ident] = [pool]
+        else:
+            stack.append(pool)
+        self._entered += 1
+
+    def _exit_pool(self, pool_id: PoolId, ident: int) -> None:
+        """Thread ``ident`` leaves its innermost ``use_mem_pool``, which must be ``pool_id``'s."""
+        if self._pending:
+            self._drain()
+        stack = self._thread_pools.get(ident)
+        if not stack or stack[-1].id != pool_id:
+            inner = tuple(stack[-1].id) if stack else None
+            raise RuntimeError(
+                f"use_mem_pool of {tuple(pool_id)} exited, but this thread's innermost pool on device "
+                f"{self.device.index} is {inner}: contexts must exit in the reverse order of entry"
+            )
+        pool = stack.pop()
+        if not stack:
+            del self._thread_pools[ident]
+        self._entered -= 1
+        self._drop_use(pool)
+
+    def _entered_pool(self) -> PrivatePool | None:
+        """The pool the calling thread's eager allocations go to (``use_mem_pool``), if any."""
+        stack = self._thread_pools.get(threading.get_ident())
+        return stack[-1] if stack else None
+
+    def _drop_mempool(self, pool_id: PoolId) -> None:
+        """The MemPool of ``pool_id`` is gone: its own use of this device's pool ends. The pool
+        goes once nothing else uses it and its segments are back (``_drop_use``)."""
+        pool = self._pools.get(pool_id)
+        if pool is not None and pool.held:
+            pool.held = False
+            self._drop_use(pool)
 
     def _adopt_capture(self, stream: int, pool: PoolId | None, label: str) -> CaptureRecord:
         if self._pending:
@@ -522,7 +599,8 @@ class Captures(Heap):
 
         A block of a pool that an underway capture allocates from goes back to that pool
         (the latest such capture's): it is handed out again only to captures into that pool,
-        and reusing it is what pool sharing is for. Nothing else is provably out of reach of
+        and reusing it is what pool sharing is for. A block of a MemPool's eager side is not
+        such a block: eager code takes it again. Nothing else is provably out of reach of
         the underway captures: graphpool cannot see which addresses a captured kernel
         touches, and any live block's address may be handed to one, whichever stream or
         thread allocated it and whenever (before the capture began or during it). So every
@@ -531,7 +609,7 @@ class Captures(Heap):
         """
         owner = block.free_list.private_pool
         caps = self._captures
-        if owner is not None:
+        if owner is not None and not block.free_list.eager:  # (a MemPool's eager block: as any)
             found: CaptureRecord | None = None
             for r in caps.values():
                 if r.pool is owner:

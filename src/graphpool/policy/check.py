@@ -135,9 +135,22 @@ def check_invariants(a: Reports) -> None:
     in_fl: set[int] = set()
     fls: list[FreeList] = [a._small, a._large]
     for pool in a._pools.values():
-        fls += [pool.small, pool.large]
+        fls += pool.free_lists()
     for fl in fls:
         _check_freelist(fl, in_fl)
+    for pool in a._pools.values():  # a MemPool's two sides (private_pools.py)
+        _expect(
+            (pool.eager_small is None) == (pool.eager_large is None),
+            f"pool {tuple(pool.id)} has half an eager side",
+        )
+        for side in pool.free_lists():
+            _expect(side.private_pool is pool, f"a free list of pool {tuple(pool.id)} names another pool")
+            _expect(
+                side.eager == (side in (pool.eager_small, pool.eager_large)), "eager flag on the wrong list"
+            )
+            _expect(
+                not side.grows, "a private pool's list grows (expandable segments are the ordinary pool's)"
+            )
     for fl in fls:  # FreeList.find's kept answer
         last = fl._last_bins
         _expect(last is None or fl.bins.get(fl._last_stream) is last, "free-list lookup cache is stale")
@@ -199,9 +212,21 @@ def _check_captures(a: Reports, all_blocks: list[Block], heads: list[Block]) -> 
     for token, rec in a._tokens.items():
         _expect(rec.token == token and a._records.get(rec.sequence) is rec, "release token of no record")
     uses: dict[int, int] = {}
+    entered: dict[int, int] = {}
+    for stack in a._thread_pools.values():
+        _expect(bool(stack), "a thread with an empty use_mem_pool stack")
+        for p in stack:
+            _expect(a._pools.get(p.id) is p, "use_mem_pool entered a pool that no longer exists")
+            _expect(p.eager_small is not None, "use_mem_pool entered a graph pool")
+            entered[id(p)] = entered.get(id(p), 0) + 1
+    _expect(a._entered == sum(entered.values()), "use_mem_pool entry count != entered pools")
     for pool in a._pools.values():
-        n = sum(1 for r in a._records.values() if r.pool is pool)
-        _expect(pool.use_count == n, f"pool {tuple(pool.id)} use count {pool.use_count} != {n} records")
+        n = sum(1 for r in a._records.values() if r.pool is pool) + entered.get(id(pool), 0) + pool.held
+        _expect(
+            pool.use_count == n,
+            f"pool {tuple(pool.id)} use count {pool.use_count} != {n} records, entries and its MemPool",
+        )
+        _expect(not pool.held or pool.eager_small is not None, "a graph pool held by a MemPool")
         for head in pool.returnable:
             _expect(
                 head.returns_with is not None and head.free_list.private_pool is pool,
@@ -237,5 +262,9 @@ def _check_captures(a: Reports, all_blocks: list[Block], heads: list[Block]) -> 
         want = uses.get(id(b), 0)
         _expect(b.holds == want, f"{b} has {b.holds} holds, but {want} captures, events and deferrals")
         _expect(not (b.allocated and b.holds), f"{b} is allocated and held")
+        _expect(
+            b.allocated_in is None or not b.free_list.eager,
+            f"{b} of a MemPool's eager side was handed to a capture",
+        )
     if a._capturing == 0:
         _expect(not a._deferred, "deferred frees left after every capture ended")

@@ -33,6 +33,7 @@ to the segment's stream after one device synchronize (``_rehome``), so it can sh
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from graphpool.device.protocol import (
@@ -42,6 +43,7 @@ from graphpool.device.protocol import (
 from graphpool.errors import (
     GraphpoolError,
 )
+from graphpool.policy import logs
 from graphpool.policy.block import Block, ExpandableSegment
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.heap import LEGACY
@@ -330,3 +332,74 @@ class Expandable(Segments):
             k.add("inactive_split_bytes", start - end)
             tail.size = start - tail.ptr
             fl.insert(tail)
+
+    # -- the out-of-memory retry and the cache release (steps of CachingAllocator._slow_block
+    # and empty_cache): here, above both kinds of segment they give back
+    def _release_cached(self) -> None:
+        """Synchronize pending stream uses, then give back every segment no graph may use."""
+        self._synchronize_events()
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            if self._exp:
+                self._rehome()
+            for fl in (self._small, self._large):
+                self._release_free_segments(fl)
+            for seg in list(self._exp.values()):  # partly free: unmap their free ends
+                self._shrink(seg)
+            for pool in self._pools.values():  # live pools: segments of failed captures,
+                if pool.use_count and pool.eager_small is not None:  # and MemPools' eager side
+                    for fl in pool.free_lists()[2:]:
+                        self._release_free_segments(fl)
+                if pool.use_count and pool.returnable:
+                    for head in list(pool.returnable):
+                        creator = head.returns_with
+                        whole = head.next is None and not head.allocated and head.holds == 0
+                        if whole and creator is not None and creator.failed:
+                            head.free_list.remove(head)
+                            self._release_segment(head)
+            for pid, pool in list(self._freeable.items()):
+                for fl in pool.free_lists():
+                    self._release_free_segments(fl)
+                if pool.segment_count == 0:
+                    del self._freeable[pid]
+                    del self._pools[pid]
+                    if self._history is not None:
+                        self._history.pool("pool_release", pool)
+                    if logs.enabled(logging.DEBUG):
+                        self._log_pool("released", pool)
+        finally:
+            self.device.exchange_capture_mode(prev)
+
+    def _before_retry(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """The driver refused memory, no capture underway: wait for pending stream uses and
+        return a fitting block they freed (out of ``fl``), else release the cache (PyTorch's
+        retry) and count the retry; the caller then asks the driver again."""
+        self._synchronize_events()
+        block = fl.best_fit(stream, size, self._max_split)
+        if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
+            fl.remove(block)  # a stream use that just completed freed a fitting block
+            return block
+        self._release_cached()
+        self.stats.num_alloc_retries += 1
+        if fl.private_pool is not None:
+            fl.private_pool.stats.num_alloc_retries += 1
+        return None
+
+    def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
+        """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
+        segment; out of memory and no capture underway, wait for pending stream uses, look
+        in the cache again, release the cache (``empty_cache``'s work) and grow again."""
+        block = None if self._world.active else self._take_idle(fl, size, stream)
+        if block is None:
+            block = self._grow(fl, size, stream)
+        if block is None and not self._world.active:
+            block = self._before_retry(fl, size, stream)
+            if block is None:  # the release synchronized: streams busy before may be idle now
+                block = self._take_idle(fl, size, stream)
+            if block is None:
+                block = self._grow(fl, size, stream)
+        if block is None:
+            block = self._oom_fallback(fl, size, stream)
+        if block is None:
+            self._raise_oom(nbytes, self._round_gran(size), fl, stream)
+        return block

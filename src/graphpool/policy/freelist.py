@@ -75,11 +75,13 @@ def tie_index(blocks: list[Block], ptr: int, lo: int, hi: int) -> int:
 
 class FreeList:
     """Free blocks of one pool kind, by stream. ``private_pool`` is the private pool the list
-    belongs to, None for the ordinary pool."""
+    belongs to, None for the ordinary pool; ``eager``: the list is a MemPool's eager side
+    (private_pools.py), whose blocks captures never take."""
 
     __slots__ = (
         "is_small",
         "private_pool",
+        "eager",
         "grows",
         "idle_at",
         "bins",
@@ -90,9 +92,10 @@ class FreeList:
         "_placed_at",
     )
 
-    def __init__(self, is_small: bool, private_pool: PrivatePool | None = None) -> None:
+    def __init__(self, is_small: bool, private_pool: PrivatePool | None = None, eager: bool = False) -> None:
         self.is_small = is_small
         self.private_pool = private_pool
+        self.eager = eager
         # The pool's segments grow at their end (expandable segments, the ordinary pools only):
         # the best fit then spares a segment's free last block (``past_tails``) and a large
         # block splits off any remainder (CachingAllocator.malloc). Set by the allocator.

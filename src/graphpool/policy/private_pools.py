@@ -1,9 +1,22 @@
 """Private pools for graph capture: ids, pools, and the record of one capture.
 
 A ``PoolId`` is an immutable pair: ``(k, 0)`` for a graph that captured without a pool
-(k counts graphs from 1), ``(0, n)`` from ``graph_pool_handle()`` (n counts handles
-from 1). A ``PrivatePool`` owns its own small and large free lists; its memory is
-only ever handed to captures routed to it, never to eager code.
+(k counts graphs from 1), ``(0, n)`` from ``graph_pool_handle()`` or a ``MemPool`` (n
+counts handles from 1). A ``PrivatePool`` owns its own small and large free lists; their
+memory is only ever handed to captures routed to it, never to eager code.
+
+Note [Pool objects: the graph side and the eager side]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A pool made for a ``MemPool`` (its ``PoolSpec`` registered in ``mempools``) has two more
+free lists, ``eager_small`` and ``eager_large``: what this thread allocates inside
+``use_mem_pool`` comes from there, and captures into the pool never take from there (nor
+eager code from ``small``/``large``). Memory a graph may touch on replay (every block
+handed to a capture into the pool, and each of its free blocks after the capture) is
+therefore never handed to eager code, and an eager block stays out of every graph's
+reach unless it is freed during a capture, when it is kept for the graph like any
+ordinary block. The two sides share the pool's statistics, segment count, lifetime and
+upstream; memory moves from one side to the other only through the upstream (a free
+segment given back, a new one made).
 """
 
 from __future__ import annotations
@@ -11,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from graphpool.policy.block import Block
 from graphpool.policy.freelist import FreeList
@@ -26,7 +39,11 @@ class PoolId(NamedTuple):
 
     @classmethod
     def coerce(cls, value: object) -> PoolId:
-        """Accept a PoolId or a pair of ints; raise ValueError/TypeError otherwise."""
+        """Accept a PoolId, a pair of ints, or a pool object (``MemPool``: its ``id``); raise
+        ValueError/TypeError otherwise."""
+        named = getattr(type(value), "_graphpool_pool", False)
+        if named:
+            value = getattr(value, "id", None)
         if isinstance(value, PoolId):
             pid = value
         elif isinstance(value, tuple) and len(value) == 2 and all(type(v) is int for v in value):
@@ -62,6 +79,32 @@ def new_shared_pool_id() -> PoolId:
         return PoolId(0, next(_handle_ids))
 
 
+class PoolSpec:
+    """What a ``MemPool`` asks of its pool on every device: where its segments come from
+    (``upstream``: None for the device's own memory, ``MANAGED`` for managed memory, or an
+    object with ``malloc(nbytes, device, stream) -> int`` and ``free(ptr, nbytes, device,
+    stream)``) and whether allocations outside the pool may take its free eager blocks when
+    the device is full (``use_on_oom``). ``places``: the allocators that made its pool."""
+
+    __slots__ = ("upstream", "use_on_oom", "places")
+
+    def __init__(self, upstream: Any, use_on_oom: bool) -> None:
+        self.upstream = upstream
+        self.use_on_oom = use_on_oom
+        # The allocators that made the pool (each counts the MemPool's use: ``PrivatePool.held``),
+        # told when the MemPool goes.
+        self.places: list[Any] = []
+
+
+MANAGED: Any = "managed"
+"""The built-in upstream of managed memory (``Device.malloc_managed``)."""
+
+mempools: dict[PoolId, PoolSpec] = {}
+"""The live MemPools' specs by pool id: an allocator that makes the pool of such an id (for
+``use_mem_pool`` or a capture) makes it with the spec and counts the MemPool's own use.
+Entries are added and removed whole by graphpool.mempool (under the GIL)."""
+
+
 class CaptureWorld:
     """The captures underway on every allocator of one runtime.
 
@@ -85,9 +128,22 @@ class PrivatePool:
     back with the capture that made them (Block.returns_with).
     """
 
-    __slots__ = ("id", "small", "large", "use_count", "segment_count", "stats", "returnable")
+    __slots__ = (
+        "id",
+        "small",
+        "large",
+        "use_count",
+        "segment_count",
+        "stats",
+        "returnable",
+        "eager_small",
+        "eager_large",
+        "upstream",
+        "use_on_oom",
+        "held",
+    )
 
-    def __init__(self, pool_id: PoolId) -> None:
+    def __init__(self, pool_id: PoolId, spec: PoolSpec | None = None) -> None:
         self.id = pool_id
         self.small = FreeList(True, self)
         self.large = FreeList(False, self)
@@ -95,6 +151,25 @@ class PrivatePool:
         self.segment_count = 0
         self.stats = PoolStats()
         self.returnable: set[Block] = set()
+        # A MemPool's pool (see the module's note): its eager side, its upstream, and whether
+        # its MemPool's own use is still counted in ``use_count`` (``held``).
+        self.eager_small: FreeList | None = None
+        self.eager_large: FreeList | None = None
+        self.upstream: Any = None
+        self.use_on_oom = False
+        self.held = False
+        if spec is not None:
+            self.eager_small = FreeList(True, self, True)
+            self.eager_large = FreeList(False, self, True)
+            self.upstream = spec.upstream
+            self.use_on_oom = spec.use_on_oom
+
+    def free_lists(self) -> list[FreeList]:
+        """Every free list of the pool: the graph side's, then the eager side's."""
+        out = [self.small, self.large]
+        if self.eager_small is not None and self.eager_large is not None:
+            out += [self.eager_small, self.eager_large]
+        return out
 
     def __repr__(self) -> str:
         return f"PrivatePool({tuple(self.id)}, use_count={self.use_count}, segments={self.segment_count})"

@@ -27,7 +27,7 @@ import logging
 import threading
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from graphpool import _warnings
 from graphpool.device.protocol import (
@@ -40,11 +40,12 @@ from graphpool.errors import (
     OutOfMemoryError,
 )
 from graphpool.policy import logs, observers
-from graphpool.policy.block import Block
+from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.limits import MemoryLimits
 from graphpool.policy.pools import SizeConfig
 from graphpool.policy.private_pools import (
+    MANAGED,
     CaptureWorld,
     PrivatePool,
 )
@@ -68,10 +69,13 @@ class Segments(StreamUses):
         # Cooperation (graphpool.cooperate): asked, with the lock released, to make other
         # caches of the process give memory back before an out-of-memory error is raised.
         self.release_others: Callable[[int, int], int] | None = None
+        # Why a MemPool's upstream last refused a segment (chained to the OOM error).
+        self._upstream_error: BaseException | None = None
 
-    def _device_malloc(self, nbytes: int) -> int | None:
+    def _device_malloc(self, nbytes: int, upstream: Any = None, stream: int = 0) -> int | None:
         """Driver allocation, always under the relaxed capture mode: a capture underway on any
-        thread (one graphpool may not have seen yet) is never invalidated by it.
+        thread (one graphpool may not have seen yet) is never invalidated by it. ``upstream``:
+        where a MemPool's segments come from (None: ``Device.malloc``; see ``_upstream_malloc``).
 
         Refused, as the driver refuses when the device is full (None), when the segment would
         take reserved memory past a limit (policy/limits.py): the caller's retry and
@@ -82,17 +86,74 @@ class Segments(StreamUses):
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         ptr: int | None = None
         try:
-            ptr = self.device.malloc(nbytes)
+            ptr = (
+                self.device.malloc(nbytes)
+                if upstream is None
+                else self._upstream_malloc(upstream, nbytes, stream)
+            )
         finally:
             try:
                 self.device.exchange_capture_mode(prev)
             except BaseException:  # (a signal handler in the restore): the caller never sees
                 if ptr is not None:  # the segment, so the driver gets it back
-                    self.device.free(ptr)
+                    self._free_memory(ptr, nbytes, upstream, stream)
                 raise
         if ptr is not None:
             self._limit_hit = None
         return ptr
+
+    def _upstream_malloc(self, upstream: Any, nbytes: int, stream: int) -> int | None:
+        """A segment from a MemPool's upstream (private_pools.PoolSpec): managed memory
+        (``Device.malloc_managed``), or a user object's ``malloc(nbytes, device, stream)``. A
+        refusal (None or 0), an exception or a wrong answer is out of memory (None): the caller
+        retries and raises the usual OutOfMemoryError, with the upstream's exception chained
+        (``_upstream_error``). A signal handler's exception (BaseException) propagates."""
+        if upstream is MANAGED:
+            fn = getattr(self.device, "malloc_managed", None)
+            if fn is None:
+                self._upstream_error = GraphpoolError(
+                    f"device {self.device.index} ({type(self.device).__name__}) has no managed memory"
+                )
+                return None
+            got: Any = fn(nbytes)
+            return None if got is None else int(got)
+        try:
+            got = upstream.malloc(nbytes, self.device.index, stream)
+        except Exception as exc:
+            self._upstream_error = exc
+            return None
+        if got is None or got == 0:
+            return None
+        if type(got) is not int or got < 0:
+            self._upstream_error = TypeError(
+                f"the upstream's malloc returned {got!r}, not a device address (a positive int)"
+            )
+            return None
+        if self._overlaps(got, nbytes):  # not given back: freeing it could free a live segment
+            self._upstream_error = ValueError(
+                f"the upstream's malloc returned 0x{got:x}, which overlaps memory graphpool already "
+                "holds; the upstream is broken"
+            )
+            return None
+        return got
+
+    def _overlaps(self, ptr: int, nbytes: int) -> bool:
+        """Whether ``[ptr, ptr + nbytes)`` meets a segment of this allocator (O(log segments +
+        blocks of one segment))."""
+        i = bisect_left(self._seg_bases, ptr + nbytes) - 1
+        if i < 0:
+            return False
+        head = self._segments[self._seg_bases[i]]
+        end = head.ptr + sum(b.size for b in iter_segment(head))
+        return end > ptr
+
+    def _free_memory(self, ptr: int, nbytes: int, upstream: Any, stream: int) -> None:
+        """Give a segment back to where it came from (the device's ``free`` for managed memory
+        too, as ``cudaFree`` frees both; a user upstream's ``free``)."""
+        if upstream is None or upstream is MANAGED:
+            self.device.free(ptr)
+        else:
+            upstream.free(ptr, nbytes, self.device.index, stream)
 
     def _map_allowed(self, nbytes: int) -> bool:
         """The limit rule: whether ``nbytes`` more of device memory (a segment, or a mapping that
@@ -182,6 +243,23 @@ class Segments(StreamUses):
         finally:
             self.device.exchange_capture_mode(prev)
 
+    def _oom_fallback(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """The device is full for an allocation of the ordinary pool: a fitting free block of
+        ``stream`` from the eager side of a MemPool made with ``use_on_oom`` (PyTorch's flag),
+        out of its list; it goes back there when freed. None if there is none, or the
+        allocation is not the ordinary pool's. Never a graph side's block (private_pools.py)."""
+        if fl.private_pool is not None:
+            return None
+        for pool in self._pools.values():
+            if not pool.use_on_oom or pool.eager_small is None or pool.eager_large is None:
+                continue
+            other = pool.eager_small if fl.is_small else pool.eager_large
+            block = other.best_fit(stream, size, self._max_split)
+            if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
+                other.remove(block)
+                return block
+        return None
+
     def _release_oversize(self, fl: FreeList, size: int, stream: int) -> bool:
         """Out of memory with ``max_split_size`` set: give back the smallest free oversize
         segment of ``stream`` that holds the request (at least ``max_split_size``), else the
@@ -233,7 +311,9 @@ class Segments(StreamUses):
             self._set_returns_with(block, None)
         try:
             if seg is None:
-                self.device.free(block.ptr)
+                self._free_memory(
+                    block.ptr, block.size, None if owner is None else owner.upstream, block.stream
+                )
             else:  # a whole free expandable segment: unmap it and give back its range
                 try:
                     self.device.vmm_unmap(seg.base, seg.mapped)
@@ -280,7 +360,10 @@ class Segments(StreamUses):
         is released. One that other caches might avert goes out uncounted, for malloc to
         cooperate first (see the module doc)."""
         limit, self._limit_hit = self._limit_hit, None
-        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit))
+        upstream_error, self._upstream_error = self._upstream_error, None
+        err = OutOfMemoryError(self._oom_message(nbytes, seg, limit, fl))
+        if upstream_error is not None:
+            err.__cause__ = upstream_error
         if (
             self.release_others is not None
             and seg is not None
@@ -338,7 +421,9 @@ class Segments(StreamUses):
         except GraphpoolError:
             return 0
 
-    def _oom_message(self, nbytes: int, seg: int | None, limit: str | None = None) -> str:
+    def _oom_message(
+        self, nbytes: int, seg: int | None, limit: str | None = None, fl: FreeList | None = None
+    ) -> str:
         """The out-of-memory message: the request, the limit that refused it if one did, then
         what is allocated, reserved, held in private pools and free on the device, then what
         to do. ``seg`` None: the request alone is larger than the device."""
@@ -351,6 +436,10 @@ class Segments(StreamUses):
         except GraphpoolError:
             dev = "device free memory unknown"
         during = " during graph capture (the cache cannot be released then)" if self._world.active else ""
+        owner = None if fl is None else fl.private_pool
+        if owner is not None and owner.upstream is not None:
+            source = "managed memory" if owner.upstream is MANAGED else f"upstream {owner.upstream!r}"
+            during += f" in MemPool {tuple(owner.id)}, whose segments come from {source}"
         return (
             f"out of memory on device {self.device.index}{during}: tried to allocate {fmt_bytes(nbytes)} "
             + (

@@ -256,19 +256,21 @@ class StreamUses(Captures):
         fl = block.free_list
         size = block.size
         owner = fl.private_pool
-        if self._capturing and owner is not None and not block.stream_uses:
+        # A MemPool's eager side is no capture's: its blocks are kept like ordinary ones.
+        graph_side = owner if owner is not None and not fl.eager else None
+        if self._capturing and graph_side is not None and not block.stream_uses:
             # A capture allocating from this pool takes the block back into it: with one capture
             # underway, the one that allocated it if still active (``allocated_in``, typed here
             # so that compiled its fields are read natively), else the first whose pool it is.
             rec: CaptureRecord | None = block.allocated_in
-            if rec is None or not rec.active or rec.pool is not owner or len(self._captures) != 1:
+            if rec is None or not rec.active or rec.pool is not graph_side or len(self._captures) != 1:
                 rec = None
                 for r in self._captures.values():
-                    if r.pool is owner:
+                    if r.pool is graph_side:
                         rec = r
                         break
             if rec is not None:
-                if len(owner.returnable) != rec.returnable_count:  # segments of another capture (malloc)
+                if len(graph_side.returnable) != rec.returnable_count:  # segments of another capture (malloc)
                     self._touch(block, rec)
                 self._free_block(block, True)
                 return True
@@ -286,7 +288,7 @@ class StreamUses(Captures):
             if owner is not None and owner.returnable:
                 for rec in recs:
                     self._touch(block, rec)
-            if recs and (len(recs) > 1 or owner is not recs[0].pool):
+            if recs and (len(recs) > 1 or graph_side is not recs[0].pool):
                 # The graphs' kernels may touch this memory on every replay.
                 for rec in recs:
                     self._hold(block)

@@ -49,6 +49,11 @@ HOST_ADDRESS_BASE = 0x1000_0000_0000
 """Pinned host memory (``host_malloc``) of a backend's devices, from here upward: below every
 device's range, so an address tells host from device memory."""
 
+MANAGED_ADDRESS_BASE = 0x4000_0000_0000
+MANAGED_ADDRESS_SPAN = 1 << 42
+"""Managed memory (``malloc_managed``) of device ``i``, from ``MANAGED_ADDRESS_BASE + i *
+MANAGED_ADDRESS_SPAN`` upward: between the host's range and the devices'."""
+
 _handles = itertools.count(0x1000, 0x10)
 """Stream, event, graph and exec handles: unique across kinds and devices, like CUDA's pointers;
 never 1 or 2, which the CUDA array interface reserves for the default streams."""
@@ -126,6 +131,9 @@ class SimDevice:
         # Pinned host memory: the process's, so a backend gives its devices one (SimBackend);
         # its own lock, never held while taking a device's.
         self._host = SimMemory(HOST_ADDRESS_BASE, host_memory_bytes)
+        # Managed memory: its own range, as large as the host's memory (oversubscription: it does
+        # not count in mem_info); kernels and the host (host_view) both reach its bytes.
+        self._managed = SimMemory(MANAGED_ADDRESS_BASE + index * MANAGED_ADDRESS_SPAN, host_memory_bytes)
         self._host_lock = threading.Lock()
         self._streams: dict[int, _Stream] = {LEGACY_STREAM: _Stream(LEGACY_STREAM)}
         self._made: set[int] = set()  # streams create_stream made, not destroyed
@@ -164,10 +172,31 @@ class SimDevice:
             raise
         return ptr
 
+    def malloc_managed(self, nbytes: int) -> int | None:
+        """cudaMallocManaged(cudaMemAttachGlobal): ``nbytes`` that kernels and the host both read
+        and write (``host_view``); None when the managed range is used up. It does not lower
+        ``mem_info``'s free memory (the driver migrates pages on demand). Unsafe in capture."""
+        if nbytes <= 0:
+            raise cuda_error("cudaMallocManaged", "cudaErrorInvalidValue", f"size {nbytes}")
+        with self._lock:
+            capture.check_unsafe("cudaMallocManaged")
+            return self._managed.allocate(nbytes)
+
+    def _is_managed(self, ptr: int) -> bool:
+        base = self._managed.base
+        return base <= ptr < base + MANAGED_ADDRESS_SPAN
+
     def free(self, ptr: int) -> None:
-        """Free memory from ``malloc``. Like cudaFree it first waits for all queued work."""
+        """Free memory from ``malloc`` (or ``malloc_managed``). Like cudaFree it first waits for
+        all queued work."""
         with self._lock:
             capture.check_unsafe("cudaFree")
+            if self._is_managed(ptr) and self._managed.is_live(ptr):
+                interrupted = self._wait_uninterrupted()
+                self._managed.release(ptr)
+                if interrupted is not None:
+                    raise interrupted
+                return
             if not self._mem.is_live(ptr):
                 raise cuda_error(
                     "cudaFree",
@@ -245,6 +274,9 @@ class SimDevice:
     def view(self, ptr: int, nbytes: int) -> np.ndarray:
         """Writable uint8 view of ``[ptr, ptr + nbytes)``; cudaErrorIllegalAddress if not live.
         Pinned host memory (``host_malloc``) too: kernels and copies reach it, as on a GPU."""
+        if self._is_managed(ptr):
+            with self._lock:
+                return self._managed.view(ptr, nbytes)
         if HOST_ADDRESS_BASE <= ptr < ADDRESS_BASE:
             with self._host_lock:
                 return self._host.view(ptr, nbytes)
@@ -280,6 +312,9 @@ class SimDevice:
             return self._host.capacity - self._host.used, self._host.capacity
 
     def host_view(self, ptr: int, nbytes: int) -> memoryview:
+        if self._is_managed(ptr):  # managed memory: the host reads and writes it too
+            with self._lock:
+                return self._managed.view(ptr, nbytes, "host_view").data
         with self._host_lock:
             return self._host.view(ptr, nbytes, "host_view").data
 
@@ -296,6 +331,11 @@ class SimDevice:
             self.view(dst, nbytes)[:] = self.view(src, nbytes)
 
         self._submit("cudaMemcpyAsync", stream, Node("memcpy_host", copy))
+
+    def managed_allocations(self) -> list[tuple[int, int]]:
+        """(address, size) of every live ``malloc_managed`` allocation, by address."""
+        with self._lock:
+            return self._managed.allocations()
 
     def allocations(self) -> list[tuple[int, int]]:
         """(address, size) of every live ``malloc`` allocation, by address."""
@@ -336,7 +376,8 @@ class SimDevice:
             self._refuse_if_capturing("cudaMemcpy(DeviceToHost)", st)
             capture.check_unsafe("cudaMemcpy(DeviceToHost)")
             self._run_until(lambda: not st.queue)
-            return self._mem.view(ptr, nbytes, "cudaMemcpy(DeviceToHost)").tobytes()
+            mem = self._managed if self._is_managed(ptr) else self._mem
+            return mem.view(ptr, nbytes, "cudaMemcpy(DeviceToHost)").tobytes()
 
     # -- work -----------------------------------------------------------------
     def launch_kernel(self, stream: int, fn: Callable[[], None], name: str = "kernel") -> None:

@@ -1,0 +1,142 @@
+"""Pools as objects: ``MemPool`` and ``use_mem_pool`` (PyTorch's ``torch.cuda.MemPool`` forms).
+
+A ``MemPool`` is a private pool that code other than a capture can own. Its ``id`` is a
+``PoolId`` accepted wherever ``pool=`` is (``gp.graph``, ``CUDAGraph.capture_begin``,
+``make_graphed_callable(s)``, ``gp.memory_stats``), and the MemPool itself is accepted there
+too. ``use_mem_pool(pool)`` sends the calling thread's allocations (``gp.alloc`` and every
+integration) to the pool while the block runs.
+
+The capture rules hold inside a MemPool: eager allocations and a graph's allocations come
+from two sides of the pool that never lend each other memory (docs/behaviour.rst, "MemPool";
+the policy's Note [Pool objects] in policy/private_pools.py). Each device makes the pool on
+first use; the MemPool's own use ends when the object is collected, and the pool's free
+segments then go back to their upstream at the next ``empty_cache`` once nothing else uses it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from types import TracebackType
+from typing import Any
+
+from graphpool import runtime
+from graphpool.policy.private_pools import (
+    MANAGED,
+    PoolId,
+    PoolSpec,
+    mempools,
+    new_shared_pool_id,
+)
+from graphpool.streams import _index
+
+UPSTREAMS = ("device", "managed")
+"""The built-in upstreams by name: the device's own memory (the default) and managed memory."""
+
+
+def _upstream(value: object) -> object:
+    """The policy's form of ``upstream``: None (device memory), MANAGED, or a user object with
+    callable ``malloc`` and ``free``; TypeError/ValueError otherwise."""
+    if value is None or value == "device":
+        return None
+    if value == "managed" or value is MANAGED:
+        return MANAGED
+    if isinstance(value, str):
+        raise ValueError(
+            f"unknown upstream {value!r}: choose one of {', '.join(UPSTREAMS)}, or pass an allocator"
+        )
+    if not (callable(getattr(value, "malloc", None)) and callable(getattr(value, "free", None))):
+        raise TypeError(
+            "an upstream is 'device', 'managed', or an object with malloc(nbytes, device, stream) -> int "
+            f"and free(ptr, nbytes, device, stream), not {type(value).__name__}"
+        )
+    return value
+
+
+def _drop(pool_id: PoolId, spec: PoolSpec) -> None:
+    """The MemPool is gone (a finalizer: lock-free, no device call): no new device makes its pool,
+    and each allocator that made it ends the MemPool's use at its next call."""
+    mempools.pop(pool_id, None)
+    for a in spec.places:
+        a.defer_mempool_drop(pool_id)
+
+
+class MemPool:
+    """A private pool as an object (see the module doc).
+
+    ``upstream``: where the pool's segments come from: ``None`` or ``"device"`` (the device's
+    own memory), ``"managed"`` (CUDA managed memory, for oversubscription), or an object with
+    ``malloc(nbytes, device, stream) -> int`` and ``free(ptr, nbytes, device, stream)`` (the
+    shape of PyTorch's pluggable allocator pair). ``use_on_oom``: when the device is full,
+    allocations outside the pool may take the pool's free eager blocks.
+    """
+
+    _graphpool_pool = True  # PoolId.coerce takes a MemPool for its id
+
+    def __init__(self, *, upstream: object = None, use_on_oom: bool = False) -> None:
+        up = _upstream(upstream)
+        if not isinstance(use_on_oom, bool):
+            raise TypeError(f"use_on_oom must be a bool, not {type(use_on_oom).__name__}")
+        self._id = new_shared_pool_id()
+        self._spec = PoolSpec(up, use_on_oom)
+        self._upstream_arg = upstream
+        mempools[self._id] = self._spec
+        weakref.finalize(self, _drop, self._id, self._spec)
+        runtime.allocator(_index(None)).ensure_pool(self._id)  # made on the current device now
+
+    @property
+    def id(self) -> PoolId:
+        """The pool's id: pass it (or the MemPool) wherever ``pool=`` is taken."""
+        return self._id
+
+    @property
+    def upstream(self) -> object:
+        """Where the pool's segments come from, as given ("device" for the default)."""
+        return "device" if self._upstream_arg is None else self._upstream_arg
+
+    @property
+    def use_on_oom(self) -> bool:
+        """Whether allocations outside the pool may take its free eager blocks when the device is full."""
+        return bool(self._spec.use_on_oom)
+
+    def use_count(self, device: object = None) -> int:
+        """How many users the pool has on ``device``: this MemPool, each ``use_mem_pool`` block
+        open on it, and each graph (or capture underway) into it."""
+        return self.memory_stats(device)["use_count"]
+
+    def memory_stats(self, device: object = None) -> dict[str, int]:
+        """The pool's own statistics on ``device`` (``gp.memory_stats(pool=self)``'s keys)."""
+        a = runtime.allocator(_index(device))
+        a.ensure_pool(self._id)
+        return a.memory_stats(self._id)
+
+    def snapshot(self, device: object = None) -> list[dict[str, Any]]:
+        """This pool's segments on ``device``, in ``gp.memory_snapshot()``'s layout."""
+        mine = tuple(self._id)
+        return [seg for seg in runtime.allocator(_index(device)).snapshot() if seg["segment_pool_id"] == mine]
+
+    def __repr__(self) -> str:
+        return f"MemPool(id={tuple(self._id)}, upstream={self.upstream!r}, use_on_oom={self.use_on_oom})"
+
+
+class use_mem_pool:  # PyTorch's name: a context manager class
+    """``with use_mem_pool(pool):`` the calling thread's allocations on ``device`` (default: the
+    current one) come from ``pool`` (``gp.alloc``, CuPy, Numba, cuda.core and PyTorch's hooks
+    alike). Blocks nest; other threads are unaffected. On a stream a capture is underway on,
+    the capture's own pool serves first. Counts as a use of the pool while open."""
+
+    __slots__ = ("_pool", "_alloc")
+
+    def __init__(self, pool: MemPool, device: object = None) -> None:
+        if not isinstance(pool, MemPool):
+            raise TypeError(f"use_mem_pool takes a MemPool, not {type(pool).__name__}")
+        self._pool = pool
+        self._alloc = runtime.allocator(_index(device))
+
+    def __enter__(self) -> MemPool:
+        self._alloc.enter_pool(self._pool.id)
+        return self._pool
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._alloc.exit_pool(self._pool.id)
