@@ -195,28 +195,9 @@ class Expandable(Segments):
             reserve = self._round_gran(self._total)
             if need > reserve or not self._map_allowed(need):
                 return None
-            prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
-            va = 0
-            mapped = False
-            try:
-                va = self.device.vmm_reserve(reserve)
-                try:
-                    mapped = self.device.vmm_map(va, need)
-                except BaseException:  # a driver error or an interrupt: the range goes back
-                    self._unmap_quietly(va, need)  # (an interrupt may come after the map took effect)
-                    self._release_quietly(va, reserve)
-                    raise
-                if not mapped:
-                    self.device.vmm_release(va, reserve)
-                    return None
-            finally:
-                try:
-                    self.device.exchange_capture_mode(prev)
-                except BaseException:  # (a signal handler in the restore): nothing was filed yet
-                    if mapped:
-                        self._unmap_quietly(va, need)
-                        self._release_quietly(va, reserve)
-                    raise
+            va = self._map_relaxed(0, need, reserve)
+            if not va:
+                return None
             seg = ExpandableSegment(va, reserve, need, stream, fl.is_small)
             self._exp[va] = seg
             self._exp_of[(fl.is_small, stream)] = seg
@@ -234,22 +215,7 @@ class Expandable(Segments):
         end = seg.base + seg.mapped
         if seg.mapped + need > seg.reserved or not self._map_allowed(need):
             return None
-        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
-        mapped = False
-        try:
-            try:
-                mapped = self.device.vmm_map(end, need)
-            except BaseException:  # an interrupt may come after the map took effect: undo it, or
-                self._unmap_quietly(end, need)  # the range could never be mapped again
-                raise
-        finally:
-            try:
-                self.device.exchange_capture_mode(prev)
-            except BaseException:  # (a signal handler in the restore): nothing was counted yet
-                if mapped:
-                    self._unmap_quietly(end, need)
-                raise
-        if not mapped:
+        if not self._map_relaxed(end, need):
             return None
         seg.mapped += need
         self._limit_hit = None
@@ -275,6 +241,38 @@ class Expandable(Segments):
         k.add("inactive_split_bytes", need)
         self._mapped(block, end, need, stream)
         return block
+
+    def _map_relaxed(self, va: int, need: int, reserve: int = 0) -> int:
+        """Map ``need`` bytes of new memory at ``va`` under the relaxed capture mode (a capture
+        underway on any thread is never invalidated); with ``reserve`` > 0, first reserve a
+        fresh range of that size and map at its start. Returns the address mapped, 0 when the
+        device refused (a fresh range then goes back). Nothing is filed here: on any exception
+        (a driver error, or an interrupt that may come after the map took effect) the mapping
+        is undone and a fresh range given back, so the range can be mapped again later."""
+        prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        mapped = False
+        try:
+            if reserve:
+                va = self.device.vmm_reserve(reserve)
+            try:
+                mapped = self.device.vmm_map(va, need)
+            except BaseException:
+                self._unmap_quietly(va, need)
+                if reserve:
+                    self._release_quietly(va, reserve)
+                raise
+            if not mapped and reserve:
+                self.device.vmm_release(va, reserve)
+        finally:
+            try:
+                self.device.exchange_capture_mode(prev)
+            except BaseException:  # (a signal handler in the restore)
+                if mapped:
+                    self._unmap_quietly(va, need)
+                    if reserve:
+                        self._release_quietly(va, reserve)
+                raise
+        return va if mapped else 0
 
     def _mapped(self, block: Block, end: int, need: int, stream: int) -> None:
         """Record the mapping that grew an expandable segment (``block``, in no free list, holds
