@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 import graphpool as gp
+from graphpool import runtime
 from graphpool.device.protocol import CAPTURE_MODE_RELAXED
 from graphpool.policy import interrupts, observers
 from graphpool.policy.allocator import CachingAllocator
@@ -948,6 +949,14 @@ def _pinned_with() -> None:
         pass
 
 
+_POOLS: list[gp.MemPool] = []
+
+
+def _mem_pool_with() -> None:
+    with gp.use_mem_pool(_POOLS[0]):
+        gp.alloc(4096).free()
+
+
 HANDOFF_OPS = {
     f.__name__.strip("_"): f
     for f in (
@@ -958,6 +967,7 @@ HANDOFF_OPS = {
         _pinned_free,
         _pinned_drop,
         _pinned_with,
+        _mem_pool_with,
     )
 }
 
@@ -1000,6 +1010,7 @@ def test_a_guarded_handler_at_any_bytecode_of_an_allocation_or_free_loses_no_own
     those steps have no bytecode and the same checks hold."""
     gp.set_backend("sim")
     _HANDOFF_STREAMS[:] = [gp.Stream(), gp.Stream()]
+    _POOLS[:] = [gp.MemPool()]
     fn = HANDOFF_OPS[op]
     fn()  # warm: routes kept, segments cached
     gp.synchronize()
@@ -1019,9 +1030,11 @@ def test_a_guarded_handler_at_any_bytecode_of_an_allocation_or_free_loses_no_own
             assert st["allocated_bytes.all.current"] == 0, (
                 f"{op}: an owner was lost (signal at bytecode {at})"
             )
+        assert runtime.allocator(0)._entered == 0, f"{op}: a use_mem_pool entry was left (bytecode {at})"
     assert not missed, f"{op}: signals never handled, at bytecodes {missed}"
     gp.check_invariants()
     gp.synchronize()
     gp.empty_cache()
     assert gp.memory_stats()["reserved_bytes.all.current"] == 0
     _HANDOFF_STREAMS.clear()
+    _POOLS.clear()

@@ -431,3 +431,29 @@ def test_the_mempools_of_integrations_follow_use_mem_pool(backend: Any) -> None:
     assert _in_pool(p, int(arr.data.ptr))
     outside = xp.zeros(4096, dtype="float32")
     assert not _in_pool(p, int(outside.data.ptr))
+
+
+def test_a_block_left_without_its_exit_ends_at_the_next_call(backend: Any) -> None:
+    """Python skips __exit__ when an exception (a KeyboardInterrupt) comes between a with-block's
+    last statement and the call: the block's finalizer queues the exit, and the next allocator
+    call ends the entry before it is routed."""
+    p = gp.MemPool()
+    block = gp.use_mem_pool(p)
+    block.__enter__()
+    with pytest.raises(RuntimeError, match="open already"):
+        block.__enter__()
+    assert p.use_count() == 2
+    del block  # never exited
+    gc.collect()
+    b = gp.alloc(4096)
+    assert not _in_pool(p, b.ptr)
+    assert p.use_count() == 1
+    with gp.use_mem_pool(p):  # nested entries: the abandoned one (the inner) goes, the outer stays
+        inner = gp.use_mem_pool(p)
+        inner.__enter__()
+        del inner
+        gc.collect()
+        assert _in_pool(p, gp.alloc(4096).ptr)
+        assert p.use_count() == 2
+    assert p.use_count() == 1
+    gp.check_invariants()

@@ -15,11 +15,13 @@ segments then go back to their upstream at the next ``empty_cache`` once nothing
 
 from __future__ import annotations
 
+import threading
 import weakref
 from types import TracebackType
 from typing import Any
 
 from graphpool import runtime
+from graphpool.policy import interrupts
 from graphpool.policy.private_pools import (
     MANAGED,
     PoolId,
@@ -124,19 +126,40 @@ class use_mem_pool:  # PyTorch's name: a context manager class
     alike). Blocks nest; other threads are unaffected. On a stream a capture is underway on,
     the capture's own pool serves first. Counts as a use of the pool while open."""
 
-    __slots__ = ("_pool", "_alloc")
+    __slots__ = ("_pool", "_alloc", "_ident")
 
     def __init__(self, pool: MemPool, device: object = None) -> None:
         if not isinstance(pool, MemPool):
             raise TypeError(f"use_mem_pool takes a MemPool, not {type(pool).__name__}")
         self._pool = pool
         self._alloc = runtime.allocator(_index(device))
+        self._ident = 0  # the thread that entered, while open
 
     def __enter__(self) -> MemPool:
+        if self._ident:
+            raise RuntimeError("this use_mem_pool block is open already: nest a new use_mem_pool(...)")
         self._alloc.enter_pool(self._pool.id)
+        self._ident = threading.get_ident()
         return self._pool
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._alloc.exit_pool(self._pool.id)
+        if self._ident:
+            self._alloc.exit_pool(self._pool.id)
+            self._ident = 0
+
+    def __del__(self) -> None:
+        # Still open: an exception (a KeyboardInterrupt) came between the block's last statement
+        # and the call of __exit__, which Python then skips. The entry ends at the allocator's
+        # next call, before that call is routed (lock-free: finalizers may run anywhere).
+        ident = getattr(self, "_ident", 0)  # (absent when __init__ raised)
+        if ident:
+            self._ident = 0
+            self._alloc.defer_exit_pool(self._pool.id, ident)
+
+
+# A guarded signal handler that lands in __enter__ after the entry was made runs once it
+# returned, inside the with-block, so that __exit__ removes the entry; one that lands in
+# __exit__ or __del__ runs once the entry is gone or queued (policy/interrupts.py, "Handoffs").
+interrupts.handoff(use_mem_pool.__enter__, use_mem_pool.__exit__, use_mem_pool.__del__)

@@ -95,6 +95,7 @@ from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import (
     CaptureRecord,
     CaptureWorld,
+    PoolExit,
     PoolId,
     PrivatePool,
     mempools,
@@ -764,6 +765,8 @@ class CachingAllocator(Reports):
                         self._free_queued(item)
                     elif type(item) is PoolId:  # a MemPool was collected
                         self._drop_mempool(item)
+                    elif type(item) is PoolExit:  # a use_mem_pool block left without __exit__
+                        self._abandon_entry(item.pool_id, item.ident)
                     elif type(item) is tuple:  # a free after a use on another stream
                         block = self._live_block(item[0])
                         if block is not None and item[1] != block.stream:
@@ -855,13 +858,23 @@ class CachingAllocator(Reports):
         ``pool_id``'s pool until the matching ``exit_pool`` (``use_mem_pool``; entries nest).
         ValueError for an id of no live MemPool."""
         ident = threading.get_ident()
-        self._run_locked("enter_pool", lambda: self._enter_pool(pool_id, ident))
+        self._run_locked(
+            "enter_pool",
+            lambda: self._enter_pool(pool_id, ident),
+            lambda _: self._exit_pool(pool_id, ident),  # a handler raised after: no entry is left
+        )
 
     def exit_pool(self, pool_id: PoolId) -> None:
         """End the calling thread's innermost ``enter_pool``, which must be ``pool_id``'s
         (RuntimeError otherwise, and nothing changes)."""
         ident = threading.get_ident()
         self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, ident))
+
+    def defer_exit_pool(self, pool_id: PoolId, ident: int) -> None:
+        """End thread ``ident``'s innermost entry into ``pool_id`` at the next allocator call, if
+        it is still there (a ``use_mem_pool`` block whose ``__exit__`` Python skipped). Lock-free:
+        for finalizers."""
+        self._pending.append(PoolExit(pool_id, ident))
 
     def defer_mempool_drop(self, pool_id: PoolId) -> None:
         """The MemPool ``pool_id`` was collected: its own use of this device's pool ends at the
@@ -920,4 +933,6 @@ interrupts.handoff(
     CachingAllocator._run_locked,
     CachingAllocator.free_owned,
     CachingAllocator.defer_free,
+    CachingAllocator.enter_pool,
+    CachingAllocator.exit_pool,
 )

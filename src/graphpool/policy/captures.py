@@ -372,6 +372,21 @@ class Captures(Heap):
         self._entered -= 1
         self._drop_use(pool)
 
+    def _abandon_entry(self, pool_id: PoolId, ident: int) -> None:
+        """End thread ``ident``'s innermost entry into ``pool_id``, wherever it is in the thread's
+        stack (its block was left without ``__exit__``); nothing if there is none."""
+        stack = self._thread_pools.get(ident)
+        if not stack:
+            return
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i].id == pool_id:
+                pool = stack.pop(i)
+                if not stack:
+                    del self._thread_pools[ident]
+                self._entered -= 1
+                self._drop_use(pool)
+                return
+
     def _entered_pool(self) -> PrivatePool | None:
         """The pool the calling thread's eager allocations go to (``use_mem_pool``), if any."""
         stack = self._thread_pools.get(threading.get_ident())

@@ -79,6 +79,15 @@ def new_shared_pool_id() -> PoolId:
         return PoolId(0, next(_handle_ids))
 
 
+class PoolExit(NamedTuple):
+    """A ``use_mem_pool`` entry of thread ``ident`` into ``pool_id`` whose ``__exit__`` never ran
+    (an exception between the block's end and the call): queued by its finalizer, ended by the
+    allocator's next call (``CachingAllocator.defer_exit_pool``)."""
+
+    pool_id: PoolId
+    ident: int
+
+
 class PoolSpec:
     """What a ``MemPool`` asks of its pool on every device: where its segments come from
     (``upstream``: None for the device's own memory, ``MANAGED`` for managed memory, or an
