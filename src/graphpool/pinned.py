@@ -35,14 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Final
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Final
 
 from graphpool import _warnings, runtime
 from graphpool.device.protocol import CAPTURE_STATUS_ACTIVE, CAPTURE_STATUS_NONE, Device
 from graphpool.errors import CaptureError, DoubleFreeError, GraphpoolError, OutOfMemoryError
 from graphpool.policy import interrupts
+
+if TYPE_CHECKING:  # NumPy loads only when a view is made: ``import graphpool`` does not need it
+    import numpy as np
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.streams import Stream, StreamLike, _index, as_stream, current_stream
 
@@ -375,6 +376,8 @@ class PinnedBuffer:
     @property
     def __array_interface__(self) -> dict[str, Any]:
         """NumPy's array interface: ``nbytes`` bytes (uint8) at the memory's host address."""
+        import numpy as np
+
         if self._nbytes == 0:
             if not self._live:
                 raise DoubleFreeError("pinned buffer was freed")
@@ -382,9 +385,11 @@ class PinnedBuffer:
         address = np.frombuffer(self._view(), dtype=np.uint8).ctypes.data
         return {"shape": (self._nbytes,), "typestr": "|u1", "data": (address, False), "version": 3}
 
-    def numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+    def numpy(self, dtype: Any = "uint8", shape: Any = None) -> np.ndarray:
         """A writable NumPy view of the memory as ``dtype`` (1-D, or ``shape``); it keeps the
         buffer alive (``free()`` still frees it: do not use a view after that)."""
+        import numpy as np
+
         arr: np.ndarray = np.asarray(self).view(dtype)
         return arr if shape is None else arr.reshape(shape)
 
