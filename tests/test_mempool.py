@@ -457,3 +457,24 @@ def test_a_block_left_without_its_exit_ends_at_the_next_call(backend: Any) -> No
         assert p.use_count() == 2
     assert p.use_count() == 1
     gp.check_invariants()
+
+
+def test_a_block_closed_on_another_thread_ends_the_entering_threads_entry(backend: Any) -> None:
+    """A generator holding a use_mem_pool block, closed by another thread (garbage collection
+    runs finalizers on whichever thread allocates): the entry of the thread that entered ends."""
+    p = gp.MemPool()
+
+    def gen() -> Any:
+        with gp.use_mem_pool(p):
+            yield gp.alloc(1024)
+
+    g = gen()
+    buf = next(g)
+    assert _in_pool(p, buf.ptr) and p.use_count() == 2
+    closer = threading.Thread(target=g.close)
+    closer.start()
+    closer.join()
+    outside = gp.alloc(1024)
+    assert not _in_pool(p, outside.ptr)
+    assert p.use_count() == 1
+    gp.check_invariants()

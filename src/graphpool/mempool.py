@@ -145,9 +145,14 @@ class use_mem_pool:  # PyTorch's name: a context manager class
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._ident:
+        ident = self._ident
+        if not ident:
+            return
+        if ident == threading.get_ident():
             self._alloc.exit_pool(self._pool.id)
-            self._ident = 0
+        else:  # closed on another thread (a generator's block, finalized by garbage collection):
+            self._alloc.defer_exit_pool(self._pool.id, ident)  # the entering thread's entry ends
+        self._ident = 0
 
     def __del__(self) -> None:
         # Still open: an exception (a KeyboardInterrupt) came between the block's last statement
