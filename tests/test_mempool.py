@@ -379,6 +379,41 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
     assert up.live == {}
 
 
+def test_an_upstream_failure_retried_away_is_no_cause_of_a_later_out_of_memory(backend: Any) -> None:
+    """The upstream refused once and the retry got the segment: a later, unrelated out of memory
+    (outside the pool, or a request larger than the device) must not chain that old exception."""
+    up = CountingUpstream()
+    real = up.malloc
+
+    def flaky(nbytes: int, device: int, stream: int) -> object:
+        up.fail = up.mallocs == 0  # only the first call raises
+        return real(nbytes, device, stream)
+
+    up.malloc = flaky  # type: ignore[method-assign]
+    p = gp.MemPool(upstream=up)
+    with gp.use_mem_pool(p):
+        buf = gp.alloc(1000)  # raised once, then the retry succeeded
+    assert up.mallocs == 2 and _in_pool(p, buf.ptr)
+    with pytest.raises(gp.OutOfMemoryError) as too_large:
+        gp.alloc(runtime.allocator(gp.current_device())._total + 1)
+    assert too_large.value.__cause__ is None
+    with gp.use_mem_pool(p):
+        gp.alloc(1000).free()
+    up.fail, up.mallocs = False, 0
+    with gp.use_mem_pool(p):
+        buf2 = gp.alloc(8 * MiB)  # fails once more, then succeeds
+    gp.set_memory_limit(gp.memory_reserved())
+    try:
+        with pytest.raises(gp.OutOfMemoryError) as full:
+            gp.alloc(4 * MiB)  # the ordinary pool: no upstream of any MemPool is to blame
+    finally:
+        gp.set_memory_limit(None)
+    assert full.value.__cause__ is None
+    buf.free()
+    buf2.free()
+    gp.check_invariants()
+
+
 def test_bad_arguments_are_refused(backend: Any) -> None:
     with pytest.raises(ValueError, match="upstream"):
         gp.MemPool(upstream="pinned")

@@ -550,6 +550,7 @@ class CachingAllocator(Reports):
         underway in the process.
         """
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
+        self._upstream_error = None  # (or on a MemPool's upstream: a refusal retried since is no cause)
         if self._tokens:
             self._poll_released()
         if rec is None and self._foreign:
