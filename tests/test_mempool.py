@@ -4,6 +4,9 @@ on the simulator and, marked `gpu`, on a GPU, with the same assertions."""
 from __future__ import annotations
 
 import gc
+import os
+import select
+import signal
 import threading
 from typing import Any
 
@@ -492,3 +495,54 @@ def test_a_block_left_without_its_exit_ends_at_the_next_call(backend: Any) -> No
         assert p.use_count() == 2
     assert p.use_count() == 1
     gp.check_invariants()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_childs_new_thread_does_not_inherit_a_parent_threads_pool(sim: Any) -> None:
+    """Only the forking thread lives in a forked child, and a new thread there may get the
+    ident of a parent thread that was inside use_mem_pool: its allocations must not go to
+    that pool, and the dead thread's entry no longer counts as a use of it."""
+    p = gp.MemPool()
+    entered, release = threading.Event(), threading.Event()
+    idents: list[int] = []
+
+    def inside() -> None:
+        idents.append(threading.get_ident())
+        with gp.use_mem_pool(p):
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=inside)
+    t.start()
+    entered.wait(10)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        code = b"?"
+        try:
+            seen: list[tuple[bool, bool]] = []
+
+            def new_thread() -> None:
+                buf = gp.alloc(4096)
+                seen.append((threading.get_ident() == idents[0], _in_pool(p, buf.ptr)))
+                buf.free()
+
+            c = threading.Thread(target=new_thread)
+            c.start()
+            c.join()
+            gp.check_invariants()
+            code = b"%d%d%d" % (seen[0][0], seen[0][1], p.use_count())
+        finally:
+            os.write(w, code)
+            os._exit(0)
+    os.close(w)
+    answered = select.select([r], [], [], 20)[0]
+    got = os.read(r, 8) if answered else b""
+    if not answered:
+        os.kill(pid, signal.SIGKILL)
+    os.close(r)
+    os.waitpid(pid, 0)
+    release.set()
+    t.join(10)
+    assert got[1:] == b"01", got  # not in the pool; the pool's one use left is the MemPool's
+    assert p.use_count() == 1  # the parent's thread exited its block as usual

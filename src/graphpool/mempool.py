@@ -15,6 +15,7 @@ segments then go back to their upstream at the next ``empty_cache`` once nothing
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from types import TracebackType
@@ -60,6 +61,23 @@ def _drop(pool_id: PoolId, spec: PoolSpec) -> None:
     mempools.pop(pool_id, None)
     for a in spec.places:
         a.defer_mempool_drop(pool_id)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child only the forking thread lives: the ``use_mem_pool`` entries of the
+    others end at each allocator's next call, which carries that out before it routes (a new
+    thread may get a dead one's ident, and its allocations would go to that thread's pool)."""
+    me = threading.get_ident()
+    seen: set[int] = set()
+    for spec in list(mempools.values()):  # entries exist only where a live MemPool's pool was made
+        for a in spec.places:
+            if id(a) not in seen:
+                seen.add(id(a))
+                a.defer_forget_threads(me)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class MemPool:

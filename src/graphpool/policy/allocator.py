@@ -877,6 +877,16 @@ class CachingAllocator(Reports):
         for finalizers."""
         self._pending.append(PoolExit(pool_id, ident))
 
+    def defer_forget_threads(self, keep: int) -> None:
+        """End every ``use_mem_pool`` entry of a thread other than ``keep`` at the next allocator
+        call: a forked child's (only the forking thread lives there, and a new thread may get
+        a dead one's ident, which would route its allocations to that thread's pool). Lock-free:
+        for the fork hook, when the child has one thread."""
+        for ident, stack in list(self._thread_pools.items()):
+            if ident != keep:
+                for pool in stack:
+                    self._pending.append(PoolExit(pool.id, ident))
+
     def defer_mempool_drop(self, pool_id: PoolId) -> None:
         """The MemPool ``pool_id`` was collected: its own use of this device's pool ends at the
         next allocator call. Lock-free: for finalizers."""
