@@ -497,6 +497,79 @@ def test_a_block_left_without_its_exit_ends_at_the_next_call(backend: Any) -> No
     gp.check_invariants()
 
 
+def _suspended_inside(pool: gp.MemPool) -> Any:
+    """A generator suspended inside ``use_mem_pool(pool)``: its block stays open until it is
+    closed, on whichever thread closes it."""
+    with gp.use_mem_pool(pool):
+        yield
+
+
+def test_a_block_closed_on_another_thread_ends_the_entering_threads_entry(backend: Any) -> None:
+    """A generator entered use_mem_pool on a worker and is closed on this thread: the entry is
+    the worker's, and the close ends it (it raised RuntimeError: this thread had none)."""
+    p = gp.MemPool()
+    gens: list[Any] = []
+    entered, closed, done = threading.Event(), threading.Event(), threading.Event()
+    where: list[bool] = []
+
+    def worker() -> None:
+        g = _suspended_inside(p)
+        next(g)
+        gens.append(g)
+        entered.set()
+        closed.wait(10)
+        buf = gp.alloc(4096)  # the worker's block is over: the ordinary pool again
+        where.append(_in_pool(p, buf.ptr))
+        buf.free()
+        done.set()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    entered.wait(10)
+    assert p.use_count() == 2
+    gens[0].close()  # GeneratorExit runs the block's __exit__ here
+    closed.set()
+    done.wait(10)
+    t.join(10)
+    assert where == [False]
+    assert p.use_count() == 1
+    gp.check_invariants()
+
+
+def test_a_thread_that_ends_inside_a_block_leaves_no_entry(backend: Any) -> None:
+    """A thread ended while a generator it ran is suspended inside use_mem_pool: its entry ends
+    with it (CPython gives a later thread the dead one's ident, whose allocations then went to
+    the pool), and closing the generator later changes nothing."""
+    p = gp.MemPool()
+    gens: list[Any] = []
+
+    def worker() -> None:
+        g = _suspended_inside(p)
+        next(g)
+        gens.append(g)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    assert p.use_count() == 1  # the dead thread's entry is gone
+    assert runtime.allocator(gp.current_device())._thread_pools == {}
+    outside: list[bool] = []
+
+    def later() -> None:  # one of these usually gets the dead thread's ident
+        buf = gp.alloc(4096)
+        outside.append(not _in_pool(p, buf.ptr))
+        buf.free()
+
+    for _ in range(8):
+        u = threading.Thread(target=later)
+        u.start()
+        u.join(10)
+    assert outside == [True] * 8
+    gens[0].close()  # the block's __exit__: nothing left to end
+    assert p.use_count() == 1
+    gp.check_invariants()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_childs_new_thread_does_not_inherit_a_parent_threads_pool(sim: Any) -> None:
     """Only the forking thread lives in a forked child, and a new thread there may get the

@@ -865,11 +865,11 @@ class CachingAllocator(Reports):
             lambda _: self._exit_pool(pool_id, ident),  # a handler raised after: no entry is left
         )
 
-    def exit_pool(self, pool_id: PoolId) -> None:
-        """End the calling thread's innermost ``enter_pool``, which must be ``pool_id``'s
-        (RuntimeError otherwise, and nothing changes)."""
-        ident = threading.get_ident()
-        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, ident))
+    def exit_pool(self, pool_id: PoolId, ident: int | None = None) -> None:
+        """End the innermost ``enter_pool`` of thread ``ident`` (default: the calling thread's),
+        which must be ``pool_id``'s (RuntimeError otherwise, and nothing changes)."""
+        who = threading.get_ident() if ident is None else ident
+        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, who))
 
     def defer_exit_pool(self, pool_id: PoolId, ident: int) -> None:
         """End thread ``ident``'s innermost entry into ``pool_id`` at the next allocator call, if
@@ -877,15 +877,19 @@ class CachingAllocator(Reports):
         for finalizers."""
         self._pending.append(PoolExit(pool_id, ident))
 
+    def defer_forget_thread(self, ident: int) -> None:
+        """End every ``use_mem_pool`` entry of thread ``ident``, which is gone, at the next
+        allocator call: that call carries it out before it routes or enters, so a new thread
+        that gets the dead one's ident (CPython reuses them) never allocates into its pools.
+        Lock-free: for the thread's end (graphpool.mempool) and the fork hook."""
+        self._pending.append(PoolExit(None, ident))
+
     def defer_forget_threads(self, keep: int) -> None:
-        """End every ``use_mem_pool`` entry of a thread other than ``keep`` at the next allocator
-        call: a forked child's (only the forking thread lives there, and a new thread may get
-        a dead one's ident, which would route its allocations to that thread's pool). Lock-free:
-        for the fork hook, when the child has one thread."""
-        for ident, stack in list(self._thread_pools.items()):
+        """``defer_forget_thread`` for every thread with an entry but ``keep``: in a forked child,
+        where only the forking thread lives. Lock-free: the child has one thread then."""
+        for ident in list(self._thread_pools):
             if ident != keep:
-                for pool in stack:
-                    self._pending.append(PoolExit(pool.id, ident))
+                self.defer_forget_thread(ident)
 
     def defer_mempool_drop(self, pool_id: PoolId) -> None:
         """The MemPool ``pool_id`` was collected: its own use of this device's pool ends at the
