@@ -619,3 +619,50 @@ def test_a_forked_childs_new_thread_does_not_inherit_a_parent_threads_pool(sim: 
     t.join(10)
     assert got[1:] == b"01", got  # not in the pool; the pool's one use left is the MemPool's
     assert p.use_count() == 1  # the parent's thread exited its block as usual
+
+
+class _CollectsInside(list):  # type: ignore[type-arg]
+    """A MemPool's ``places`` whose lookup runs a garbage collection: the MemPool's finalizer
+    then runs while an allocator makes its pool, as any allocation there may make it run."""
+
+    def __contains__(self, item: object) -> bool:
+        gc.collect()
+        return super().__contains__(item)
+
+
+def test_a_mempool_collected_while_a_device_makes_its_pool_is_dropped_there_too(backend: Any) -> None:
+    """A capture into a MemPool's id on a device where its pool is not made yet, while the
+    MemPool (garbage in a cycle) is collected by a collection inside the making: that device's
+    pool counted the MemPool's use for good (its finalizer had passed it by), so the pool and
+    its segments stayed after the graph was gone."""
+    if runtime.get().count < 2:
+        pytest.skip("needs two devices")
+    p = gp.MemPool()  # made on device 0
+    pid = p.id
+    mempools[pid].places = _CollectsInside(mempools[pid].places)
+    p.cycle = p  # type: ignore[attr-defined]  # collected only by a collection
+    del p
+    s = gp.Stream(device=1)
+    g = gp.CUDAGraph()
+    gc.disable()  # the collection comes where the hook says, not before
+    try:
+        with gp.stream(s):
+            g.capture_begin(pool=pid)  # device 1 makes the pool: the MemPool goes meanwhile
+            t = gp.alloc(4096)
+            runtime.get().device(1).memset(t.ptr, 0, 4096, s.handle)
+            t.free()
+            g.capture_end()
+    finally:
+        gc.enable()
+    assert pid not in mempools
+    a1 = runtime.allocator(1)
+    assert gp.memory_stats(device=1, pool=pid)["use_count"] == 1  # the graph alone
+    g.reset()
+    del g
+    gc.collect()
+    gp.synchronize(1)
+    gp.empty_cache()
+    with gp.device(1):
+        gp.empty_cache()
+    assert pid not in {pool.id for pool in a1.private_pools()}
+    gp.check_invariants()

@@ -321,6 +321,11 @@ class Captures(Heap):
             pool.held = True
             if self not in spec.places:
                 spec.places.append(self)
+            if mempools.get(pool_id) is not spec:
+                # The MemPool went meanwhile (its finalizer ran in a collection here, or on
+                # another thread) and may have passed this allocator by: its use ends at the
+                # next call, as if told (a second drop finds the use gone: held is False).
+                self._pending.append(pool_id)
         self._pools[pool_id] = pool
         try:
             if self._history is not None:
