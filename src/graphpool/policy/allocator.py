@@ -878,15 +878,12 @@ class CachingAllocator(Reports):
         self._pending.append(PoolExit(pool_id, ident))
 
     def defer_forget_thread(self, ident: int) -> None:
-        """End every ``use_mem_pool`` entry of thread ``ident``, which is gone, at the next
-        allocator call: that call carries it out before it routes or enters, so a new thread
-        that gets the dead one's ident (CPython reuses them) never allocates into its pools.
-        Lock-free: for the thread's end (graphpool.mempool) and the fork hook."""
+        """End every ``use_mem_pool`` entry of thread ``ident``, gone, at the next call (before it
+        routes or enters: a new thread given its ident never allocates into its pools). Lock-free."""
         self._pending.append(PoolExit(None, ident))
 
     def defer_forget_threads(self, keep: int) -> None:
-        """``defer_forget_thread`` for every thread with an entry but ``keep``: in a forked child,
-        where only the forking thread lives. Lock-free: the child has one thread then."""
+        """``defer_forget_thread`` for each thread with entries but ``keep`` (a forked child's)."""
         for ident in list(self._thread_pools):
             if ident != keep:
                 self.defer_forget_thread(ident)
