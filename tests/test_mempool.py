@@ -4,6 +4,9 @@ on the simulator and, marked `gpu`, on a GPU, with the same assertions."""
 from __future__ import annotations
 
 import gc
+import os
+import select
+import signal
 import threading
 from typing import Any
 
@@ -379,6 +382,41 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
     assert up.live == {}
 
 
+def test_an_upstream_failure_retried_away_is_no_cause_of_a_later_out_of_memory(backend: Any) -> None:
+    """The upstream refused once and the retry got the segment: a later, unrelated out of memory
+    (outside the pool, or a request larger than the device) must not chain that old exception."""
+    up = CountingUpstream()
+    real = up.malloc
+
+    def flaky(nbytes: int, device: int, stream: int) -> object:
+        up.fail = up.mallocs == 0  # only the first call raises
+        return real(nbytes, device, stream)
+
+    up.malloc = flaky  # type: ignore[method-assign]
+    p = gp.MemPool(upstream=up)
+    with gp.use_mem_pool(p):
+        buf = gp.alloc(1000)  # raised once, then the retry succeeded
+    assert up.mallocs == 2 and _in_pool(p, buf.ptr)
+    with pytest.raises(gp.OutOfMemoryError) as too_large:
+        gp.alloc(runtime.allocator(gp.current_device())._total + 1)
+    assert too_large.value.__cause__ is None
+    with gp.use_mem_pool(p):
+        gp.alloc(1000).free()
+    up.fail, up.mallocs = False, 0
+    with gp.use_mem_pool(p):
+        buf2 = gp.alloc(8 * MiB)  # fails once more, then succeeds
+    gp.set_memory_limit(gp.memory_reserved())
+    try:
+        with pytest.raises(gp.OutOfMemoryError) as full:
+            gp.alloc(4 * MiB)  # the ordinary pool: no upstream of any MemPool is to blame
+    finally:
+        gp.set_memory_limit(None)
+    assert full.value.__cause__ is None
+    buf.free()
+    buf2.free()
+    gp.check_invariants()
+
+
 def test_bad_arguments_are_refused(backend: Any) -> None:
     with pytest.raises(ValueError, match="upstream"):
         gp.MemPool(upstream="pinned")
@@ -459,22 +497,172 @@ def test_a_block_left_without_its_exit_ends_at_the_next_call(backend: Any) -> No
     gp.check_invariants()
 
 
+def _suspended_inside(pool: gp.MemPool) -> Any:
+    """A generator suspended inside ``use_mem_pool(pool)``: its block stays open until it is
+    closed, on whichever thread closes it."""
+    with gp.use_mem_pool(pool):
+        yield
+
+
 def test_a_block_closed_on_another_thread_ends_the_entering_threads_entry(backend: Any) -> None:
-    """A generator holding a use_mem_pool block, closed by another thread (garbage collection
-    runs finalizers on whichever thread allocates): the entry of the thread that entered ends."""
+    """A generator entered use_mem_pool on a worker and is closed on this thread: the entry is
+    the worker's, and the close ends it (it raised RuntimeError: this thread had none)."""
     p = gp.MemPool()
+    gens: list[Any] = []
+    entered, closed, done = threading.Event(), threading.Event(), threading.Event()
+    where: list[bool] = []
 
-    def gen() -> Any:
-        with gp.use_mem_pool(p):
-            yield gp.alloc(1024)
+    def worker() -> None:
+        g = _suspended_inside(p)
+        next(g)
+        gens.append(g)
+        entered.set()
+        closed.wait(10)
+        buf = gp.alloc(4096)  # the worker's block is over: the ordinary pool again
+        where.append(_in_pool(p, buf.ptr))
+        buf.free()
+        done.set()
 
-    g = gen()
-    buf = next(g)
-    assert _in_pool(p, buf.ptr) and p.use_count() == 2
-    closer = threading.Thread(target=g.close)
-    closer.start()
-    closer.join()
-    outside = gp.alloc(1024)
-    assert not _in_pool(p, outside.ptr)
+    t = threading.Thread(target=worker)
+    t.start()
+    entered.wait(10)
+    assert p.use_count() == 2
+    gens[0].close()  # GeneratorExit runs the block's __exit__ here
+    closed.set()
+    done.wait(10)
+    t.join(10)
+    assert where == [False]
     assert p.use_count() == 1
+    gp.check_invariants()
+
+
+def test_a_thread_that_ends_inside_a_block_leaves_no_entry(backend: Any) -> None:
+    """A thread ended while a generator it ran is suspended inside use_mem_pool: its entry ends
+    with it (CPython gives a later thread the dead one's ident, whose allocations then went to
+    the pool), and closing the generator later changes nothing."""
+    p = gp.MemPool()
+    gens: list[Any] = []
+
+    def worker() -> None:
+        g = _suspended_inside(p)
+        next(g)
+        gens.append(g)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    assert p.use_count() == 1  # the dead thread's entry is gone
+    assert runtime.allocator(gp.current_device())._thread_pools == {}
+    outside: list[bool] = []
+
+    def later() -> None:  # one of these usually gets the dead thread's ident
+        buf = gp.alloc(4096)
+        outside.append(not _in_pool(p, buf.ptr))
+        buf.free()
+
+    for _ in range(8):
+        u = threading.Thread(target=later)
+        u.start()
+        u.join(10)
+    assert outside == [True] * 8
+    gens[0].close()  # the block's __exit__: nothing left to end
+    assert p.use_count() == 1
+    gp.check_invariants()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_childs_new_thread_does_not_inherit_a_parent_threads_pool(sim: Any) -> None:
+    """Only the forking thread lives in a forked child, and a new thread there may get the
+    ident of a parent thread that was inside use_mem_pool: its allocations must not go to
+    that pool, and the dead thread's entry no longer counts as a use of it."""
+    p = gp.MemPool()
+    entered, release = threading.Event(), threading.Event()
+    idents: list[int] = []
+
+    def inside() -> None:
+        idents.append(threading.get_ident())
+        with gp.use_mem_pool(p):
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=inside)
+    t.start()
+    entered.wait(10)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave at once
+        code = b"?"
+        try:
+            seen: list[tuple[bool, bool]] = []
+
+            def new_thread() -> None:
+                buf = gp.alloc(4096)
+                seen.append((threading.get_ident() == idents[0], _in_pool(p, buf.ptr)))
+                buf.free()
+
+            c = threading.Thread(target=new_thread)
+            c.start()
+            c.join()
+            gp.check_invariants()
+            code = b"%d%d%d" % (seen[0][0], seen[0][1], p.use_count())
+        finally:
+            os.write(w, code)
+            os._exit(0)
+    os.close(w)
+    answered = select.select([r], [], [], 20)[0]
+    got = os.read(r, 8) if answered else b""
+    if not answered:
+        os.kill(pid, signal.SIGKILL)
+    os.close(r)
+    os.waitpid(pid, 0)
+    release.set()
+    t.join(10)
+    assert got[1:] == b"01", got  # not in the pool; the pool's one use left is the MemPool's
+    assert p.use_count() == 1  # the parent's thread exited its block as usual
+
+
+class _CollectsInside(list):  # type: ignore[type-arg]
+    """A MemPool's ``places`` whose lookup runs a garbage collection: the MemPool's finalizer
+    then runs while an allocator makes its pool, as any allocation there may make it run."""
+
+    def __contains__(self, item: object) -> bool:
+        gc.collect()
+        return super().__contains__(item)
+
+
+def test_a_mempool_collected_while_a_device_makes_its_pool_is_dropped_there_too(backend: Any) -> None:
+    """A capture into a MemPool's id on a device where its pool is not made yet, while the
+    MemPool (garbage in a cycle) is collected by a collection inside the making: that device's
+    pool counted the MemPool's use for good (its finalizer had passed it by), so the pool and
+    its segments stayed after the graph was gone."""
+    if runtime.get().count < 2:
+        pytest.skip("needs two devices")
+    p = gp.MemPool()  # made on device 0
+    pid = p.id
+    mempools[pid].places = _CollectsInside(mempools[pid].places)
+    p.cycle = p  # type: ignore[attr-defined]  # collected only by a collection
+    del p
+    s = gp.Stream(device=1)
+    g = gp.CUDAGraph()
+    gc.disable()  # the collection comes where the hook says, not before
+    try:
+        with gp.stream(s):
+            g.capture_begin(pool=pid)  # device 1 makes the pool: the MemPool goes meanwhile
+            t = gp.alloc(4096)
+            runtime.get().device(1).memset(t.ptr, 0, 4096, s.handle)
+            t.free()
+            g.capture_end()
+    finally:
+        gc.enable()
+    assert pid not in mempools
+    a1 = runtime.allocator(1)
+    assert gp.memory_stats(device=1, pool=pid)["use_count"] == 1  # the graph alone
+    g.reset()
+    del g
+    gc.collect()
+    gp.synchronize(1)
+    gp.empty_cache()
+    with gp.device(1):
+        gp.empty_cache()
+    assert pid not in {pool.id for pool in a1.private_pools()}
     gp.check_invariants()

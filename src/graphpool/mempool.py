@@ -15,6 +15,7 @@ segments then go back to their upstream at the next ``empty_cache`` once nothing
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from types import TracebackType
@@ -60,6 +61,23 @@ def _drop(pool_id: PoolId, spec: PoolSpec) -> None:
     mempools.pop(pool_id, None)
     for a in spec.places:
         a.defer_mempool_drop(pool_id)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child only the forking thread lives: the ``use_mem_pool`` entries of the
+    others end at each allocator's next call, which carries that out before it routes (a new
+    thread may get a dead one's ident, and its allocations would go to that thread's pool)."""
+    me = threading.get_ident()
+    seen: set[int] = set()
+    for spec in list(mempools.values()):  # entries exist only where a live MemPool's pool was made
+        for a in spec.places:
+            if id(a) not in seen:
+                seen.add(id(a))
+                a.defer_forget_threads(me)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class MemPool:
@@ -120,13 +138,62 @@ class MemPool:
         return f"MemPool(id={tuple(self._id)}, upstream={self.upstream!r}, use_on_oom={self.use_on_oom})"
 
 
+class _Life:
+    """Whether a thread that entered ``use_mem_pool`` blocks still runs (its ``_Open`` lives)."""
+
+    __slots__ = ("alive",)
+
+    def __init__(self) -> None:
+        self.alive = True
+
+
+class _Open:
+    """In a thread's local state from its first ``use_mem_pool``: the allocators it entered
+    blocks on. When the thread ends with blocks still open (a generator suspended inside one,
+    kept elsewhere), its local state goes and ``__del__`` ends the thread's entries, at each
+    allocator's next call, which carries that out before it routes or enters. CPython reuses
+    a dead thread's ident: without this, a later thread would allocate into the dead one's
+    pools. The blocks it left open see ``life`` dead, and their exit changes nothing."""
+
+    __slots__ = ("ident", "life", "allocs")
+
+    def __init__(self, ident: int) -> None:
+        self.ident = ident
+        self.life = _Life()
+        self.allocs: dict[int, Any] = {}  # id -> allocator
+
+    def __del__(self) -> None:
+        try:
+            self.life.alive = False
+            for a in self.allocs.values():
+                a.defer_forget_thread(self.ident)
+        except Exception:  # at interpreter exit the modules may be gone: nothing to end
+            pass
+
+
+_local = threading.local()
+"""This thread's ``_Open`` (``open``), made at its first ``use_mem_pool``."""
+
+
+def _opened(alloc: Any, ident: int) -> _Life:
+    """Note that thread ``ident`` (the caller) is about to enter a block on ``alloc``; its life.
+    (Noted but never entered, it changes nothing at the thread's end.)"""
+    o = getattr(_local, "open", None)
+    if o is None:
+        o = _local.open = _Open(ident)
+    o.allocs[id(alloc)] = alloc
+    return o.life
+
+
 class use_mem_pool:  # PyTorch's name: a context manager class
     """``with use_mem_pool(pool):`` the calling thread's allocations on ``device`` (default: the
     current one) come from ``pool`` (``gp.alloc``, CuPy, Numba, cuda.core and PyTorch's hooks
     alike). Blocks nest; other threads are unaffected. On a stream a capture is underway on,
-    the capture's own pool serves first. Counts as a use of the pool while open."""
+    the capture's own pool serves first. Counts as a use of the pool while open. The entry is
+    the entering thread's: ``__exit__`` on another thread (a generator closed there) ends it,
+    and it ends with its thread."""
 
-    __slots__ = ("_pool", "_alloc", "_ident")
+    __slots__ = ("_pool", "_alloc", "_ident", "_life")
 
     def __init__(self, pool: MemPool, device: object = None) -> None:
         if not isinstance(pool, MemPool):
@@ -134,25 +201,27 @@ class use_mem_pool:  # PyTorch's name: a context manager class
         self._pool = pool
         self._alloc = runtime.allocator(_index(device))
         self._ident = 0  # the thread that entered, while open
+        self._life: _Life | None = None  # whether that thread still runs
 
     def __enter__(self) -> MemPool:
         if self._ident:
             raise RuntimeError("this use_mem_pool block is open already: nest a new use_mem_pool(...)")
+        ident = threading.get_ident()
+        life = _opened(self._alloc, ident)  # first: interrupted here, nothing was entered
         self._alloc.enter_pool(self._pool.id)
-        self._ident = threading.get_ident()
+        self._life = life
+        self._ident = ident
         return self._pool
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         ident = self._ident
-        if not ident:
-            return
-        if ident == threading.get_ident():
-            self._alloc.exit_pool(self._pool.id)
-        else:  # closed on another thread (a generator's block, finalized by garbage collection):
-            self._alloc.defer_exit_pool(self._pool.id, ident)  # the entering thread's entry ends
-        self._ident = 0
+        if ident:
+            life = self._life
+            if life is not None and life.alive:  # (else its thread's end ended the entry)
+                self._alloc.exit_pool(self._pool.id, ident)
+            self._ident = 0
 
     def __del__(self) -> None:
         # Still open: an exception (a KeyboardInterrupt) came between the block's last statement
@@ -161,7 +230,9 @@ class use_mem_pool:  # PyTorch's name: a context manager class
         ident = getattr(self, "_ident", 0)  # (absent when __init__ raised)
         if ident:
             self._ident = 0
-            self._alloc.defer_exit_pool(self._pool.id, ident)
+            life = self._life
+            if life is not None and life.alive:
+                self._alloc.defer_exit_pool(self._pool.id, ident)
 
 
 # A guarded signal handler that lands in __enter__ after the entry was made runs once it

@@ -550,6 +550,7 @@ class CachingAllocator(Reports):
         underway in the process.
         """
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
+        self._upstream_error = None  # (or on a MemPool's upstream: a refusal retried since is no cause)
         if self._tokens:
             self._poll_released()
         if rec is None and self._foreign:
@@ -864,17 +865,28 @@ class CachingAllocator(Reports):
             lambda _: self._exit_pool(pool_id, ident),  # a handler raised after: no entry is left
         )
 
-    def exit_pool(self, pool_id: PoolId) -> None:
-        """End the calling thread's innermost ``enter_pool``, which must be ``pool_id``'s
-        (RuntimeError otherwise, and nothing changes)."""
-        ident = threading.get_ident()
-        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, ident))
+    def exit_pool(self, pool_id: PoolId, ident: int | None = None) -> None:
+        """End the innermost ``enter_pool`` of thread ``ident`` (default: the calling thread's),
+        which must be ``pool_id``'s (RuntimeError otherwise, and nothing changes)."""
+        who = threading.get_ident() if ident is None else ident
+        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, who))
 
     def defer_exit_pool(self, pool_id: PoolId, ident: int) -> None:
         """End thread ``ident``'s innermost entry into ``pool_id`` at the next allocator call, if
         it is still there (a ``use_mem_pool`` block whose ``__exit__`` Python skipped). Lock-free:
         for finalizers."""
         self._pending.append(PoolExit(pool_id, ident))
+
+    def defer_forget_thread(self, ident: int) -> None:
+        """End every ``use_mem_pool`` entry of thread ``ident``, gone, at the next call (before it
+        routes or enters: a new thread given its ident never allocates into its pools). Lock-free."""
+        self._pending.append(PoolExit(None, ident))
+
+    def defer_forget_threads(self, keep: int) -> None:
+        """``defer_forget_thread`` for each thread with entries but ``keep`` (a forked child's)."""
+        for ident in list(self._thread_pools):
+            if ident != keep:
+                self.defer_forget_thread(ident)
 
     def defer_mempool_drop(self, pool_id: PoolId) -> None:
         """The MemPool ``pool_id`` was collected: its own use of this device's pool ends at the

@@ -321,6 +321,11 @@ class Captures(Heap):
             pool.held = True
             if self not in spec.places:
                 spec.places.append(self)
+            if mempools.get(pool_id) is not spec:
+                # The MemPool went meanwhile (its finalizer ran in a collection here, or on
+                # another thread) and may have passed this allocator by: its use ends at the
+                # next call, as if told (a second drop finds the use gone: held is False).
+                self._pending.append(pool_id)
         self._pools[pool_id] = pool
         try:
             if self._history is not None:
@@ -356,14 +361,15 @@ class Captures(Heap):
         self._entered += 1
 
     def _exit_pool(self, pool_id: PoolId, ident: int) -> None:
-        """Thread ``ident`` leaves its innermost ``use_mem_pool``, which must be ``pool_id``'s."""
+        """Thread ``ident`` leaves its innermost ``use_mem_pool``, which must be ``pool_id``'s
+        (the caller may be another thread: a generator suspended in the block, closed there)."""
         if self._pending:
             self._drain()
         stack = self._thread_pools.get(ident)
         if not stack or stack[-1].id != pool_id:
             inner = tuple(stack[-1].id) if stack else None
             raise RuntimeError(
-                f"use_mem_pool of {tuple(pool_id)} exited, but this thread's innermost pool on device "
+                f"use_mem_pool of {tuple(pool_id)} exited, but its thread's innermost pool on device "
                 f"{self.device.index} is {inner}: contexts must exit in the reverse order of entry"
             )
         pool = stack.pop()
@@ -372,11 +378,20 @@ class Captures(Heap):
         self._entered -= 1
         self._drop_use(pool)
 
-    def _abandon_entry(self, pool_id: PoolId, ident: int) -> None:
+    def _abandon_entry(self, pool_id: PoolId | None, ident: int) -> None:
         """End thread ``ident``'s innermost entry into ``pool_id``, wherever it is in the thread's
-        stack (its block was left without ``__exit__``); nothing if there is none."""
+        stack (its block was left without ``__exit__``); nothing if there is none. ``pool_id``
+        None: every entry of the thread (it is gone), innermost first."""
         stack = self._thread_pools.get(ident)
         if not stack:
+            return
+        if pool_id is None:
+            while stack:  # one at a time: a call out that raises leaves the rest counted
+                pool = stack.pop()
+                if not stack:
+                    del self._thread_pools[ident]
+                self._entered -= 1
+                self._drop_use(pool)
             return
         for i in range(len(stack) - 1, -1, -1):
             if stack[i].id == pool_id:

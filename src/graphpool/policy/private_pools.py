@@ -82,9 +82,10 @@ def new_shared_pool_id() -> PoolId:
 class PoolExit(NamedTuple):
     """A ``use_mem_pool`` entry of thread ``ident`` into ``pool_id`` whose ``__exit__`` never ran
     (an exception between the block's end and the call): queued by its finalizer, ended by the
-    allocator's next call (``CachingAllocator.defer_exit_pool``)."""
+    allocator's next call (``CachingAllocator.defer_exit_pool``). ``pool_id`` None: every
+    entry of the thread, which is gone (``CachingAllocator.defer_forget_thread``)."""
 
-    pool_id: PoolId
+    pool_id: PoolId | None
     ident: int
 
 

@@ -350,8 +350,9 @@ class Segments(StreamUses):
             pass
 
     def _raise_too_large(self, nbytes: int, stream: int) -> NoReturn:
-        """A request larger than the device: out of memory, with no limit to blame."""
+        """A request larger than the device: out of memory, with no limit or upstream to blame."""
         self._limit_hit = None
+        self._upstream_error = None
         self._raise_oom(nbytes, None, None, stream)
 
     def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None, stream: int = 0) -> NoReturn:
