@@ -263,17 +263,43 @@ def test_a_graph_keeps_a_dropped_mempools_pool(backend: Any) -> None:
     assert pid not in {pool.id for pool in a.private_pools()}
 
 
-def test_empty_cache_returns_a_live_pools_free_eager_segments(backend: Any) -> None:
+def test_a_live_pool_keeps_its_cache_until_the_device_is_full(backend: Any) -> None:
+    """As PyTorch's: empty_cache (and gp.graph's, as a capture begins) leaves a live MemPool its
+    free segments; the out-of-memory retry takes the eager side's back; dropping the pool
+    gives them all back at the next empty_cache."""
     gc.collect()
     gp.empty_cache()
     reserved = gp.memory_reserved()
     p = gp.MemPool()
     with gp.use_mem_pool(p):
         gp.alloc(3 * MiB).free()
-    assert gp.memory_reserved() > reserved
+    held = gp.memory_reserved()
+    assert held > reserved
+    gp.empty_cache()
+    g = gp.CUDAGraph()
+    s = gp.Stream()
+    with gp.graph(g, stream=s):
+        t = gp.alloc(512)
+        _dev().memset(t.ptr, 0, 512, s.handle)
+    t.free()
+    g.reset()
+    gc.collect()
+    gp.empty_cache()
+    assert gp.memory_reserved() == held  # kept through both
+    gp.set_memory_limit(held)  # the device is "full" for graphpool: the retry takes it back
+    try:
+        x = gp.alloc(3 * MiB)  # a new segment: refused until the pool gives its own back
+    finally:
+        gp.set_memory_limit(None)
+    assert p.memory_stats()["reserved_bytes.all.current"] == 0
+    assert p.memory_stats()["num_alloc_retries"] == 0 and gp.memory_stats()["num_alloc_retries"] >= 1
+    x.free()
+    with gp.use_mem_pool(p):
+        gp.alloc(3 * MiB).free()
+    del p
+    gc.collect()
     gp.empty_cache()
     assert gp.memory_reserved() == reserved
-    assert p.use_count() == 1
 
 
 def test_use_on_oom_lets_outside_allocations_take_the_pools_free_blocks(backend: Any) -> None:
@@ -340,6 +366,10 @@ def test_a_user_upstream_makes_and_takes_back_the_segments(backend: Any) -> None
     a.free()
     b.free()
     gp.empty_cache()
+    assert len(up.live) == 2  # a live pool keeps its cache
+    del p
+    gc.collect()
+    gp.empty_cache()
     assert up.live == {} and len(up.frees) == 2
     assert {f[2] for f in up.frees} == {gp.current_device()} and {f[3] for f in up.frees} == {s.handle}
     gp.check_invariants()
@@ -378,6 +408,8 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
         ok = gp.alloc(4 * MiB)  # the upstream works again: so does the pool
     ok.free()
     first.free()
+    del p
+    gc.collect()
     gp.empty_cache()
     assert up.live == {}
 
@@ -666,3 +698,15 @@ def test_a_mempool_collected_while_a_device_makes_its_pool_is_dropped_there_too(
         gp.empty_cache()
     assert pid not in {pool.id for pool in a1.private_pools()}
     gp.check_invariants()
+
+
+def test_stats_on_another_device_and_copies(backend: Any) -> None:
+    import copy
+    import pickle
+
+    p = gp.MemPool()
+    last = gp.device_count() - 1
+    assert gp.memory_stats(device=last, pool=p) == p.memory_stats(last)  # made there on demand
+    assert copy.copy(p) is p and copy.deepcopy(p) is p
+    with pytest.raises(TypeError, match="pickled"):
+        pickle.dumps(p)

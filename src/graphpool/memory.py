@@ -12,7 +12,7 @@ from graphpool.buffer import _KEY, DeviceBuffer
 from graphpool.policy import interrupts, observers
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.limits import check_fraction, check_limit_bytes
-from graphpool.policy.private_pools import PoolId
+from graphpool.policy.private_pools import PoolId, mempools
 from graphpool.routing import Entry, Route, keep_current, keep_home, thread_entry
 from graphpool.streams import Stream, StreamLike, _index, as_stream, current_stream
 
@@ -132,7 +132,10 @@ def _alloc_of(device: Any) -> CachingAllocator:
 def memory_stats(device: object = None, pool: object = None) -> dict[str, int]:
     """Flattened allocator statistics of ``device``, or of private pool ``pool`` alone."""
     pid = None if pool is None else PoolId.coerce(pool)
-    return _alloc_of(device).memory_stats(pid)
+    a = _alloc_of(device)
+    if pid is not None and pid in mempools:  # a live MemPool's pool: made here if not yet
+        a.ensure_pool(pid)
+    return a.memory_stats(pid)
 
 
 def memory_allocated(device: object = None) -> int:

@@ -134,6 +134,15 @@ class MemPool:
         mine = tuple(self._id)
         return [seg for seg in runtime.allocator(_index(device)).snapshot() if seg["segment_pool_id"] == mine]
 
+    def __copy__(self) -> MemPool:
+        return self  # one pool, one object: a copy would be a second owner of the same id
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MemPool:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError("a graphpool MemPool cannot be pickled: it is this process's pool")
+
     def __repr__(self) -> str:
         return f"MemPool(id={tuple(self._id)}, upstream={self.upstream!r}, use_on_oom={self.use_on_oom})"
 
@@ -187,19 +196,21 @@ def _opened(alloc: Any, ident: int) -> _Life:
 
 class use_mem_pool:  # PyTorch's name: a context manager class
     """``with use_mem_pool(pool):`` the calling thread's allocations on ``device`` (default: the
-    current one) come from ``pool`` (``gp.alloc``, CuPy, Numba, cuda.core and PyTorch's hooks
-    alike). Blocks nest; other threads are unaffected. On a stream a capture is underway on,
+    one current when the block is entered) come from ``pool`` (``gp.alloc``, CuPy, Numba,
+    cuda.core and PyTorch's hooks alike). Blocks nest; other threads are unaffected. On a stream a capture is underway on,
     the capture's own pool serves first. Counts as a use of the pool while open. The entry is
     the entering thread's: ``__exit__`` on another thread (a generator closed there) ends it,
     and it ends with its thread."""
 
-    __slots__ = ("_pool", "_alloc", "_ident", "_life")
+    __slots__ = ("_pool", "_device", "_alloc", "_ident", "_life")
 
     def __init__(self, pool: MemPool, device: object = None) -> None:
         if not isinstance(pool, MemPool):
             raise TypeError(f"use_mem_pool takes a MemPool, not {type(pool).__name__}")
         self._pool = pool
-        self._alloc = runtime.allocator(_index(device))
+        # None: the device current at __enter__ (as PyTorch's); an explicit one is checked now
+        self._device: int | None = None if device is None else _index(device)
+        self._alloc: Any = None  # the allocator entered, while open
         self._ident = 0  # the thread that entered, while open
         self._life: _Life | None = None  # whether that thread still runs
 
@@ -207,6 +218,7 @@ class use_mem_pool:  # PyTorch's name: a context manager class
         if self._ident:
             raise RuntimeError("this use_mem_pool block is open already: nest a new use_mem_pool(...)")
         ident = threading.get_ident()
+        self._alloc = runtime.allocator(_index(self._device))
         life = _opened(self._alloc, ident)  # first: interrupted here, nothing was entered
         self._alloc.enter_pool(self._pool.id)
         self._life = life

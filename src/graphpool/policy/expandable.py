@@ -333,8 +333,11 @@ class Expandable(Segments):
 
     # -- the out-of-memory retry and the cache release (steps of CachingAllocator._slow_block
     # and empty_cache): here, above both kinds of segment they give back
-    def _release_cached(self) -> None:
-        """Synchronize pending stream uses, then give back every segment no graph may use."""
+    def _release_cached(self, retry: bool = False) -> None:
+        """Synchronize pending stream uses, then give back every segment no graph may use and no
+        live MemPool keeps. ``retry`` (the out-of-memory retry): live MemPools' free eager
+        segments go back too. ``empty_cache`` (and ``gp.graph``'s, before a capture) leaves a
+        live MemPool its cache, as PyTorch does: an upstream may be costly to call again."""
         self._synchronize_events()
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
@@ -345,8 +348,8 @@ class Expandable(Segments):
             for seg in list(self._exp.values()):  # partly free: unmap their free ends
                 self._shrink(seg)
             for pool in self._pools.values():  # live pools: segments of failed captures,
-                if pool.use_count and pool.eager_small is not None:  # and MemPools' eager side
-                    for fl in pool.free_lists()[2:]:
+                if retry and pool.use_count and pool.eager_small is not None:  # at a retry, and
+                    for fl in pool.free_lists()[2:]:  # MemPools' eager side
                         self._release_free_segments(fl)
                 if pool.use_count and pool.returnable:
                     for head in list(pool.returnable):
@@ -377,7 +380,7 @@ class Expandable(Segments):
         if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
             fl.remove(block)  # a stream use that just completed freed a fitting block
             return block
-        self._release_cached()
+        self._release_cached(True)
         self.stats.num_alloc_retries += 1
         if fl.private_pool is not None:
             fl.private_pool.stats.num_alloc_retries += 1
