@@ -197,10 +197,10 @@ def _opened(alloc: Any, ident: int) -> _Life:
 class use_mem_pool:  # PyTorch's name: a context manager class
     """``with use_mem_pool(pool):`` the calling thread's allocations on ``device`` (default: the
     one current when the block is entered) come from ``pool`` (``gp.alloc``, CuPy, Numba,
-    cuda.core and PyTorch's hooks alike). Blocks nest; other threads are unaffected. On a stream a capture is underway on,
-    the capture's own pool serves first. Counts as a use of the pool while open. The entry is
-    the entering thread's: ``__exit__`` on another thread (a generator closed there) ends it,
-    and it ends with its thread."""
+    cuda.core and PyTorch's hooks alike). Blocks nest; other threads are unaffected. On a
+    stream a capture is underway on, the capture's own pool serves first. Counts as a use of
+    the pool while open. The entry is the entering thread's: ``__exit__`` on another thread
+    (a generator closed there) ends it, and it ends with its thread."""
 
     __slots__ = ("_pool", "_device", "_alloc", "_ident", "_life")
 
