@@ -13,6 +13,7 @@ are the only Python code a handler can run in. Each test here fails with the gua
 from __future__ import annotations
 
 import _thread
+import gc
 import inspect
 import logging
 import os
@@ -1033,8 +1034,9 @@ def test_a_guarded_handler_at_any_bytecode_of_an_allocation_or_free_loses_no_own
         assert runtime.allocator(0)._entered == 0, f"{op}: a use_mem_pool entry was left (bytecode {at})"
     assert not missed, f"{op}: signals never handled, at bytecodes {missed}"
     gp.check_invariants()
+    _POOLS.clear()  # a live MemPool keeps its cache through empty_cache
+    gc.collect()
     gp.synchronize()
     gp.empty_cache()
     assert gp.memory_stats()["reserved_bytes.all.current"] == 0
     _HANDOFF_STREAMS.clear()
-    _POOLS.clear()
