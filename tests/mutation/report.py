@@ -1,11 +1,14 @@
 """Count the mutation run's results per module (tests/mutation/README.md).
 
 Usage, from the repository root after ``mutmut run``:
-``python tests/mutation/report.py [--list] SPEC ...`` with the same specs as select_mutants.py
-(``--list``: every mutant's status, one a line, instead). Reads
-mutmut's results (``mutants/**/*.meta``) and ``equivalent.txt`` here (one ``name  # why``
-a line); prints per module the counts, the score (killed + timeout over the mutants run,
-less the equivalent ones) with, for a sample, its 95 % margin, and the survivors.
+``python tests/mutation/report.py [--list] [--uniform] SPEC ...`` with the same specs (and
+``--uniform`` flag) as select_mutants.py (``--list``: every mutant's status, one a line,
+instead). Reads mutmut's results (``mutants/**/*.meta``) and ``equivalent.txt`` here (one
+``name  # why`` a line); prints per module the counts, the score (killed + timeout over the
+mutants run, less the equivalent ones) with, for a sample, the Wilson 95 % lower bound and the
+score weighted by each function's share of the module's mutants (the stratified sample takes
+one mutant of every function, so small functions weigh more in its plain score), and the
+survivors.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from select_mutants import mutant_names, select
+from select_mutants import function_of, mutant_names, select
 
 STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", None: "not checked"}
 STATUS.update(dict.fromkeys((36, -24, 24, 152, 255), "timeout"))
@@ -46,13 +49,31 @@ def wilson_lower(p: float, n: int, z: float = 1.96) -> float:
     return (centre - half) / (1 + z * z / n)
 
 
+def weighted_score(module: str, status: dict[str, str]) -> float:
+    """The stratified estimate: each function's sampled score weighted by its mutant count."""
+    size: dict[str, int] = {}
+    for name in mutant_names(module):
+        size[function_of(name)] = size.get(function_of(name), 0) + 1
+    killed: dict[str, int] = {}
+    judged: dict[str, int] = {}
+    for name, s in status.items():
+        if s in ("killed", "timeout", "survived", "no tests"):
+            f = function_of(name)
+            judged[f] = judged.get(f, 0) + 1
+            killed[f] = killed.get(f, 0) + (s in ("killed", "timeout"))
+    total = sum(size[f] for f in judged)
+    return sum(size[f] * killed[f] / judged[f] for f in judged) / total if total else float("nan")
+
+
 def main(argv: list[str]) -> None:
     eq = equivalent()
     overall: list[tuple[int, float]] = []
     listing = argv[:1] == ["--list"]
-    for spec in argv[1:] if listing else argv:
+    argv = argv[1:] if listing else argv
+    uniform = argv[:1] == ["--uniform"]
+    for spec in argv[1:] if uniform else argv:
         module = spec.partition("=")[0]
-        names = select(spec)
+        names = select(spec, uniform)
         population = len(mutant_names(module))
         codes = results(module)
         status = {n: STATUS.get(codes.get(n), "other") for n in names}
@@ -68,7 +89,10 @@ def main(argv: list[str]) -> None:
         score = (c["killed"] + c["timeout"]) / run if run else float("nan")
         bound = ""
         if len(names) < population and run:
-            bound = f" (a sample: 95 % lower bound {wilson_lower(score, run):.1%})"
+            bound = f" (a sample: 95 % lower bound {wilson_lower(score, run):.1%}"
+            if not uniform:
+                bound += f"; weighted by function {weighted_score(module, status):.1%}"
+            bound += ")"
         print(f"{module}: {len(names)} of {population} mutants, {dict(sorted(c.items()))}")
         print(f"    score {score:.1%}{bound}")
         overall.append((population, score))
