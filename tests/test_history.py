@@ -211,12 +211,19 @@ def test_capture_pool_and_graph_events(rec: Any) -> None:
     with gp.graph(g):
         out = xp.ones(1000) * 2
         kept.free()
+        brief = gp.alloc(512)  # a block of the graph's pool, freed in the capture
+        brief_ptr = brief.ptr
+        brief.free()
     pool = tuple(g.pool())
     got = events()
     names = [e["action"] for e in got]
     create, begin, end = (names.index(a) for a in ("pool_create", "capture_begin", "capture_end"))
     assert create < begin < end
     assert got[create]["pool_id"] == pool
+    assert (got[create]["addr"], got[create]["size"], got[create]["stream"]) == (0, 0, 0)
+    assert (got[begin]["addr"], got[begin]["size"], got[end]["addr"], got[end]["size"]) == (0, 0, 0, 0)
+    asked = [e for e in got[begin:end] if e["action"] == "free_requested" and e["addr"] == brief_ptr]
+    assert asked[-1]["pool_id"] == pool
     assert (got[begin]["pool_id"], got[begin]["graph"], got[begin]["foreign"]) == (pool, g.label, False)
     assert (got[end]["graph"], got[end]["failed"], got[end]["capture_id"]) == (
         g.label,
@@ -237,6 +244,7 @@ def test_capture_pool_and_graph_events(rec: Any) -> None:
     assert any(e["action"] == "free_completed" and e["addr"] == kept_ptr for e in later)
     assert any(e["action"] == "segment_free" and e["pool_id"] == pool for e in later)
     assert later[-1]["action"] == "pool_release" and later[-1]["pool_id"] == pool
+    assert later[-1]["stream"] == 0
     assert viewer_replay(gp.torch_snapshot(), 0) > 10
 
 
@@ -268,6 +276,19 @@ def test_out_of_memory_is_recorded_before_the_observers_run(rec: Any) -> None:
     assert (second["size"], second["stream"]) == (80 * MiB, s.handle)
     assert first["device_free"] == rec.device(0).mem_info()[0] == 24 * MiB
     del keep
+
+
+@pytest.mark.filterwarnings("ignore:.*captured no work")
+def test_out_of_memory_in_a_capture_names_the_graphs_pool(rec: Any) -> None:
+    keep = gp.alloc(40 * MiB)
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        with pytest.raises(gp.OutOfMemoryError):
+            gp.alloc(40 * MiB)  # the graph's pool cannot get a segment that large
+    [oom] = [e for e in events() if e["action"] == "oom"]
+    assert oom["pool_id"] == tuple(g.pool())
+    g.reset()
+    keep.free()
 
 
 def test_max_entries_keeps_the_newest(rec: Any) -> None:

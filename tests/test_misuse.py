@@ -146,6 +146,42 @@ def test_events_refuse_copies_streams_copy_to_themselves(sim: Any) -> None:
         pickle.dumps(e)
 
 
+def test_stream_event_and_buffer_refusals_say_why_word_for_word(sim: Any) -> None:
+    """Each refusal names the object, the reason and what to do instead, as written."""
+    from graphpool.streams import ACCEPTED
+
+    def said(fn: Any, *args: Any, kind: type[Exception] = TypeError) -> str:
+        with pytest.raises(kind) as info:
+            fn(*args)
+        return str(info.value)
+
+    s, e, buf = gp.Stream(), gp.Event(), gp.alloc(8)
+    for obj, what in ((s, "Stream"), (e, "Event")):
+        assert said(pickle.dumps, obj) == (
+            f"a graphpool {what} cannot be pickled: its handle is valid in this process only. "
+            f"Make a new {what} where it is needed."
+        )
+    assert said(copy.copy, e) == (
+        "a graphpool Event cannot be copied: it owns its CUDA event, which would be destroyed "
+        "twice. Record a new Event instead (stream.record_event())."
+    )
+    assert said(copy.copy, buf) == (
+        "a graphpool DeviceBuffer cannot be copied with copy.copy: it owns its allocation, and a "
+        "second owner would free it twice. Copy the data with your framework (cupy.copy, "
+        "torch.clone, xp_array.copy()), or use copy.deepcopy(buf) for a new buffer holding the same bytes."
+    )
+    assert said(pickle.dumps, buf) == (
+        "a graphpool DeviceBuffer cannot be pickled: it is device memory of this process. "
+        "Copy it to the host first (e.g. with your framework's .get() or .cpu())."
+    )
+    assert said(s.record_event, "e") == "record_event needs a graphpool Event or None, not str"
+    assert said(s.wait_event, 3) == "wait_event needs a graphpool Event, not int"
+    assert said(s.wait_stream, 1.5) == f"wait_stream takes {ACCEPTED}, not float"
+    assert said(buf.record_stream, 1.5) == f"record_stream takes {ACCEPTED}, not float"
+    buf.free()
+    assert repr(buf) == f"<graphpool.DeviceBuffer 0x{buf.ptr:x}, 8 bytes, device 0, freed>"
+
+
 # ------------------------------------------------------------------ 3. graphs
 def test_graph_copy_and_pickle_are_refused(sim: Any) -> None:
     g = gp.CUDAGraph()

@@ -191,3 +191,27 @@ def test_attach_wants_a_callable(small: Any) -> None:
     with pytest.raises(TypeError, match="callable"):
         gp.attach_out_of_memory_observer(42)  # type: ignore[arg-type]
     assert observers.current() == ()
+
+
+def test_a_new_threads_first_out_of_memory_calls_the_observers(small: Any) -> None:
+    """A thread that never ran the observers before is not taken to be inside them."""
+    seen: list[int] = []
+    errors: list[BaseException] = []
+    gp.attach_out_of_memory_observer(lambda d, r, s: seen.append(r))
+
+    def fail_once() -> None:
+        try:
+            gp.alloc(65 * MiB)
+        except BaseException as exc:  # the OutOfMemoryError, or whatever broke instead
+            errors.append(exc)
+
+    t = threading.Thread(target=fail_once)
+    t.start()
+    t.join()
+    assert seen == [65 * MiB] and [type(e) for e in errors] == [gp.OutOfMemoryError]
+
+
+def test_attaching_what_cannot_be_called_names_its_type(small: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        gp.attach_out_of_memory_observer(42)  # type: ignore[arg-type]
+    assert str(info.value) == "an out-of-memory observer must be callable, not int"

@@ -57,6 +57,19 @@ def test_a_large_request_takes_an_oversize_block_only_within_the_rounding_and_ne
     a.check_invariants()
 
 
+def test_the_oversize_rules_at_their_boundaries() -> None:
+    """A request of exactly max_split_size may take an oversize block; a block wasting exactly
+    max_non_split_rounding is refused (PyTorch: ``size < max_split`` and ``>= size + rounding``)."""
+    a = make(SPLIT40)
+    a.free(a.malloc(58 * MiB, stream=S1))
+    a.malloc(40 * MiB, stream=S1)  # 40 is not under 40, and 58 < 40 + 20: taken whole
+    assert reserved(a) == 58 * MiB
+    b = make(SPLIT40)
+    b.free(b.malloc(60 * MiB, stream=S1))
+    b.malloc(40 * MiB, stream=S1)  # 60 >= 40 + 20: refused, a segment of its own
+    assert reserved(b) == 100 * MiB
+
+
 def test_max_non_split_rounding_widens_what_an_oversize_block_may_waste() -> None:
     a = make(SizeConfig(max_split_size=40 * MiB, max_non_split_rounding=50 * MiB))
     a.free(a.malloc(100 * MiB, stream=S1))

@@ -1071,6 +1071,29 @@ def test_a_reentering_free_of_a_bad_pointer_still_raises_at_once() -> None:
     a.check_invariants()
 
 
+def test_a_reentering_free_of_a_queued_block_says_this_allocation() -> None:
+    """A Block queued by a finalizer and freed again from inside a call: a double free,
+    named as the allocation (a Block's address may have changed hands since)."""
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    owned = a.malloc_owned(1024, stream=7)
+    seen: list[BaseException] = []
+
+    def hook() -> None:
+        a.defer_free(owned)
+        try:
+            a.free_owned(owned)
+        except DoubleFreeError as e:
+            seen.append(e)
+
+    dev.hook = hook
+    p = a.malloc(4 << 20, stream=7)  # a new segment: runs the hook mid-call
+    assert [str(e) for e in seen] == ["free: this allocation is already queued to be freed"]
+    a.free(p)
+    dev.complete_all()
+    a.check_invariants()
+
+
 def test_a_reentering_free_finds_a_pointer_queued_with_its_stream() -> None:
     """``defer_free(ptr, stream)`` queues (ptr, stream): a re-entered free of that pointer is
     a double free at once, as for a pointer queued alone."""
@@ -1171,8 +1194,12 @@ def test_an_owned_allocation_is_freed_by_its_block_not_by_its_address() -> None:
     assert b.owned and b.allocated and b.ptr not in a._active and p in a._active
     assert a.lookup(b.ptr) is b and a.lookup(p) is not None
     before = a.memory_stats()
-    with pytest.raises(ForeignPointerError, match="owned by a graphpool DeviceBuffer"):
+    with pytest.raises(ForeignPointerError) as info:
         a.free(b.ptr)
+    assert str(info.value) == (
+        f"free: 0x{b.ptr:x} is owned by a graphpool DeviceBuffer: free it with the buffer's free() "
+        "(or drop the buffer), not by its address"
+    )
     with pytest.raises(ForeignPointerError, match="owned by a graphpool DeviceBuffer"):
         a.record_stream(b.ptr, S2)
     with pytest.raises(DoubleFreeError, match="raw allocation's block"):

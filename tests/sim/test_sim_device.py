@@ -84,6 +84,16 @@ def test_errors_are_graphpool_errors(dev: SimDevice) -> None:
 
 
 # -- memory ----------------------------------------------------------------------------
+def test_a_cuda_error_reads_as_cudas_with_its_detail_only_when_given() -> None:
+    from graphpool.sim.cudaerr import cuda_error
+
+    plain = cuda_error("cudaFree", "cudaErrorInvalidValue")
+    assert (plain.call, plain.code, plain.name) == ("cudaFree", 1, "cudaErrorInvalidValue")
+    assert str(plain) == "cudaFree failed: cudaErrorInvalidValue (1): invalid argument"
+    told = cuda_error("cudaFree", "cudaErrorInvalidValue", "0x10 is not an allocation")
+    assert told.meaning == "invalid argument (0x10 is not an allocation)"
+
+
 def test_malloc_aligned_bump_never_reused(dev: SimDevice) -> None:
     a = dev.malloc(100)
     b = dev.malloc(3 * MiB)
