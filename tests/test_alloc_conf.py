@@ -76,6 +76,8 @@ def test_the_list_form_of_roundup_power2_divisions_follows_pytorch() -> None:
         ("roundup_power2_divisions:[256:1", "expected a list"),
         ("roundup_power2_divisions:[]", "expected a list"),
         ("roundup_power2_divisions:[256]", "size_mb:divisions"),
+        ("roundup_power2_divisions:[4]", "'4' is not size_mb:divisions"),
+        ("roundup_power2_divisions:[256:x]", "^roundup_power2_divisions:x is not a whole number$"),
         ("expandable_segments:yes", "True or False"),
         ("max_split_size:512", "with a key among"),
         ("backend:cudaMallocAsync", "with a key among"),

@@ -4,6 +4,7 @@ stacks, the pickle, private pools, and PyTorch's own viewer code run on the resu
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import pickle
@@ -289,6 +290,27 @@ def test_out_of_memory_in_a_capture_names_the_graphs_pool(rec: Any) -> None:
     assert oom["pool_id"] == tuple(g.pool())
     g.reset()
     keep.free()
+
+
+def test_expandable_segments_record_each_mapping_and_unmapping() -> None:
+    from graphpool.policy.pools import DEFAULT
+
+    with fresh_sim(1, sizes=dataclasses.replace(DEFAULT, expandable_segments=True)):
+        gp.record_memory_history(True, stacks=False)
+        try:
+            s = gp.Stream()
+            first = gp.alloc(4 * MiB, stream=s)
+            more = gp.alloc(6 * MiB, stream=s)  # the segment grows: a mapping after the first
+            more.free()
+            gp.empty_cache()  # the free end is unmapped, the segment stays
+            first.free()
+            got = [e for e in events() if e["action"] in ("segment_map", "segment_unmap")]
+        finally:
+            gp.record_memory_history(False)
+    assert [e["action"] for e in got][:1] == ["segment_map"] and got[-1]["action"] == "segment_unmap"
+    grow = got[0]
+    assert (grow["size"], grow["stream"], grow["pool_id"]) == (6 * MiB, s.handle, None)
+    assert all(e["stream"] == s.handle and e["pool_id"] is None for e in got)
 
 
 def test_max_entries_keeps_the_newest(rec: Any) -> None:

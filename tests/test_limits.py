@@ -261,7 +261,10 @@ def test_memory_limits_describe_the_cap_they_pass() -> None:
     assert "fraction 0.5" in (lim.refusal(40, 11, str) or "")
     assert "memory limit" not in (lim.refusal(40, 11, str) or "")
     both = lim.refusal(70, 11, str) or ""
-    assert "fraction" in both and "memory limit of 80" in both
+    assert both == (
+        "the per-process memory fraction 0.5 of the device's 100 (= 50; set_per_process_memory_fraction)"
+        " and the memory limit of 80 (80 bytes; set_memory_limit)"
+    )
     assert lim.with_fraction(None).cap == 80 and lim.with_bytes(None).cap == 50
     assert MemoryLimits(100).cap is None
 

@@ -148,11 +148,18 @@ def test_roundup_power2_divisions_per_size_range() -> None:
     assert stat(a, "active_bytes.all.current") == MiB + 512 * KiB + 2 * MiB + 256 * KiB + 4 * MiB + 512
 
 
+def test_the_last_division_covers_every_request_from_its_range_up() -> None:
+    """The 16th entry rounds 32 GiB and up (a request past the table uses the last entry)."""
+    sizes = SizeConfig(roundup_power2_divisions=(0,) * 14 + (2, 8))
+    assert sizes.round_divisions(32 * 1024 * MiB + 1) == 36 * 1024 * MiB  # 8 steps of 4 GiB
+    assert sizes.round_divisions(16 * 1024 * MiB + 1) == 24 * 1024 * MiB  # the 15th entry: 2 steps
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_split_size": 10 * MiB}, "max_split_size"),
-        ({"max_non_split_rounding": MiB}, "max_non_split_rounding"),
+        ({"max_split_size": 10 * MiB}, "^max_split_size must be at least large_segment$"),
+        ({"max_non_split_rounding": MiB}, "^max_non_split_rounding must be at least large_segment$"),
         ({"roundup_power2_divisions": (3,) * 16}, "power of two"),
         ({"roundup_power2_divisions": (2,) * 15}, "16 entries"),
     ],

@@ -96,3 +96,19 @@ def test_every_edit_keeps_the_order(ops: list[tuple[str, int, int]]) -> None:
             mine.append(new)
             expected[stream].add((size, new.ptr))
         _order_holds(fl, expected)
+
+
+def test_a_growing_pools_best_fit_spares_a_segments_free_end_for_a_hole_under_the_limit() -> None:
+    """``past_tails``: a free last block is passed over for the next fitting hole (a block with
+    a neighbour after it) only when that hole is under ``limit`` (the oversize bound)."""
+    fl = FreeList(False)
+    fl.grows = True
+    end = Block(0x1000, 4096, 0, fl)  # a segment's free last block (no next)
+    hole = Block(0x10000, 8192, 0, fl)
+    hole.next = Block(0x12000, 512, 0, fl)  # a live neighbour after it
+    for x in (end, hole):
+        fl.insert(x)
+    assert fl.best_fit(0, 4096, 16384) is hole
+    assert fl.best_fit(0, 4096, 8192) is end  # the hole is not under the limit
+    fl.grows = False
+    assert fl.best_fit(0, 4096, 16384) is end
