@@ -141,8 +141,11 @@ def test_cuda_legacy_handle_means_the_legacy_stream(sim: Any) -> None:
 
 
 def test_per_thread_default_stream_is_refused(sim: Any) -> None:
-    with pytest.raises(ValueError, match="per-thread default stream"):
+    with pytest.raises(ValueError, match="per-thread default stream") as info:
         gp.alloc(512, stream=ForeignStream(2))
+    assert str(info.value).endswith(
+        "use a stream of your own (e.g. gp.Stream()) or the legacy default stream"
+    )
 
 
 def test_stream_of_another_device_is_refused(sim: Any) -> None:
@@ -230,11 +233,14 @@ def test_a_cupy_stream_without_the_protocol_is_taken_by_its_ptr(
     """CuPy streams may lack ``__cuda_stream__``: graphpool reads their ``ptr`` (CuPy imported
     by the program; here a stand-in module with CuPy's two stream classes)."""
 
-    class Stream:
+    class BaseStream:
         def __init__(self, ptr: int) -> None:
             self.ptr = ptr
 
-    class ExternalStream(Stream):
+    class Stream(BaseStream):
+        pass
+
+    class ExternalStream(BaseStream):  # as in CuPy: a sibling of Stream, not a subclass
         pass
 
     fake = types.ModuleType("cupy")

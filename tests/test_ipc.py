@@ -249,6 +249,19 @@ def test_a_handle_opened_in_its_own_process_is_a_view(here: str) -> None:
     assert gipc.exported_count() == 0
 
 
+def test_a_shared_buffer_freed_after_another_streams_use_keeps_that_stream(here: str) -> None:
+    """``_free_after`` (a framework's buffer dropped with its stream, as cuda.core's): the
+    export remembers the stream, so the block is reused only after that stream's work."""
+    buf = gp.alloc(4096)
+    s = gp.Stream()
+    with gp.open_ipc(buf.ipc_handle()):
+        buf._free_after(s.handle)
+        assert buf.freed and [(e.freed, e.stream) for e in gipc._exports.values()] == [(True, s.handle)]
+    gp.synchronize()
+    gp.empty_cache()
+    assert gipc.exported_count() == 0
+
+
 def test_freed_before_opened_is_refused_and_not_shared(here: str) -> None:
     buf = gp.alloc(512)
     h = buf.ipc_handle()

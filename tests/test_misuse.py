@@ -170,7 +170,7 @@ def test_stream_event_and_buffer_refusals_say_why_word_for_word(sim: Any) -> Non
         "second owner would free it twice. Copy the data with your framework (cupy.copy, "
         "torch.clone, xp_array.copy()), or use copy.deepcopy(buf) for a new buffer holding the same bytes."
     )
-    assert said(pickle.dumps, buf) == (
+    assert said(pickle.dumps, buf) == said(buf.__reduce__) == (
         "a graphpool DeviceBuffer cannot be pickled: it is device memory of this process. "
         "Copy it to the host first (e.g. with your framework's .get() or .cpu())."
     )
@@ -180,6 +180,21 @@ def test_stream_event_and_buffer_refusals_say_why_word_for_word(sim: Any) -> Non
     assert said(buf.record_stream, 1.5) == f"record_stream takes {ACCEPTED}, not float"
     buf.free()
     assert repr(buf) == f"<graphpool.DeviceBuffer 0x{buf.ptr:x}, 8 bytes, device 0, freed>"
+
+
+def test_a_dropped_event_destroys_its_cuda_event_and_streams_hash_by_handle(sim: Any) -> None:
+    e = gp.Event()
+    handle = e.handle
+    dev = runtime.get().device(0)
+    assert dev.query_event(handle)
+    del e
+    gc.collect()
+    with pytest.raises(gp.CUDAError, match="cudaEventQuery"):
+        dev.query_event(handle)  # destroyed with its Event
+    a, b = gp.Stream(), gp.Stream()
+    same = gp.Stream._wrap(a.device, a.handle)
+    assert same == a and hash(same) == hash(a)
+    assert {a: "a", b: "b"}[same] == "a" and hash(a) != hash(b)
 
 
 # ------------------------------------------------------------------ 3. graphs
@@ -330,6 +345,10 @@ def test_objects_of_a_replaced_backend_refuse_to_work(sim: Any) -> None:
     _replaced(lambda: buf.record_stream(gp.current_stream()))
     _replaced(lambda: buf.__cuda_array_interface__)
     _replaced(lambda: copy.deepcopy(buf))
+    for obj, call in ((s, s.synchronize), (e, e.query)):  # each names itself and the old backend
+        with pytest.raises(gp.BackendReplacedError) as info:
+            call()
+        assert str(info.value).startswith(f"{obj!r} was made under the 'sim' backend, which was replaced")
     buf.free()  # freeing still works: the buffer goes back to the allocator it came from
     fresh = xp.ones(10) + 1
     assert fresh.get().sum() == 20

@@ -125,3 +125,15 @@ def test_a_recorded_event_orders_replays_for_the_checker(backend: Any) -> None:
     g1.reset()
     g2.reset()
     settle()
+
+
+def test_a_buffers_dlpack_capsule_is_versioned_only_when_asked(sim: Any) -> None:
+    import ctypes
+
+    is_valid = ctypes.pythonapi.PyCapsule_IsValid
+    is_valid.restype = ctypes.c_int
+    is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    buf = gp.alloc(64)
+    assert is_valid(buf.__dlpack__(max_version=(1, 0)), b"dltensor_versioned")
+    assert is_valid(buf.__dlpack__(), b"dltensor")
+    buf.free()
