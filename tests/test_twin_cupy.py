@@ -447,3 +447,40 @@ def test_arrays_inside_use_mem_pool_come_from_the_pool(cp: Any) -> None:
     del a, b
     gc.collect()
     assert pool.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_buffer_of_finds_the_buffer_behind_an_array_or_says_why_not(cp: Any) -> None:
+    a = cp.ones(16)
+    if native(cp):  # CuPy's PythonFunctionAllocator keeps no DeviceBuffer
+        with pytest.raises(TypeError) as info:
+            gcupy.buffer_of(a)
+        assert str(info.value) == (
+            f"{type(a).__name__} has no DeviceBuffer behind it: graphpool serves CuPy through "
+            "CuPy's PythonFunctionAllocator, which keeps none; set "
+            "graphpool.cupy.use_function_allocator = True before install() to share CuPy arrays"
+        )
+    else:
+        buf = gcupy.buffer_of(a)
+        assert isinstance(buf, gp.DeviceBuffer) and buf.ptr == a.data.ptr
+        assert gcupy.buffer_of(a.data) is buf
+        with pytest.raises(TypeError, match="^int was not allocated by graphpool"):
+            gcupy.buffer_of(3)
+    del a
+
+
+def test_the_calls_before_install_say_what_to_call_first(cp: Any) -> None:
+    gcupy.uninstall()
+    try:
+        with pytest.raises(RuntimeError) as info:
+            gcupy.malloc(8)
+        assert str(info.value) == (
+            "graphpool.cupy.malloc serves CuPy only after graphpool.cupy.install() (which binds it "
+            "to CuPy and makes it CuPy's allocator): call install() first"
+        )
+        with pytest.raises(RuntimeError) as info:
+            gcupy.pinned_malloc(8)
+        assert str(info.value) == (
+            "graphpool.cupy.pinned_malloc serves CuPy only after graphpool.cupy.install_pinned()"
+        )
+    finally:
+        gcupy.install()
