@@ -468,19 +468,18 @@ def test_buffer_of_finds_the_buffer_behind_an_array_or_says_why_not(cp: Any) -> 
     del a
 
 
-def test_the_calls_before_install_say_what_to_call_first(cp: Any) -> None:
-    gcupy.uninstall()
-    try:
-        with pytest.raises(RuntimeError) as info:
-            gcupy.malloc(8)
-        assert str(info.value) == (
-            "graphpool.cupy.malloc serves CuPy only after graphpool.cupy.install() (which binds it "
-            "to CuPy and makes it CuPy's allocator): call install() first"
-        )
-        with pytest.raises(RuntimeError) as info:
-            gcupy.pinned_malloc(8)
-        assert str(info.value) == (
-            "graphpool.cupy.pinned_malloc serves CuPy only after graphpool.cupy.install_pinned()"
-        )
-    finally:
-        gcupy.install()
+def test_the_calls_before_install_say_what_to_call_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a process that never called install(): malloc and pinned_malloc say so."""
+    monkeypatch.setattr(gcupy, "_calls", (gcupy._not_installed,) * 4)
+    monkeypatch.setattr(gcupy, "_cp", None)
+    with pytest.raises(RuntimeError) as info:
+        gcupy.malloc(8)
+    assert str(info.value) == (
+        "graphpool.cupy.malloc serves CuPy only after graphpool.cupy.install() (which binds it "
+        "to CuPy and makes it CuPy's allocator): call install() first"
+    )
+    with pytest.raises(RuntimeError) as info:
+        gcupy.pinned_malloc(8)
+    assert str(info.value) == (
+        "graphpool.cupy.pinned_malloc serves CuPy only after graphpool.cupy.install_pinned()"
+    )
