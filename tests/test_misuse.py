@@ -246,7 +246,16 @@ def test_reset_and_collection_destroy_the_graphs_device_objects(sim: Any) -> Non
     gc.collect()  # collected: its finalizer hands both objects to the allocator ...
     gp.empty_cache()  # ... whose next call destroys them, each with its own call
     assert live() == before
-    del b, c
+    with gp.stream(gp.Stream()):
+        mid = gp.CUDAGraph()
+        mid.capture_begin()
+        d = a + 3
+        del mid  # collected mid-capture: its finalizer ends the capture, the graph goes too
+        gc.collect()
+        assert not gp.is_current_stream_capturing()
+    gp.empty_cache()
+    assert live() == before
+    del b, c, d
 
 
 def test_graph_repr_says_its_state(sim: Any) -> None:

@@ -62,6 +62,20 @@ def numba_cuda(monkeypatch: pytest.MonkeyPatch, sim_as_cuda: None) -> Any:
     return cuda
 
 
+def test_numbas_null_pointer_is_made_in_its_bindings_type(numba_cuda: Any) -> None:
+    """A zero-byte allocation is the null pointer, as Numba's binding's CUdeviceptr (a c_void_p
+    of 0 has the value None, which Numba's MemoryPointer cannot convert)."""
+    gnumba.install()
+    mem = numba_cuda.current_context().memalloc(0)
+    ptr = mem.device_pointer
+    assert type(ptr) is _binding_pointer_type(numba_cuda) and int(ptr) == 0
+    mem.free()
+
+
+def _binding_pointer_type(cuda: Any) -> type:
+    return cuda.cudadrv.driver.binding.CUdeviceptr  # type: ignore[no-any-return]
+
+
 def test_numba_emm_plugin(numba_cuda: Any) -> None:
     cuda = numba_cuda
     gnumba.install()
@@ -204,6 +218,21 @@ def test_memory_resource_allocates_from_graphpool(core: Any, request: pytest.Fix
     gc.collect()
     assert gp.memory_allocated() == base
     s.sync()
+
+
+def test_zero_bytes_are_a_null_buffer_of_this_resource(core: Any) -> None:
+    mr = gcore.GraphpoolMemoryResource(0)
+    base = gp.memory_allocated()
+    buf = mr.allocate(0, stream=core.Device(0).create_stream())
+    assert (int(buf.handle), buf.size, buf.memory_resource) == (0, 0, mr)
+    assert gp.memory_allocated() == base
+    buf.close()
+
+
+def test_install_hooks_is_false_without_cuda_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cuda.core", None)  # an import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "cuda.core.experimental", None)
+    assert gcore.install_hooks() is False and not gcore.hooked()
 
 
 def test_buffer_gets_the_stream_when_the_api_takes_it(core: Any, request: pytest.FixtureRequest) -> None:

@@ -624,8 +624,15 @@ def make_numba() -> tuple[types.ModuleType, types.ModuleType]:
             self.source_info = source_info
             self.offset = offset
 
+    class CUdeviceptr:  # cuda.bindings.driver's device pointer (an int inside)
+        def __init__(self, value: int = 0) -> None:
+            self._value = int(value)
+
+        def __int__(self) -> int:
+            return self._value
+
     driver = types.ModuleType("numba.cuda.cudadrv.driver")
-    driver.binding = types.SimpleNamespace(CUipcMemHandle=CUipcMemHandle)  # type: ignore[attr-defined]
+    driver.binding = types.SimpleNamespace(CUipcMemHandle=CUipcMemHandle, CUdeviceptr=CUdeviceptr)  # type: ignore[attr-defined]
     driver.IpcHandle = IpcHandle  # type: ignore[attr-defined]
     cudadrv = types.ModuleType("numba.cuda.cudadrv")
     cudadrv.driver = driver  # type: ignore[attr-defined]
