@@ -283,3 +283,89 @@ def test_hooks_keep_a_stream_route_only_until_set_backend(sim: Any) -> None:
     free(q, 512, 0, 0)
     assert old.allocator(0).memory_stats()["allocated_bytes.all.current"] == 0
     old.allocator(0).check_invariants()
+
+
+class _FakeShim:
+    """Stands in for the compiled shim: records what install() hands it."""
+
+    __file__ = "/the/shim.so"
+
+    def __init__(self) -> None:
+        self.hooks: tuple[Any, ...] = ()
+        self.closed = 0
+
+    def set_hooks(self, *hooks: Any) -> None:
+        self.hooks = hooks
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def _fake_torch(refuse: Exception | None) -> Any:
+    import types
+
+    seen: dict[str, Any] = {}
+
+    def pluggable(path: str, malloc: str, free: str) -> tuple[str, str, str]:
+        seen["pluggable"] = (path, malloc, free)
+        return (path, malloc, free)
+
+    def change(plugged: Any) -> None:
+        if refuse is not None:
+            raise refuse
+        seen["current"] = plugged
+
+    memory = types.SimpleNamespace(CUDAPluggableAllocator=pluggable, change_current_allocator=change)
+    cuda = types.SimpleNamespace(is_available=lambda: True, memory=memory)
+    return types.SimpleNamespace(cuda=cuda, seen=seen)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_install_hands_pytorch_the_shims_two_functions(monkeypatch: pytest.MonkeyPatch, refused: bool) -> None:
+    """install() with stand-ins for PyTorch and the compiled shim (neither is needed here):
+    PyTorch gets the shim's library and its two entry points, or its refusal is explained."""
+    import twins
+
+    import graphpool.torch as gtorch
+    from graphpool import cooperate
+
+    fake_shim = _FakeShim()
+    torch = _fake_torch(RuntimeError("already used") if refused else None)
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(gtorch, "_shim", lambda: fake_shim)
+    monkeypatch.setattr(gtorch, "_installed", False)
+    monkeypatch.setattr(gtorch.atexit, "register", lambda fn: None)
+    monkeypatch.setattr(cooperate, "_served", set())
+    twins.use_sim_as_cuda()
+    try:
+        if refused:
+            with pytest.raises(RuntimeError) as info:
+                gtorch.install()
+            assert str(info.value) == (
+                "graphpool.torch.install(): PyTorch refused graphpool's allocator (already used); "
+                "install() must run before PyTorch's first CUDA allocation"
+            )
+            assert fake_shim.closed == 1 and not gtorch.is_installed()
+        else:
+            gtorch.install()
+            assert gtorch.is_installed() and cooperate._served == {"torch"}
+            assert torch.seen["current"] == ("/the/shim.so", "graphpool_torch_malloc", "graphpool_torch_free")
+        assert torch.seen["pluggable"] == ("/the/shim.so", "graphpool_torch_malloc", "graphpool_torch_free")
+        assert len(fake_shim.hooks) == 2 and all(callable(h) for h in fake_shim.hooks)
+    finally:
+        gp.set_backend("sim")
+
+
+def test_without_the_compiled_shim_the_message_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    import graphpool.torch as gtorch
+
+    monkeypatch.setitem(sys.modules, "graphpool._torch_shim", None)  # its import fails
+    with pytest.raises(RuntimeError) as info:
+        gtorch.library_path()
+    assert str(info.value) == (
+        "graphpool.torch needs graphpool's compiled PyTorch shim (graphpool/_torch_shim, C++), "
+        "which this install lacks: reinstall graphpool on a machine with a C++ compiler and "
+        "without GRAPHPOOL_COMPILE=0"
+    )
+    monkeypatch.setattr(gtorch, "_shim", _FakeShim)
+    assert gtorch.library_path() == "/the/shim.so"
