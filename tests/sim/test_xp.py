@@ -165,3 +165,34 @@ def test_refuses_a_cuda_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "current_device_object", lambda *args: fake)
     with pytest.raises(TypeError, match="simulated"):
         xp.ones(3)
+
+
+def test_conversions_keep_the_asked_dtype_and_errors_read_as_numpys() -> None:
+    a = xp.asarray([1, 2, 3], dtype=np.int32)
+    assert a.dtype == np.int32 and xp.asarray(a) is a and xp.asarray(a, dtype=np.int32) is a
+    b = xp.asarray(a, dtype=np.float32)  # another dtype: a converted copy
+    assert b is not a and b.dtype == np.float32 and b.get().tolist() == [1.0, 2.0, 3.0]
+    assert xp.asarray(np.arange(3, dtype=np.int64), dtype=np.int32).dtype == np.int32
+    assert xp.empty(4, np.int32).dtype == np.int32
+    c = a.astype(np.float64)
+    assert c.dtype == np.float64 and c.get().tolist() == [1.0, 2.0, 3.0]
+    assert a.sum().dtype == np.ones(1, np.int32).sum().dtype  # NumPy's accumulator type
+    with pytest.raises(TypeError, match=r"^len\(\) of unsized object$"):
+        len(a.sum())
+    with pytest.raises(ValueError, match="^can only convert an array of size 1 to a Python scalar$"):
+        a.item()
+    with pytest.raises(TypeError, match="^unsupported operand for xp.ndarray subtract: str$"):
+        "x" - a  # type: ignore[operator]
+
+
+def test_deepcopy_of_an_array_and_of_its_pointer_are_real_copies_at_the_same_offset() -> None:
+    import copy
+
+    a = xp.arange(8, dtype=np.int32)
+    pair = copy.deepcopy([a, a])
+    assert pair[0] is pair[1] and pair[0] is not a  # one copy, as the memo says
+    assert pair[0].get().tolist() == list(range(8))
+    p = a.data
+    assert p.mem is a._buf and p.ptr == a._buf.ptr
+    q = copy.deepcopy(p)
+    assert q.mem is not p.mem and q.ptr == int(q.mem.ptr)

@@ -1,0 +1,127 @@
+"""The simulator's errors read as CUDA's: each call names itself (``CUDAError.call``), the
+error and its detail, as a program run on a GPU would see them."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from graphpool.device.protocol import CAPTURE_MODE_GLOBAL, CAPTURE_MODE_RELAXED
+from graphpool.errors import CUDAError
+from graphpool.sim import SimBackend, SimDevice
+
+BAD = 0xDEAD
+
+
+def refused(fn: object, *args: object) -> CUDAError:
+    with pytest.raises(CUDAError) as info:
+        fn(*args)  # type: ignore[operator]
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda d: d.memcpy(0, 0, 8, BAD), "cudaMemcpyAsync"),
+        (lambda d: d.memcpy_host(0, 0, 8, BAD), "cudaMemcpyAsync"),
+        (lambda d: d.memset(0, 0, 8, BAD), "cudaMemsetAsync"),
+        (lambda d: d.launch_sleep(BAD), "cudaLaunchKernel"),
+        (lambda d: d.destroy_event(BAD), "cudaEventDestroy"),
+        (lambda d: d.destroy_stream(BAD), "cudaStreamDestroy"),
+        (lambda d: d.destroy_stream(0), "cudaStreamDestroy"),  # the legacy stream
+        (lambda d: d.launch(BAD, 0), "cudaGraphLaunch"),
+        (lambda d: d.ipc_close(BAD), "cudaIpcCloseMemHandle"),
+        (lambda d: d.host_malloc(0), "cudaHostAlloc"),
+    ],
+)
+def test_each_call_names_itself_in_its_error(dev: SimDevice, call: object, expected: str) -> None:
+    assert refused(call, dev).call == expected
+
+
+def test_a_launch_on_a_bad_stream_names_the_launch(dev: SimDevice) -> None:
+    s = dev.create_stream()
+    dev.begin_capture(s, CAPTURE_MODE_GLOBAL)
+    dev.launch_sleep(s, 1)
+    exe = dev.instantiate(dev.end_capture(s))
+    assert refused(dev.launch, exe, BAD).call == "cudaGraphLaunch"
+
+
+def test_the_details_of_bad_host_sizes_and_ipc_handles(dev: SimDevice) -> None:
+    assert refused(dev.host_malloc, 0).meaning == "invalid argument (size 0)"
+    for handle in (b"\xff" * 64, b"short", "not bytes"):  # undecodable, wrong size, wrong type
+        err = refused(dev.ipc_open, handle)
+        assert (err.call, err.name) == ("cudaIpcOpenMemHandle", "cudaErrorInvalidValue")
+
+
+def test_host_memory_info_is_free_then_total(dev: SimDevice) -> None:
+    free, total = dev.host_mem_info()
+    ptr = dev.host_malloc(4096)
+    assert ptr is not None
+    now_free, now_total = dev.host_mem_info()
+    assert now_total == total and now_free < free and free - now_free >= 4096
+    dev.host_free(ptr)
+
+
+def test_a_view_reaches_the_last_byte_of_an_allocation(dev: SimDevice) -> None:
+    ptr = dev.malloc(4096)
+    assert ptr is not None
+    dev.view(ptr + 4095, 1)[:] = 7
+    assert bytes(dev.view(ptr + 4095, 1)) == b"\x07"
+    dev.free(ptr)
+
+
+def test_captured_event_errors_name_their_call(dev: SimDevice) -> None:
+    s, other = dev.create_stream(), dev.create_stream()
+    e = dev.create_event()
+    dev.begin_capture(s, CAPTURE_MODE_RELAXED)
+    dev.record_event(e, s)
+    err = refused(dev.event_synchronize, e)  # during the capture: refused, the capture is lost
+    assert (err.call, err.name) == ("cudaEventSynchronize", "cudaErrorCapturedEvent")
+    with pytest.raises(CUDAError):
+        dev.end_capture(s)
+    err = refused(dev.query_event, e)  # the capture ended invalidated: an invalid value
+    assert (err.call, err.name, err.meaning) == (
+        "cudaEventQuery",
+        "cudaErrorInvalidValue",
+        "invalid argument (its capture failed)",
+    )
+    err = refused(dev.event_synchronize, e)
+    assert (err.call, err.meaning) == ("cudaEventSynchronize", "invalid argument (a captured event)")
+    dev.begin_capture(s, CAPTURE_MODE_RELAXED)
+    dev.record_event(e, s)
+    err = refused(dev.query_event, e)
+    assert (err.call, err.name) == ("cudaEventQuery", "cudaErrorCapturedEvent")
+    with pytest.raises(CUDAError):
+        dev.end_capture(s)
+    a = dev.create_event()
+    dev.begin_capture(s, CAPTURE_MODE_RELAXED)
+    dev.begin_capture(other, CAPTURE_MODE_RELAXED)
+    dev.record_event(a, s)
+    err = refused(dev.stream_wait_event, other, a)  # a stream of another capture
+    assert (err.call, err.name) == ("cudaStreamWaitEvent", "cudaErrorStreamCaptureMerge")
+    with pytest.raises(CUDAError):
+        dev.end_capture(other)  # invalidated by the merge
+    dev.destroy_graph(dev.end_capture(s))
+
+
+def test_host_released_tokens_are_taken_once(dev: SimDevice) -> None:
+    s = dev.create_stream()
+    dev.begin_capture(s, CAPTURE_MODE_GLOBAL)
+    dev.launch_sleep(s, 1)
+    dev.attach_host_release(s, 41)
+    graph = dev.end_capture(s)
+    dev.destroy_graph(graph)
+    assert dev.take_host_released() == [41]
+    assert dev.take_host_released() == []
+
+
+def test_the_backend_says_its_size_and_a_new_thread_starts_on_device_0() -> None:
+    b = SimBackend(device_count=2, memory_bytes=32 * 1024 * 1024)
+    assert repr(b) == "SimBackend(device_count=2, memory_bytes=33554432)"
+    b.set_current_device(1)
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.append(b.current_device()))
+    t.start()
+    t.join()
+    assert seen == [0] and b.current_device() == 1
