@@ -125,3 +125,64 @@ def test_the_backend_says_its_size_and_a_new_thread_starts_on_device_0() -> None
     t.start()
     t.join()
     assert seen == [0] and b.current_device() == 1
+
+
+def test_graph_calls_name_themselves_and_say_what_is_wrong(dev: SimDevice) -> None:
+    assert refused(dev.destroy_graph, BAD).call == "cudaGraphDestroy"
+    err = refused(dev.destroy_event, BAD)
+    assert (err.name, err.meaning) == (
+        "cudaErrorInvalidResourceHandle",
+        f"invalid resource handle (event {BAD})",
+    )
+    s = dev.create_stream()
+    err = refused(dev.end_capture, s)
+    assert (err.call, err.name, err.meaning) == (
+        "cudaStreamEndCapture",
+        "cudaErrorIllegalState",
+        f"the operation cannot be performed in the present state (stream {s} did not begin a capture)",
+    )
+    assert refused(dev.vmm_reserve, 0).call == "cuMemAddressReserve"
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda d, g, va: d.instantiate(g), "cudaGraphInstantiate"),
+        (lambda d, g, va: d.vmm_map(va, 2 * 1024 * 1024), "cuMemMap"),
+        (lambda d, g, va: d.vmm_unmap(va, 2 * 1024 * 1024), "cuMemUnmap"),
+    ],
+)
+def test_calls_unsafe_in_a_global_capture_name_themselves(
+    backend: SimBackend, call: object, expected: str
+) -> None:
+    """This thread captures in global mode on another device: the call is refused by name."""
+    dev, other = backend.get_device(0), backend.get_device(1)
+    s, t = dev.create_stream(), other.create_stream()
+    dev.begin_capture(s, CAPTURE_MODE_GLOBAL)
+    dev.launch_sleep(s, 1)
+    graph = dev.end_capture(s)
+    va = dev.vmm_reserve(2 * 1024 * 1024)
+    assert dev.vmm_map(va, 2 * 1024 * 1024)
+    other.begin_capture(t, CAPTURE_MODE_GLOBAL)
+    err = refused(call, dev, graph, va)
+    assert (err.call, err.name) == (expected, "cudaErrorStreamCaptureUnsupported")
+    with pytest.raises(CUDAError):
+        other.end_capture(t)  # invalidated by the refused call
+    dev.destroy_graph(graph)
+    if dev.reservations()[0][2]:
+        dev.vmm_unmap(va, 2 * 1024 * 1024)
+    dev.vmm_release(va, 2 * 1024 * 1024)
+
+
+def test_a_token_attached_twice_is_released_with_its_last_graph(dev: SimDevice) -> None:
+    s = dev.create_stream()
+    graphs = []
+    for _ in range(2):
+        dev.begin_capture(s, CAPTURE_MODE_GLOBAL)
+        dev.launch_sleep(s, 1)
+        dev.attach_release(s, 77)
+        graphs.append(dev.end_capture(s))
+    dev.destroy_graph(graphs[0])
+    assert 77 not in dev.take_released()
+    dev.destroy_graph(graphs[1])
+    assert dev.take_released() == [77]
