@@ -1040,3 +1040,16 @@ def test_a_guarded_handler_at_any_bytecode_of_an_allocation_or_free_loses_no_own
     gp.empty_cache()
     assert gp.memory_stats()["reserved_bytes.all.current"] == 0
     _HANDOFF_STREAMS.clear()
+
+
+def test_a_lock_that_cannot_say_who_holds_it_is_taken_as_not_held() -> None:
+    """``_owned``: a lock without ``_is_owned`` (a plain threading.Lock) is never taken to be
+    this thread's; a reentrant lock says."""
+    from graphpool.policy.interrupts import _owned
+
+    plain, reentrant = threading.Lock(), threading.RLock()
+    with plain:
+        assert _owned(plain) is False
+    assert _owned(reentrant) is False
+    with reentrant:
+        assert _owned(reentrant) is True
