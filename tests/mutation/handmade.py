@@ -152,7 +152,7 @@ MUTANTS = (
     ),
     Mutant(
         "indirect: the OOM retry releases the cache without waiting for the events first",
-        ALLOC,
+        EXPANDABLE,
         "        self._synchronize_events()\n        block = fl.best_fit(stream, size, self._max_split)",
         "        block = fl.best_fit(stream, size, self._max_split)",
         (
