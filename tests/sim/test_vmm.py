@@ -64,3 +64,20 @@ def test_misuse_is_refused(mem: SimMemory) -> None:
         mem.release_reservation(va, 8 * G)
     mem.unmap(va, G)
     mem.release_reservation(va, 4 * G)
+
+
+def test_a_granule_mapped_again_reads_zeros_with_the_memory_map(mem: SimMemory) -> None:
+    """The memory map gives an unmapped granule's pages back (madvise): mapped again it reads
+    zeros; the fallback array keeps the old bytes (CUDA allows either for new memory)."""
+    va = mem.reserve(2 * G)
+    assert mem.map(va, G)
+    mem.view(va, 8)[:] = 0xAB
+    mem.unmap(va, G)
+    assert mem.map(va, G)
+    fresh = bytes(mem.view(va, 8))
+    uses_map = isinstance(mmap.mmap, type)  # the fixture's "array" case replaced it
+    assert fresh == (b"\x00" * 8 if uses_map else b"\xab" * 8)
+    mem.unmap(va, G)
+    mem.release_reservation(va, 2 * G)
+    with pytest.raises(CUDAError, match="size 0"):
+        mem.reserve(0)
