@@ -602,3 +602,14 @@ def test_out_of_memory_inside_graph_context(small_sim: Any) -> None:
     keep.clear()
     assert settle() == 0
     assert runtime.allocator(0).private_pools() == []
+
+
+def test_resetting_one_devices_statistics_leaves_the_others() -> None:
+    with fresh_sim(2):
+        for device in (0, 1):
+            gp.alloc(4096, stream=gp.default_stream(device)).free()
+        gp.reset_peak_memory_stats(1)
+        gp.reset_accumulated_memory_stats(1)
+        one, zero = gp.memory_stats(1), gp.memory_stats(0)
+        assert one["allocated_bytes.all.peak"] == 0 and one["allocation.all.allocated"] == 0
+        assert zero["allocated_bytes.all.peak"] == 4096 and zero["allocation.all.allocated"] == 1

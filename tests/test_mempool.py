@@ -15,6 +15,7 @@ import pytest
 import graphpool as gp
 from graphpool import runtime
 from graphpool.policy.private_pools import PoolId, mempools
+from simenv import fresh_sim
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -255,6 +256,8 @@ def test_a_graph_keeps_a_dropped_mempools_pool(backend: Any) -> None:
     gp.empty_cache()
     a = runtime.allocator(gp.current_device())
     assert pid in {pool.id for pool in a.private_pools()}
+    assert gp.memory_stats(pool=pid)["use_count"] == 1  # the graph's use only
+    gp.check_invariants()  # (the pool's use count against its users)
     g.replay()
     g.reset()
     gc.collect()
@@ -449,6 +452,35 @@ def test_an_upstream_failure_retried_away_is_no_cause_of_a_later_out_of_memory(b
     gp.check_invariants()
 
 
+def test_the_upstream_by_name_and_managed_memory_used_up(backend: Any) -> None:
+    p = gp.MemPool(upstream="device")
+    assert p.upstream == "device" and repr(p).endswith("upstream='device', use_on_oom=False)")
+    with gp.use_mem_pool(p):
+        buf = gp.alloc(4096)
+    assert _in_pool(p, buf.ptr)
+    buf.free()
+    m = gp.MemPool(upstream="managed")
+    with gp.use_mem_pool(m), pytest.raises(gp.OutOfMemoryError):
+        gp.alloc(1 << 50)  # more than the managed range: the upstream refuses, out of memory
+    del p, m
+    gc.collect()
+    gp.empty_cache()
+    gp.check_invariants()
+
+
+def test_a_pools_statistics_and_segments_on_another_device() -> None:
+    with fresh_sim(2):
+        p = gp.MemPool()
+        with gp.device(1), gp.use_mem_pool(p):
+            buf = gp.alloc(4096)
+        assert p.memory_stats(1)["allocated_bytes.all.current"] == 4096
+        assert p.memory_stats()["allocated_bytes.all.current"] == 0  # device 0's
+        assert len(p.snapshot(1)) == 1 and p.snapshot() == []
+        buf.free()
+        del p
+        gc.collect()
+
+
 def test_bad_arguments_are_refused(backend: Any) -> None:
     with pytest.raises(ValueError, match="upstream"):
         gp.MemPool(upstream="pinned")
@@ -456,7 +488,7 @@ def test_bad_arguments_are_refused(backend: Any) -> None:
         gp.MemPool(upstream=object())
     with pytest.raises(TypeError, match="use_on_oom"):
         gp.MemPool(use_on_oom=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="MemPool"):
+    with pytest.raises(TypeError, match="^use_mem_pool takes a MemPool, not tuple$"):
         gp.use_mem_pool((0, 1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="graph pool"):
         _enter_graph_pool()
