@@ -494,6 +494,10 @@ def test_bad_arguments_are_refused(backend: Any) -> None:
         _enter_graph_pool()
     with pytest.raises(ValueError, match="live MemPool"):
         runtime.allocator(gp.current_device()).enter_pool(gp.graph_pool_handle())
+    gone = gp.graph_pool_handle()  # the id of no pool and of no live MemPool
+    with pytest.raises(ValueError) as info:
+        runtime.allocator(gp.current_device()).ensure_pool(gone)
+    assert str(info.value) == f"no private pool {tuple(gone)} on device {gp.current_device()}"
     gp.check_invariants()
 
 

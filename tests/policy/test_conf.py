@@ -70,6 +70,18 @@ def test_the_oversize_rules_at_their_boundaries() -> None:
     assert reserved(b) == 100 * MiB
 
 
+def test_out_of_memory_gives_back_the_largest_oversize_segments_until_enough() -> None:
+    """PyTorch's release_available_cached_blocks: no one cached oversize segment holds the
+    request, so the largest go back until they make up the request, and no more."""
+    a = make(SPLIT40, total=120 * MiB)
+    held = [a.malloc(40 * MiB, stream=S1) for _ in range(3)]  # three oversize segments fill it
+    for p in held:
+        a.free(p)
+    a.malloc(80 * MiB, stream=S1)
+    assert reserved(a) == 120 * MiB  # two went back for the 80 MiB one; the third stays cached
+    assert stat(a, "segment.all.current") == 2
+
+
 def test_max_non_split_rounding_widens_what_an_oversize_block_may_waste() -> None:
     a = make(SizeConfig(max_split_size=40 * MiB, max_non_split_rounding=50 * MiB))
     a.free(a.malloc(100 * MiB, stream=S1))

@@ -47,6 +47,25 @@ def test_segments_of_equal_age_are_collected() -> None:
     a.check_invariants()
 
 
+def test_the_collection_passes_again_with_the_younger_segments_until_enough_is_back() -> None:
+    """One pass frees the segments at least as old as the average; when they are not enough,
+    the next pass averages the rest (PyTorch's loop): here the oldest alone, then the two
+    younger ones."""
+    a = _gc()
+    t = a.malloc(120 * MiB, stream=S1)  # search 1
+    p, q, r = (a.malloc(200 * MiB, stream=S1) for _ in range(3))  # searches 2-4
+    a.free(p)  # filed at 4
+    for _ in range(6):  # searches 5-10 reuse t's own block: the clock moves on
+        a.free(t)
+        t = a.malloc(120 * MiB, stream=S1)
+    a.free(q)
+    a.free(r)  # filed at 10: at search 11 the ages are 7, 1, 1 (average 3)
+    a.malloc(250 * MiB, stream=S1)  # 720 MiB reserved: 220 MiB over the 500 MiB threshold
+    assert _stat(a, "num_device_free") == 3  # p (200 MiB, not enough), then q and r
+    assert _stat(a, "reserved_bytes.all.current") == 370 * MiB
+    a.check_invariants()
+
+
 def test_the_threshold_is_a_share_of_the_fraction_not_of_a_smaller_byte_limit() -> None:
     """Fraction 1.0 of 1000 MiB and a byte limit of 700 MiB: the threshold 0.5 means 500 MiB
     (of the fraction's cap), not 350 MiB (of the binding cap). 400 MiB reserved is under it:
