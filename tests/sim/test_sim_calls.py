@@ -186,3 +186,40 @@ def test_a_token_attached_twice_is_released_with_its_last_graph(dev: SimDevice) 
     assert 77 not in dev.take_released()
     dev.destroy_graph(graphs[1])
     assert dev.take_released() == [77]
+
+
+def test_managed_memory_calls_name_themselves(backend: SimBackend) -> None:
+    dev, other = backend.get_device(0), backend.get_device(1)
+    err = refused(dev.malloc_managed, 0)
+    assert (err.call, err.name, err.meaning) == (
+        "cudaMallocManaged",
+        "cudaErrorInvalidValue",
+        "invalid argument (size 0)",
+    )
+    ptr = dev.malloc_managed(4096)
+    assert ptr is not None
+    err = refused(dev.host_view, ptr + 4000, 200)  # past the allocation
+    assert (err.call, err.name) == ("host_view", "cudaErrorIllegalAddress")
+    t = other.create_stream()
+    other.begin_capture(t, CAPTURE_MODE_GLOBAL)  # unsafe in a global capture of this thread
+    err = refused(dev.malloc_managed, 4096)
+    assert (err.call, err.name) == ("cudaMallocManaged", "cudaErrorStreamCaptureUnsupported")
+    with pytest.raises(CUDAError):
+        other.end_capture(t)
+    dev.free(ptr)
+
+
+def test_the_legacy_stream_and_an_ended_captures_event_are_refused_with_why(dev: SimDevice) -> None:
+    err = refused(dev.destroy_stream, 0)
+    assert err.meaning == "invalid resource handle (legacy stream)"
+    s, other = dev.create_stream(), dev.create_stream()
+    e = dev.create_event()
+    dev.begin_capture(s, CAPTURE_MODE_GLOBAL)
+    dev.record_event(e, s)
+    dev.destroy_graph(dev.end_capture(s))
+    err = refused(dev.stream_wait_event, other, e)  # its capture has ended
+    assert (err.call, err.name, err.meaning) == (
+        "cudaStreamWaitEvent",
+        "cudaErrorCapturedEvent",
+        "operation not permitted on an event last recorded in a capturing stream (its capture has ended)",
+    )
