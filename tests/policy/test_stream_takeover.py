@@ -268,6 +268,23 @@ def test_growing_a_segment_never_absorbs_another_streams_free_tail() -> None:
     a.check_invariants()
 
 
+def test_a_run_of_exactly_max_split_size_is_oversize_for_takeover() -> None:
+    """A run as large as max_split_size is oversize (PyTorch: ``size >= max_split``): a smaller
+    request of another stream may not take it over."""
+    split = 2 * BIG  # 128 KiB
+    sizes = dataclasses.replace(SHRUNK, expandable_segments=True, max_split_size=split)
+    dev = FakeDevice(streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=sizes)
+    x = a.malloc(split, stream=A)
+    a.free(x)
+    reserved = _reserved(a)
+    y = a.malloc(BIG, stream=B)  # under max_split_size: the 128 KiB run is not for it
+    assert y != x and _reserved(a) == reserved + BIG
+    a.free(y)
+    a.check_invariants()
+
+
 def test_takeover_keeps_max_split_size() -> None:
     """An idle stream's oversize free block (at least max_split_size) is taken over only by a
     request that could take it from its own stream's cache (PyTorch's get_free_block): one of

@@ -223,3 +223,15 @@ def test_the_legacy_stream_and_an_ended_captures_event_are_refused_with_why(dev:
         "cudaErrorCapturedEvent",
         "operation not permitted on an event last recorded in a capturing stream (its capture has ended)",
     )
+
+
+def test_a_host_copy_on_a_capturing_stream_names_its_direction(dev: SimDevice) -> None:
+    ptr = dev.malloc(64)
+    assert ptr is not None
+    s = dev.create_stream()
+    dev.begin_capture(s, CAPTURE_MODE_RELAXED)
+    err = refused(dev.read, ptr, 64, s)
+    assert (err.call, err.name) == ("cudaMemcpy(DeviceToHost)", "cudaErrorStreamCaptureUnsupported")
+    with pytest.raises(CUDAError):
+        dev.end_capture(s)
+    dev.free(ptr)
