@@ -81,6 +81,7 @@ def test_byte_limit_refuses_a_segment_as_an_out_of_memory(small: Any) -> None:
     assert "limit was hit" in msg
     assert "memory limit of 8.00 MiB" in msg and str(8 * MiB) in msg
     assert "set_memory_limit" in msg and "fraction" not in msg
+    assert msg.endswith("then call empty_cache(); or raise the limit.")
     after = gp.memory_stats()
     assert after["num_ooms"] == before["num_ooms"] + 1
     assert after["reserved_bytes.all.current"] == 2 * MiB  # the device itself had room

@@ -452,20 +452,35 @@ def test_an_upstream_failure_retried_away_is_no_cause_of_a_later_out_of_memory(b
     gp.check_invariants()
 
 
-def test_the_upstream_by_name_and_managed_memory_used_up(backend: Any) -> None:
+def test_the_default_upstream_by_name(backend: Any) -> None:
     p = gp.MemPool(upstream="device")
     assert p.upstream == "device" and repr(p).endswith("upstream='device', use_on_oom=False)")
     with gp.use_mem_pool(p):
         buf = gp.alloc(4096)
     assert _in_pool(p, buf.ptr)
     buf.free()
-    m = gp.MemPool(upstream="managed")
-    with gp.use_mem_pool(m), pytest.raises(gp.OutOfMemoryError):
-        gp.alloc(1 << 50)  # more than the managed range: the upstream refuses, out of memory
-    del p, m
+    del p
     gc.collect()
     gp.empty_cache()
     gp.check_invariants()
+
+
+def test_managed_memory_used_up_is_an_out_of_memory_counted_in_the_pool() -> None:
+    from graphpool.sim import SimBackend
+
+    runtime.set_backend("sim", backend=SimBackend(memory_bytes=64 * MiB, host_memory_bytes=8 * MiB))
+    try:
+        m = gp.MemPool(upstream="managed")
+        with gp.use_mem_pool(m):
+            for _ in range(2):
+                with pytest.raises(gp.OutOfMemoryError):
+                    gp.alloc(16 * MiB)  # the device has room, the managed range has not
+        assert m.memory_stats()["num_ooms"] == 2  # each counted in the pool too
+        del m
+        gc.collect()
+        gp.check_invariants()
+    finally:
+        gp.set_backend("sim")
 
 
 def test_a_pools_statistics_and_segments_on_another_device() -> None:

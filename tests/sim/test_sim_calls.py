@@ -235,3 +235,8 @@ def test_a_host_copy_on_a_capturing_stream_names_its_direction(dev: SimDevice) -
     with pytest.raises(CUDAError):
         dev.end_capture(s)
     dev.free(ptr)
+
+
+def test_a_user_object_for_a_stream_not_capturing_is_refused_by_name(dev: SimDevice) -> None:
+    err = refused(dev.attach_release, dev.create_stream(), 5)
+    assert (err.call, err.name) == ("cuGraphRetainUserObject", "cudaErrorIllegalState")
