@@ -249,6 +249,21 @@ def test_capture_pool_and_graph_events(rec: Any) -> None:
     assert viewer_replay(gp.torch_snapshot(), 0) > 10
 
 
+def test_a_capture_begun_outside_graphpool_is_recorded_as_foreign(rec: Any) -> None:
+    from graphpool.device.protocol import CAPTURE_MODE_RELAXED
+
+    dev = rec.device(0)
+    s = gp.Stream()
+    dev.begin_capture(s.handle, CAPTURE_MODE_RELAXED)  # another library's capture
+    buf = gp.alloc(4096, stream=s)  # detected and adopted here
+    dev.memset(buf.ptr, 0, 4096, s.handle)
+    graph = dev.end_capture(s.handle)
+    [begin] = [e for e in events() if e["action"] == "capture_begin"]
+    assert begin["foreign"] is True and begin["stream"] == s.handle
+    buf.free()
+    dev.destroy_graph(graph)
+
+
 def test_a_failed_capture_ends_failed(rec: Any) -> None:
     g = gp.CUDAGraph()
     with pytest.raises(RuntimeError, match="boom"), gp.graph(g):
