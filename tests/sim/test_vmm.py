@@ -77,6 +77,9 @@ def test_a_granule_mapped_again_reads_zeros_with_the_memory_map(mem: SimMemory) 
     fresh = bytes(mem.view(va, 8))
     uses_map = isinstance(mmap.mmap, type)  # the fixture's "array" case replaced it
     assert fresh == (b"\x00" * 8 if uses_map else b"\xab" * 8)
+    mem.view(va + G - 1, 1)[:] = 1  # the last byte of the mapped granule, and no further
+    with pytest.raises(CUDAError, match="unmapped memory"):
+        mem.view(va + G - 1, 2)
     mem.unmap(va, G)
     mem.release_reservation(va, 2 * G)
     with pytest.raises(CUDAError, match="size 0"):

@@ -183,6 +183,8 @@ def test_conversions_keep_the_asked_dtype_and_errors_read_as_numpys() -> None:
         a.item()
     with pytest.raises(TypeError, match="^unsupported operand for xp.ndarray subtract: str$"):
         "x" - a  # type: ignore[operator]
+    with pytest.raises(TypeError, match="^unsupported operand for xp.ndarray add: str$"):
+        a + "x"  # type: ignore[operator]
 
 
 def test_deepcopy_of_an_array_and_of_its_pointer_are_real_copies_at_the_same_offset() -> None:
