@@ -509,11 +509,14 @@ def test_bad_arguments_are_refused(backend: Any) -> None:
         _enter_graph_pool()
     with pytest.raises(ValueError, match="live MemPool"):
         runtime.allocator(gp.current_device()).enter_pool(gp.graph_pool_handle())
-    gone = gp.graph_pool_handle()  # the id of no pool and of no live MemPool
+    gp.check_invariants()
+
+
+def test_ensure_pool_refuses_the_id_of_no_pool_and_no_live_mempool(backend: Any) -> None:
+    gone = gp.graph_pool_handle()
     with pytest.raises(ValueError) as info:
         runtime.allocator(gp.current_device()).ensure_pool(gone)
     assert str(info.value) == f"no private pool {tuple(gone)} on device {gp.current_device()}"
-    gp.check_invariants()
 
 
 def _enter_graph_pool() -> None:

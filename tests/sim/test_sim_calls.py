@@ -240,3 +240,23 @@ def test_a_host_copy_on_a_capturing_stream_names_its_direction(dev: SimDevice) -
 def test_a_user_object_for_a_stream_not_capturing_is_refused_by_name(dev: SimDevice) -> None:
     err = refused(dev.attach_release, dev.create_stream(), 5)
     assert (err.call, err.name) == ("cuGraphRetainUserObject", "cudaErrorIllegalState")
+
+
+def test_the_legacy_stream_cannot_join_a_capture(dev: SimDevice) -> None:
+    s = dev.create_stream()
+    e = dev.create_event()
+    dev.begin_capture(s, CAPTURE_MODE_RELAXED)
+    dev.record_event(e, s)
+    err = refused(dev.stream_wait_event, 0, e)
+    assert (err.call, err.name) == ("cudaStreamWaitEvent", "cudaErrorStreamCaptureUnsupported")
+    assert err.meaning.endswith("(the legacy stream cannot join a capture)")
+    with pytest.raises(CUDAError):
+        dev.end_capture(s)  # invalidated
+
+
+def test_a_host_allocation_viewed_past_its_end_is_refused_by_host_view(dev: SimDevice) -> None:
+    ptr = dev.host_malloc(4096)
+    assert ptr is not None
+    err = refused(dev.host_view, ptr + 4000, 200)
+    assert (err.call, err.name) == ("host_view", "cudaErrorIllegalAddress")
+    dev.host_free(ptr)
