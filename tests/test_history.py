@@ -617,3 +617,18 @@ def test_dump_snapshot_wants_a_path_not_a_file_descriptor(path: Any) -> None:
     with pytest.raises(TypeError, match="needs a file path"):
         gp.dump_snapshot(path)
     os.fstat(1)  # stdout still open
+
+
+def test_each_unmapped_free_end_counts_as_a_device_free() -> None:
+    from graphpool.policy.pools import DEFAULT
+
+    with fresh_sim(1, sizes=dataclasses.replace(DEFAULT, expandable_segments=True)):
+        s = gp.Stream()
+        first = gp.alloc(4 * MiB, stream=s)
+        before = gp.memory_stats()["num_device_free"]
+        for _ in range(2):
+            more = gp.alloc(6 * MiB, stream=s)  # the segment grows ...
+            more.free()
+            gp.empty_cache()  # ... and its free end is unmapped again
+        assert gp.memory_stats()["num_device_free"] == before + 2
+        first.free()
