@@ -1300,3 +1300,29 @@ def test_a_second_free_of_a_reused_block_is_a_double_free() -> None:
     a.free(p)
     a.free(keep)
     ok(a)
+
+
+def test_each_call_that_reenters_the_allocator_is_named_in_its_error() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    calls = {
+        "reset_peak": a.reset_peak,
+        "reset_accumulated": a.reset_accumulated,
+        "private_pools": a.private_pools,
+    }
+    seen: dict[str, str] = {}
+
+    def hook() -> None:
+        for name, call in calls.items():
+            try:
+                call()
+            except GraphpoolError as e:
+                seen[name] = str(e)
+
+    dev.hook = hook
+    p = a.malloc(4096, stream=7)  # a new segment: runs the hook mid-call
+    assert sorted(seen) == sorted(calls)
+    for name, message in seen.items():
+        assert f"{name} re-entered" in message, message
+    a.free(p)
+    a.check_invariants()
