@@ -483,3 +483,18 @@ def test_the_calls_before_install_say_what_to_call_first(monkeypatch: pytest.Mon
     assert str(info.value) == (
         "graphpool.cupy.pinned_malloc serves CuPy only after graphpool.cupy.install_pinned()"
     )
+
+
+def test_a_cupy_streams_wrapper_is_kept_and_keyed_by_the_streams_own_device(cp: Any) -> None:
+    """``_wrapper`` keeps one graphpool Stream per (device, handle); ``_stream_key`` reads the
+    stream's own device, the current one only when the stream says none (-1)."""
+    s = gp.Stream()
+    assert gcupy._wrapper(0, s.handle) is gcupy._wrapper(0, s.handle)
+
+    class Cs:
+        def __init__(self, device_id: int, ptr: int) -> None:
+            self.device_id, self.ptr = device_id, ptr
+
+    with cp.cuda.Device(1):
+        assert gcupy._stream_key(Cs(0, 5)) == (0, 5)  # device 0's stream, while 1 is current
+        assert gcupy._stream_key(Cs(-1, 5)) == (1, 5)

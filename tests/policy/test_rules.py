@@ -1326,3 +1326,20 @@ def test_each_call_that_reenters_the_allocator_is_named_in_its_error() -> None:
         assert f"{name} re-entered" in message, message
     a.free(p)
     a.check_invariants()
+
+
+def test_ensure_pool_names_itself_when_it_re_enters() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    seen: list[str] = []
+
+    def hook() -> None:
+        try:
+            a.ensure_pool(PoolId(1, 0))
+        except GraphpoolError as e:
+            seen.append(str(e))
+
+    dev.hook = hook
+    a.free(a.malloc(4096, stream=7))
+    assert len(seen) == 1 and "ensure_pool re-entered" in seen[0]
+    a.check_invariants()
