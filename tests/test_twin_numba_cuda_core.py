@@ -62,6 +62,27 @@ def numba_cuda(monkeypatch: pytest.MonkeyPatch, sim_as_cuda: None) -> Any:
     return cuda
 
 
+def test_numbas_old_ctypes_binding_gets_a_ctypes_ipc_handle(
+    numba_cuda: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Numba's driver with ``USE_NV_BINDING = False`` (its ctypes binding) opens a ctypes
+    ``cu_ipc_mem_handle`` (drvapi), not cuda.bindings' CUipcMemHandle."""
+    drvapi = types.ModuleType("numba.cuda.cudadrv.drvapi")
+    drvapi.cu_ipc_mem_handle = ctypes.c_byte * 64  # type: ignore[attr-defined]
+    monkeypatch.setattr(numba_cuda.cudadrv, "drvapi", drvapi, raising=False)
+    monkeypatch.setitem(sys.modules, "numba.cuda.cudadrv.drvapi", drvapi)
+    monkeypatch.setattr(numba_cuda.cudadrv.driver, "USE_NV_BINDING", False, raising=False)
+    gnumba.install()
+    ctx = numba_cuda.current_context()
+    d = numba_cuda.to_device(np.arange(1000, dtype=np.float32))
+    ipch = ctx.get_ipc_handle(d.gpu_data)
+    seg = _segment_of(d.device_ctypes_pointer.value)
+    assert isinstance(ipch.handle, drvapi.cu_ipc_mem_handle)
+    assert bytes(ipch.handle) == runtime.get().device(0).ipc_export(seg["address"])
+    del d, ipch
+    gc.collect()
+
+
 def test_numbas_null_pointer_is_made_in_its_bindings_type(numba_cuda: Any) -> None:
     """A zero-byte allocation is the null pointer, as Numba's binding's CUdeviceptr (a c_void_p
     of 0 has the value None, which Numba's MemoryPointer cannot convert)."""
