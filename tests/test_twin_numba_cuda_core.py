@@ -250,6 +250,42 @@ def test_zero_bytes_are_a_null_buffer_of_this_resource(core: Any) -> None:
     buf.close()
 
 
+def test_a_graph_builders_capture_is_registered_by_the_hook(core: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuda.core's GraphBuilder (a stand-in that captures on its stream): with detection off
+    only the hook registers the capture, under the stream's device and handle."""
+    from graphpool.device.protocol import CAPTURE_MODE_RELAXED
+
+    class GraphBuilder:
+        def __init__(self, stream: Any) -> None:
+            self.stream = stream
+
+        def begin_building(self) -> GraphBuilder:
+            runtime.get().device(0).begin_capture(self.stream.handle, CAPTURE_MODE_RELAXED)
+            return self
+
+        def end_building(self) -> GraphBuilder:
+            self.graph = runtime.get().device(0).end_capture(self.stream.handle)
+            return self
+
+    monkeypatch.setattr(core, "GraphBuilder", GraphBuilder, raising=False)
+    detecting = gp.capture_detection()
+    gp.set_capture_detection(False)
+    a = runtime.allocator(0)
+    try:
+        assert gcore.install_hooks() and gcore.hooked()
+        s = core.Device(0).create_stream()
+        b = GraphBuilder(s).begin_building()
+        assert [p for p in a.private_pools() if p.use_count], "begin_building registered nothing"
+        buf = gcore.GraphpoolMemoryResource(0).allocate(512, stream=s)
+        assert _segment_of(int(buf.handle))["segment_pool_id"] is not None  # the capture's pool
+        b.end_building()
+        buf.close(s)
+        runtime.get().device(0).destroy_graph(b.graph)
+    finally:
+        gcore.uninstall_hooks()
+        gp.set_capture_detection(detecting)
+
+
 def test_install_hooks_is_false_without_cuda_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.core", None)  # an import of it raises ImportError
     monkeypatch.setitem(sys.modules, "cuda.core.experimental", None)
