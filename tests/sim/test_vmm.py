@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 
 import pytest
 
@@ -84,3 +85,35 @@ def test_a_granule_mapped_again_reads_zeros_with_the_memory_map(mem: SimMemory) 
     mem.release_reservation(va, 2 * G)
     with pytest.raises(CUDAError, match="size 0"):
         mem.reserve(0)
+
+
+def test_an_exported_allocation_attached_by_another_memory_reads_the_same_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``attach`` (what ipc_open does in the importing process), in this process on a second
+    SimMemory: the exporter's shared file mapped at a fresh, aligned address; two attaches
+    lie apart; a missing file is cudaErrorMapBufferObjectFailed; ``detach`` unmaps."""
+    from graphpool.sim import memory as simmem
+
+    exporter = SimMemory(0x1000_0000_0000, 8 * G)
+    importer = SimMemory(0x2000_0000_0000, 8 * G)
+    ptr = exporter.allocate(3000)
+    assert ptr is not None
+    exporter.view(ptr, 3000)[:] = 9
+    path, size = exporter.export(ptr)
+    assert size == 3000 and simmem.shared_file_pid(path.rsplit("/", 1)[-1]) == os.getpid()
+    first, second = importer.attach(path), importer.attach(path)
+    assert second >= first + simmem.SEGMENT_ALIGNMENT and first % simmem.SEGMENT_ALIGNMENT == 0
+    assert bytes(importer.view(first, 3000)) == b"\x09" * 3000
+    importer.detach(first)
+    importer.detach(second)
+    with pytest.raises(CUDAError) as info:
+        importer.attach(path + "-gone")
+    assert (info.value.call, info.value.name) == ("cudaIpcOpenMemHandle", "cudaErrorMapBufferObjectFailed")
+    assert simmem._pid_alive(os.getpid()) and not simmem._pid_alive(2**22 + 12345)
+    exporter.release(ptr)
+    mine = simmem._shared_paths
+    monkeypatch.setattr(simmem, "_shared_paths", {path})  # (only this test's file)
+    simmem._remove_shared()  # what the exporter does at exit: its files go
+    mine.discard(path)
+    assert not os.path.exists(path)
