@@ -3,6 +3,7 @@ on the simulator and, marked `gpu`, on a GPU, with the same assertions."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import select
@@ -764,3 +765,26 @@ def test_stats_on_another_device_and_copies(backend: Any) -> None:
     assert copy.copy(p) is p and copy.deepcopy(p) is p
     with pytest.raises(TypeError, match="pickled"):
         pickle.dumps(p)
+def test_use_on_oom_with_expandable_segments() -> None:
+    """The same fallback when the ordinary pool's segments are expandable: the range cannot
+    grow under the limit, so the allocation takes the pool's free block of its stream."""
+    from graphpool.policy.pools import DEFAULT
+
+    with fresh_sim(1, sizes=dataclasses.replace(DEFAULT, expandable_segments=True)):
+        p = gp.MemPool(use_on_oom=True)
+        with gp.use_mem_pool(p):
+            big = gp.alloc(4 * MiB)
+            keep = gp.alloc(2 * MiB)
+        where = big.ptr
+        big.free()
+        gp.set_memory_limit(gp.memory_reserved())
+        try:
+            out = gp.alloc(2 * MiB)
+            assert _in_pool(p, out.ptr) and out.ptr == where
+            out.free()
+        finally:
+            gp.set_memory_limit(None)
+        keep.free()
+        gp.check_invariants()
+        del p
+        gc.collect()

@@ -1343,3 +1343,24 @@ def test_ensure_pool_names_itself_when_it_re_enters() -> None:
     a.free(a.malloc(4096, stream=7))
     assert len(seen) == 1 and "ensure_pool re-entered" in seen[0]
     a.check_invariants()
+
+
+def test_abort_capture_names_itself_when_it_re_enters() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    rec = a.begin_capture(PoolId(1, 0), lambda: dev.begin(9), stream=9)
+    seen: list[str] = []
+
+    def hook() -> None:
+        try:
+            a.abort_capture(rec)
+        except GraphpoolError as e:
+            seen.append(str(e))
+
+    dev.hook = hook
+    p = a.malloc(4096, stream=9)  # the capture's first segment: runs the hook mid-call
+    assert len(seen) == 1 and "abort_capture re-entered" in seen[0]
+    a.free(p)
+    dev.end(9)
+    a.abort_capture(rec)
+    a.check_invariants()
