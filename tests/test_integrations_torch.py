@@ -321,12 +321,13 @@ def _fake_torch(refuse: Exception | None) -> Any:
 
 
 @pytest.mark.parametrize("refused", [False, True])
-def test_install_hands_pytorch_the_shims_two_functions(monkeypatch: pytest.MonkeyPatch, refused: bool) -> None:
+def test_install_hands_pytorch_the_shims_two_functions(
+    monkeypatch: pytest.MonkeyPatch, refused: bool
+) -> None:
     """install() with stand-ins for PyTorch and the compiled shim (neither is needed here):
     PyTorch gets the shim's library and its two entry points, or its refusal is explained."""
-    import twins
-
     import graphpool.torch as gtorch
+    import twins
     from graphpool import cooperate
 
     fake_shim = _FakeShim()

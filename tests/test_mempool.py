@@ -504,7 +504,7 @@ def test_bad_arguments_are_refused(backend: Any) -> None:
         gp.MemPool(upstream=object())
     with pytest.raises(TypeError, match="use_on_oom"):
         gp.MemPool(use_on_oom=1)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="^use_mem_pool takes a MemPool, not tuple$"):
+    with pytest.raises(TypeError, match=r"^use_mem_pool takes a MemPool, not tuple$"):
         gp.use_mem_pool((0, 1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="graph pool"):
         _enter_graph_pool()

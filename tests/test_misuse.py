@@ -170,9 +170,13 @@ def test_stream_event_and_buffer_refusals_say_why_word_for_word(sim: Any) -> Non
         "second owner would free it twice. Copy the data with your framework (cupy.copy, "
         "torch.clone, xp_array.copy()), or use copy.deepcopy(buf) for a new buffer holding the same bytes."
     )
-    assert said(pickle.dumps, buf) == said(buf.__reduce__) == (
-        "a graphpool DeviceBuffer cannot be pickled: it is device memory of this process. "
-        "Copy it to the host first (e.g. with your framework's .get() or .cpu())."
+    assert (
+        said(pickle.dumps, buf)
+        == said(buf.__reduce__)
+        == (
+            "a graphpool DeviceBuffer cannot be pickled: it is device memory of this process. "
+            "Copy it to the host first (e.g. with your framework's .get() or .cpu())."
+        )
     )
     assert said(s.record_event, "e") == "record_event needs a graphpool Event or None, not str"
     assert said(s.wait_event, 3) == "wait_event needs a graphpool Event, not int"

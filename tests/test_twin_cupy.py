@@ -463,7 +463,7 @@ def test_buffer_of_finds_the_buffer_behind_an_array_or_says_why_not(cp: Any) -> 
         buf = gcupy.buffer_of(a)
         assert isinstance(buf, gp.DeviceBuffer) and buf.ptr == a.data.ptr
         assert gcupy.buffer_of(a.data) is buf
-        with pytest.raises(TypeError, match="^int was not allocated by graphpool"):
+        with pytest.raises(TypeError, match=r"^int was not allocated by graphpool"):
             gcupy.buffer_of(3)
     del a
 

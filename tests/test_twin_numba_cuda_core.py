@@ -250,7 +250,9 @@ def test_zero_bytes_are_a_null_buffer_of_this_resource(core: Any) -> None:
     buf.close()
 
 
-def test_a_graph_builders_capture_is_registered_by_the_hook(core: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_graph_builders_capture_is_registered_by_the_hook(
+    core: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """cuda.core's GraphBuilder (a stand-in that captures on its stream): with detection off
     only the hook registers the capture, under the stream's device and handle."""
     from graphpool.device.protocol import CAPTURE_MODE_RELAXED

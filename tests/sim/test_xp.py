@@ -179,9 +179,9 @@ def test_conversions_keep_the_asked_dtype_and_errors_read_as_numpys() -> None:
     assert a.sum().dtype == np.ones(1, np.int32).sum().dtype  # NumPy's accumulator type
     with pytest.raises(TypeError, match=r"^len\(\) of unsized object$"):
         len(a.sum())
-    with pytest.raises(ValueError, match="^can only convert an array of size 1 to a Python scalar$"):
+    with pytest.raises(ValueError, match=r"^can only convert an array of size 1 to a Python scalar$"):
         a.item()
-    with pytest.raises(TypeError, match="^unsupported operand for xp.ndarray subtract: str$"):
+    with pytest.raises(TypeError, match=r"^unsupported operand for xp\.ndarray subtract: str$"):
         "x" - a  # type: ignore[operator]
 
 
@@ -200,5 +200,5 @@ def test_deepcopy_of_an_array_and_of_its_pointer_are_real_copies_at_the_same_off
 
 def test_an_operand_of_another_kind_is_refused_naming_the_operation() -> None:
     a = xp.ones(3)
-    with pytest.raises(TypeError, match="^unsupported operand for xp.ndarray add: str$"):
+    with pytest.raises(TypeError, match=r"^unsupported operand for xp\.ndarray add: str$"):
         a + "x"  # type: ignore[operator]
