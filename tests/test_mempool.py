@@ -765,6 +765,8 @@ def test_stats_on_another_device_and_copies(backend: Any) -> None:
     assert copy.copy(p) is p and copy.deepcopy(p) is p
     with pytest.raises(TypeError, match="pickled"):
         pickle.dumps(p)
+
+
 def test_use_on_oom_with_expandable_segments() -> None:
     """The same fallback when the ordinary pool's segments are expandable: the range cannot
     grow under the limit, so the allocation takes the pool's free block of its stream."""
