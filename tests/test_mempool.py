@@ -379,6 +379,39 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
     assert up.live == {}
 
 
+def test_an_upstream_failure_is_not_blamed_for_a_later_out_of_memory(backend: Any) -> None:
+    """An upstream that raised once, then gave the retry its segment: an out-of-memory error of
+    a later, unrelated request chains no cause (it chained the old exception before)."""
+
+    class FlakyOnce(CountingUpstream):
+        def malloc(self, nbytes: int, device: int, stream: int) -> object:
+            self.fail, first = False, self.fail
+            if first:
+                self.mallocs += 1
+                raise RuntimeError("transient upstream failure")
+            return super().malloc(nbytes, device, stream)
+
+    up = FlakyOnce()
+    up.fail = True
+    p = gp.MemPool(upstream=up)
+    with gp.use_mem_pool(p):
+        buf = gp.alloc(1000)  # the first call raises; the retry's call gives the segment
+    assert up.mallocs == 2 and len(up.live) == 1
+    with pytest.raises(gp.OutOfMemoryError) as info:
+        gp.alloc(1 << 60)  # larger than any device
+    assert info.value.__cause__ is None
+    gp.set_memory_limit(gp.memory_reserved())
+    try:
+        with pytest.raises(gp.OutOfMemoryError) as info:
+            gp.alloc(4 * MiB)  # outside the pool: the device's own refusal
+    finally:
+        gp.set_memory_limit(None)
+    assert info.value.__cause__ is None
+    buf.free()
+    gp.empty_cache()
+    assert up.live == {}
+
+
 def test_bad_arguments_are_refused(backend: Any) -> None:
     with pytest.raises(ValueError, match="upstream"):
         gp.MemPool(upstream="pinned")

@@ -549,6 +549,7 @@ class CachingAllocator(Reports):
         underway in the process.
         """
         self._limit_hit = None  # only a refusal during this request may be blamed on a limit
+        self._upstream_error = None  # (and only an upstream's failure during it chained)
         if self._tokens:
             self._poll_released()
         if rec is None and self._foreign:

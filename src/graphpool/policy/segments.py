@@ -100,6 +100,7 @@ class Segments(StreamUses):
                 raise
         if ptr is not None:
             self._limit_hit = None
+            self._upstream_error = None
         return ptr
 
     def _upstream_malloc(self, upstream: Any, nbytes: int, stream: int) -> int | None:
@@ -352,6 +353,7 @@ class Segments(StreamUses):
     def _raise_too_large(self, nbytes: int, stream: int) -> NoReturn:
         """A request larger than the device: out of memory, with no limit to blame."""
         self._limit_hit = None
+        self._upstream_error = None
         self._raise_oom(nbytes, None, None, stream)
 
     def _raise_oom(self, nbytes: int, seg: int | None, fl: FreeList | None, stream: int = 0) -> NoReturn:
