@@ -1649,9 +1649,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
 
 TestAllocatorMachine = pytest.mark.xdist_group("allocator_machine")(AllocatorMachine.TestCase)
-# CI's 1800 were 1600 from the MemPool rules on (each step costs more: they keep the added
-# CPU time small; the risky paths were all still reached)
-TestAllocatorMachine.settings = _machine_settings(ci=1600, nightly=10000, local=200, steps=40)
+TestAllocatorMachine.settings = _machine_settings(ci=1800, nightly=10000, local=200, steps=40)
 
 
 # =========================================================================== public API, sim
