@@ -15,11 +15,28 @@ or directly on the device (adopted by detection), ended, failed, abandoned (ende
 allocator, or dead when the device refuses), and streams that buffers were recorded on are
 destroyed.
 
+MemPools (pools as objects) at the policy level: a spec registered under a fresh id as
+``gp.MemPool`` does (device memory, managed memory, which device 0 has and device 1 lacks,
+or a user upstream over the fake devices that can be told to fail: raise, raise once, return
+0, None, a non-int or an address graphpool holds), ``use_mem_pool``'s entries and exits
+(nested; out of order or from another thread: RuntimeError, nothing changes), allocations
+inside (another thread's stay outside), captures into a MemPool (also from inside its
+``use_mem_pool``: the capture's pool serves its stream), eager blocks freed during such a
+capture, drops (the MemPool's finalizer), ``use_on_oom``. The model routes every request
+(capture, innermost entered pool's eager side, ordinary pool, use_on_oom's fallback), never
+lets an eager allocation meet what a live graph was handed during its capture, counts each
+pool's users (the MemPool, its entries, its graphs) and demands the right cause on every
+out-of-memory error (the upstream's, none otherwise).
+
 ``PublicApiMachine`` drives the public API on the simulated device: buffers filled with a
 pattern that is verified at free and after every replay, graphs captured (with buffers
 dropped during the capture by other threads), replayed in and out of order with the
 replay checker on ("raise") and a model predicting exactly when it must raise, and
-captures driven through the Device protocol itself.
+captures driven through the Device protocol itself. Also ``gp.MemPool`` with every upstream
+and ``gp.use_mem_pool`` (allocations inside lie in the pool's snapshot segments, captures
+inside, out-of-order exits, failing upstreams, drops, use counts), and pinned buffers
+(``gp.alloc_pinned``, patterns verified like device buffers) used by captured copies
+(``copy_to``/``copy_from``) and freed during the capture: never reused while the graph lives.
 
 ``REACH`` counts the risky paths the examples reach; ``test_risky_paths_reached`` and
 ``test_public_risky_paths_reached`` fail when CI's examples stop reaching one. CI
