@@ -7,10 +7,12 @@ allocator calls through both (malloc with odd sizes and types, free of live, fre
 foreign pointers, the owned calls a DeviceBuffer makes (``malloc_owned``, its Block freed,
 queued or freed twice), record_stream, stream completion, captures begun through graphpool and
 adopted by detection, ended, aborted and released, empty_cache, out-of-memory, peak and
-counter resets), and after every step demands the same outcome: the same addresses, the
-same error (class name and message), the same ``memory_stats`` and the same snapshot of
-segments and blocks. A difference is a compiler semantics gap (mypyc's int and bool
-handling has produced two) or a reference that no longer describes the compiled code.
+counter resets; MemPools: pools made for a registered spec, use_mem_pool's entries and exits
+in and out of order, captures into them, drops, and user upstreams that serve or fail), and
+after every step demands the same outcome: the same addresses, the same error (class name,
+message and cause), the same ``memory_stats`` and the same snapshot of segments and blocks.
+A difference is a compiler semantics gap (mypyc's int and bool handling has produced two) or
+a reference that no longer describes the compiled code.
 
 Runs only where the compiled build is installed (CI's install is); uncompiled there is
 nothing to compare.
@@ -24,6 +26,7 @@ import importlib.util
 import itertools
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,12 +120,43 @@ def sides(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Side, Side
     yield compiled, reference
 
 
+class Upstream:
+    """A MemPool's user upstream over one side's fake device; ``mode`` makes malloc fail."""
+
+    def __init__(self, dev: Any) -> None:
+        self.dev = dev
+        self.mode = "ok"
+        self.live: dict[int, int] = {}
+
+    def malloc(self, nbytes: int, device: int, stream: int) -> object:
+        if self.mode == "raise":
+            raise RuntimeError("upstream: registered memory exhausted")
+        if self.mode == "zero":
+            return 0
+        if self.mode == "str":
+            return "0x1000"
+        if self.mode == "overlap":
+            return min(self.dev.live) + 512 if self.dev.live else None
+        ptr = self.dev.malloc(nbytes)
+        if ptr is not None:
+            self.live[ptr] = nbytes
+        return ptr
+
+    def free(self, ptr: int, nbytes: int, device: int, stream: int) -> None:
+        assert self.live.pop(ptr) == nbytes
+        self.dev.free(ptr)
+
+    def __repr__(self) -> str:  # (in the OOM message: the same on both sides)
+        return "Upstream()"
+
+
 class Run:
     """One implementation's allocator and device, and the handles a program refers to by index."""
 
-    def __init__(self, side: Side, conf: dict[str, Any] | None = None) -> None:
+    def __init__(self, side: Side, conf: dict[str, Any] | None = None, managed: bool = False) -> None:
         self.side = side
         self.conf = conf or {}  # SizeConfig options (PyTorch's GRAPHPOOL_ALLOC_CONF keys)
+        self.managed = managed  # the device has managed memory (from its own budget here)
         with side.active():
             self._make()
 
@@ -132,7 +166,16 @@ class Run:
         # package, which earlier tests advanced differently: restart both at the same place.
         for name in ("_graph_ids", "_handle_ids", "_tokens"):
             setattr(side.pools_mod, name, itertools.count(1_000_000))
-        self.dev = side.fake_mod.FakeDevice(TOTAL, streams=True)
+        fake = side.fake_mod.FakeDevice
+        if self.managed:
+
+            class ManagedFake(fake):  # type: ignore[misc,valid-type]
+                def malloc_managed(self, nbytes: int) -> int | None:
+                    ptr: int | None = self.malloc(nbytes)
+                    return ptr
+
+            fake = ManagedFake
+        self.dev = fake(TOTAL, streams=True)
         sizes = dataclasses.replace(side.fake_mod.SHRUNK, **self.conf)
         self.a = side.alloc_mod.CachingAllocator(self.dev, sizes=sizes)
         if sizes.garbage_collection_threshold:  # collects only under a memory fraction
@@ -142,6 +185,13 @@ class Run:
         self.owned: list[Any] = []  # live Blocks of malloc_owned (a DeviceBuffer's kind)
         self.owned_all: list[Any] = []  # every Block malloc_owned returned, live or freed
         self.recs: list[Any] = []  # capture records, in the order begun
+        self.mps: list[Any] = []  # MemPool ids registered (this side's mempools), in order
+        self.ups: list[Upstream] = []
+
+    def close(self) -> None:
+        """Unregister the program's MemPools from this side's registry."""
+        for pid in self.mps:
+            self.side.pools_mod.mempools.pop(pid, None)
 
     def step(self, op: tuple[Any, ...]) -> Any:
         """Carry out one operation; return its outcome (a value, or the error's name and text)."""
@@ -149,7 +199,7 @@ class Run:
             try:
                 return ("ok", self._do(op))
             except Exception as e:  # the same failure on both sides is part of the outcome
-                return ("error", type(e).__name__, str(e))
+                return ("error", type(e).__name__, str(e), type(e.__cause__).__name__)
 
     def _ptr(self, i: int) -> int:
         return self.ptrs[i % len(self.ptrs)] if self.ptrs else 12345
@@ -237,6 +287,52 @@ class Run:
             for token in list(dev.attached):
                 dev.release(token)
             return None
+        return self._do_mempool(op)
+
+    def _mp(self, i: int) -> Any:
+        pools = self.side.pools_mod
+        return self.mps[i % len(self.mps)] if self.mps else pools.PoolId(0, 999)
+
+    def _do_mempool(self, op: tuple[Any, ...]) -> Any:
+        """The MemPool operations (graphpool.mempool's calls, on this side's modules)."""
+        kind = op[0]
+        a, pools = self.a, self.side.pools_mod
+        if kind == "mempool":  # gp.MemPool(upstream=..., use_on_oom=...)
+            up: Any = None
+            if op[1] == "user":
+                up = Upstream(self.dev)
+                self.ups.append(up)
+            elif op[1] == "managed":
+                up = pools.MANAGED
+            pid = pools.new_shared_pool_id()
+            pools.mempools[pid] = pools.PoolSpec(up, op[2])
+            self.mps.append(pid)
+            return tuple(a.ensure_pool(pid).id)
+        if kind == "ensure":
+            return tuple(a.ensure_pool(self._mp(op[1])).id)
+        if kind == "enter":  # a MemPool's id, or a graph pool's (refused)
+            pid = self.recs[op[1] % len(self.recs)].pool.id if op[2] and self.recs else self._mp(op[1])
+            return a.enter_pool(pid)
+        if kind == "exit":  # any MemPool's: refused unless it is the innermost
+            return a.exit_pool(self._mp(op[1]))
+        if kind == "exit_inner":  # the innermost, if any
+            stack = a._thread_pools.get(threading.get_ident())
+            return a.exit_pool(stack[-1].id) if stack else None
+        if kind == "drop":  # the MemPool's finalizer (graphpool.mempool._drop)
+            pid = self._mp(op[1])
+            spec = pools.mempools.pop(pid, None)
+            for al in [] if spec is None else spec.places:
+                al.defer_mempool_drop(pid)
+            return None
+        if kind == "upstream":
+            if self.ups:
+                self.ups[op[1] % len(self.ups)].mode = op[2]
+            return None
+        if kind == "begin_mp":  # a capture into a MemPool
+            stream, pid = op[1], self._mp(op[2])
+            rec = a.begin_capture(pid, lambda: self.dev.begin(stream), stream=stream)
+            self.recs.append(rec)
+            return len(self.recs) - 1
         raise AssertionError(op)
 
     def observe(self) -> tuple[Any, ...]:
@@ -249,10 +345,12 @@ class Run:
         stats = self.a.memory_stats()
         snap = self.a.snapshot()
         pools = sorted(
-            (str(p.id), p.use_count, p.stats.as_dict()["reserved_bytes.all.current"])
+            (str(p.id), p.use_count, p.stats.as_dict()["reserved_bytes.all.current"], p.held)
             for p in self.a.private_pools()
         )
-        return stats, snap, pools, sorted(self.dev.live.items()), dict(self.dev.capturing)
+        entered = {k: [tuple(p.id) for p in v] for k, v in self.a._thread_pools.items()}
+        ups = [sorted(up.live.items()) for up in self.ups]
+        return stats, snap, pools, sorted(self.dev.live.items()), dict(self.dev.capturing), entered, ups
 
 
 STREAMS = st.sampled_from((1, 2, 3))
@@ -296,6 +394,20 @@ OPS = st.one_of(
     st.tuples(st.sampled_from(("end", "end", "abort", "release")), st.integers(0, 10)),
     st.tuples(st.just("foreign_end"), STREAMS),
     st.tuples(st.just("release_tokens")),
+    # MemPools
+    st.tuples(st.just("mempool"), st.sampled_from(("device", "managed", "user", "user")), st.booleans()),
+    st.tuples(st.just("mempool"), st.sampled_from(("device", "managed", "user", "user")), st.booleans()),
+    st.tuples(st.just("ensure"), st.integers(0, 5)),
+    st.tuples(st.just("enter"), st.integers(0, 5), st.sampled_from((False, False, False, True))),
+    st.tuples(st.just("enter"), st.integers(0, 5), st.just(False)),
+    st.tuples(st.just("enter"), st.integers(0, 5), st.just(False)),
+    st.tuples(st.just("exit"), st.integers(0, 5)),
+    st.tuples(st.just("exit_inner")),
+    st.tuples(st.just("drop"), st.integers(0, 5)),
+    st.tuples(
+        st.just("upstream"), st.integers(0, 5), st.sampled_from(("ok", "raise", "zero", "str", "overlap"))
+    ),
+    st.tuples(st.just("begin_mp"), STREAMS, st.integers(0, 5)),
 )
 
 
@@ -321,16 +433,22 @@ CONFS = st.sampled_from(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(program=st.lists(OPS, min_size=20, max_size=120), conf=CONFS)
+@given(program=st.lists(OPS, min_size=20, max_size=120), conf=CONFS, managed=st.booleans())
 def test_compiled_policy_matches_the_reference(
-    sides: tuple[Side, Side], program: list[Any], conf: dict[str, Any]
+    sides: tuple[Side, Side], program: list[Any], conf: dict[str, Any], managed: bool
 ) -> None:
-    compiled, reference = Run(sides[0], conf), Run(sides[1], conf)
-    for n, op in enumerate(program):
-        got, want = compiled.step(op), reference.step(op)
-        assert got == want, f"step {n} {op}: compiled {got} != reference {want}"
-        event(f"{op[0]}: {got[0] if got[0] == 'ok' else got[1]}")
-        assert compiled.observe() == reference.observe(), f"state differs after step {n} {op}"
+    compiled, reference = Run(sides[0], conf, managed), Run(sides[1], conf, managed)
+    try:
+        for n, op in enumerate(program):
+            got, want = compiled.step(op), reference.step(op)
+            assert got == want, f"step {n} {op}: compiled {got} != reference {want}"
+            event(f"{op[0]}: {got[0] if got[0] == 'ok' else got[1]}")
+            if op[0] in ("malloc", "malloc_owned") and compiled.a._entered:
+                event(f"{op[0]} inside use_mem_pool: {got[0] if got[0] == 'ok' else got[1]}")
+            assert compiled.observe() == reference.observe(), f"state differs after step {n} {op}"
+    finally:
+        compiled.close()
+        reference.close()
 
 
 def test_the_comparison_can_fail(sides: tuple[Side, Side]) -> None:

@@ -100,6 +100,7 @@ class Segments(StreamUses):
                 raise
         if ptr is not None:
             self._limit_hit = None
+            self._upstream_error = None
         return ptr
 
     def _upstream_malloc(self, upstream: Any, nbytes: int, stream: int) -> int | None:
