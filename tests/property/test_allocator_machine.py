@@ -2425,10 +2425,20 @@ def _check_reach(machine: type[RuleBasedStateMachine], case: Any, risky: tuple[s
     assert not missing, f"the property tests no longer reach: {missing}"
 
 
+# Reached by the nightly run (1,343 times, NIGHTLY.md) and, deterministically, by
+# tests/scenarios/test_capture_rules.py::test_oom_retry_finds_the_block_its_synchronization_freed
+# and tests/policy/test_rules.py::test_oom_retry_waits_for_pending_events_before_release; CI's
+# fixed examples stopped reaching it once the MemPool rules took their share of the steps.
+CI_UNREACHED = ("OOM retry found a block its synchronization freed",)
+
+
 # Each check runs on the pytest-xdist worker of its machine, after it, and reads its counts.
 @pytest.mark.xdist_group("allocator_machine")
 def test_risky_paths_reached() -> None:
-    _check_reach(AllocatorMachine, TestAllocatorMachine, RISKY + MEMPOOL_RISKY)
+    paths = RISKY + MEMPOOL_RISKY
+    if CI and not NIGHTLY:
+        paths = tuple(p for p in paths if p not in CI_UNREACHED)
+    _check_reach(AllocatorMachine, TestAllocatorMachine, paths)
 
 
 @pytest.mark.xdist_group("public_api_machine")
