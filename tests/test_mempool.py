@@ -379,7 +379,7 @@ def test_a_user_upstream_makes_and_takes_back_the_segments(backend: Any) -> None
     gp.check_invariants()
 
 
-@pytest.mark.parametrize("failure", ["raises", "zero", "not-an-int", "overlaps"])
+@pytest.mark.parametrize("failure", ["raises", "zero", "not-an-int", "too-large", "overlaps"])
 def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: Any, failure: str) -> None:
     up = CountingUpstream()
     p = gp.MemPool(upstream=up)
@@ -392,6 +392,8 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
         up.answer = 0
     elif failure == "not-an-int":
         up.answer = "0x1000"
+    elif failure == "too-large":
+        up.answer = 1 << 80  # an int, but no address (compiled, a Block refused it deep inside)
     else:
         up.answer = first.ptr  # memory graphpool already holds
     with gp.use_mem_pool(p), pytest.raises(gp.OutOfMemoryError, match="MemPool") as info:
@@ -399,7 +401,7 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
     cause = info.value.__cause__
     if failure == "raises":
         assert isinstance(cause, RuntimeError) and "registered memory" in str(cause)
-    elif failure == "not-an-int":
+    elif failure in ("not-an-int", "too-large"):
         assert isinstance(cause, TypeError)
     elif failure == "overlaps":
         assert isinstance(cause, ValueError) and "overlaps" in str(cause)

@@ -868,29 +868,29 @@ class CachingAllocator(Reports):
     def exit_pool(self, pool_id: PoolId, ident: int | None = None) -> None:
         """End the innermost ``enter_pool`` of thread ``ident`` (default: the calling thread's),
         which must be ``pool_id``'s (RuntimeError otherwise, and nothing changes)."""
-        who = threading.get_ident() if ident is None else ident
-        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, who))
+        self._run_locked("exit_pool", lambda: self._exit_pool(pool_id, ident or threading.get_ident()))
 
     def defer_exit_pool(self, pool_id: PoolId, ident: int) -> None:
-        """End thread ``ident``'s innermost entry into ``pool_id`` at the next allocator call, if
-        it is still there (a ``use_mem_pool`` block whose ``__exit__`` Python skipped). Lock-free:
-        for finalizers."""
+        """End thread ``ident``'s innermost entry into ``pool_id`` at the next call, if still there
+        (a ``use_mem_pool`` block whose ``__exit__`` Python skipped). Lock-free: for finalizers."""
+        if type(pool_id) is not PoolId or type(ident) is not int:  # (queued, it would be a free)
+            raise TypeError("defer_exit_pool takes a PoolId and a thread ident")
         self._pending.append(PoolExit(pool_id, ident))
 
     def defer_forget_thread(self, ident: int) -> None:
-        """End every ``use_mem_pool`` entry of thread ``ident``, gone, at the next call (before it
-        routes or enters: a new thread given its ident never allocates into its pools). Lock-free."""
+        """End every ``use_mem_pool`` entry of the gone thread ``ident`` at the next call, before it
+        routes (a new thread given its ident never allocates into its pools). Lock-free."""
         self._pending.append(PoolExit(None, ident))
 
     def defer_forget_threads(self, keep: int) -> None:
         """``defer_forget_thread`` for each thread with entries but ``keep`` (a forked child's)."""
-        for ident in list(self._thread_pools):
-            if ident != keep:
-                self.defer_forget_thread(ident)
+        for ident in [i for i in self._thread_pools if i != keep]:
+            self.defer_forget_thread(ident)
 
     def defer_mempool_drop(self, pool_id: PoolId) -> None:
-        """The MemPool ``pool_id`` was collected: its own use of this device's pool ends at the
-        next allocator call. Lock-free: for finalizers."""
+        """MemPool ``pool_id`` was collected: its use of this pool ends at the next call. Lock-free."""
+        if type(pool_id) is not PoolId:  # (queued, anything else would be taken for a free)
+            raise TypeError(f"defer_mempool_drop takes a PoolId, not {type(pool_id).__name__}")
         self._pending.append(pool_id)
 
     def memory_stats(self, pool: PoolId | None = None) -> dict[str, int]:

@@ -125,9 +125,9 @@ class Segments(StreamUses):
             return None
         if got is None or got == 0:
             return None
-        if type(got) is not int or got < 0:
-            self._upstream_error = TypeError(
-                f"the upstream's malloc returned {got!r}, not a device address (a positive int)"
+        if type(got) is not int or got < 0 or got + nbytes >= 1 << 63:
+            self._upstream_error = TypeError(  # (a Block keeps its address as a 64-bit int)
+                f"the upstream's malloc returned {got!r}, not a device address (a positive int below 2**63)"
             )
             return None
         if self._overlaps(got, nbytes):  # not given back: freeing it could free a live segment
