@@ -54,7 +54,7 @@ run() {  # run NAME [VAR=value ...]: the suite in a fresh process with those var
     # numba_suite_plugin: the fixture and option of numba-cuda's repository conftest (not installed)
     timeout -s INT -k 60 "$TIMEOUT" env PYTHONPATH="$HERE/numba_suite${PYTHONPATH:+:$PYTHONPATH}" "$@" \
         "$PY" -m pytest -p no:cacheprovider -p numba_suite_plugin -q -rN --import-mode=importlib \
-        --junitxml "$OUT/$name.xml" ${NUMBA_PYTEST_ARGS:-} --pyargs "$SUITE" > "$OUT/$name.log" 2>&1
+        --junitxml "$OUT/$name.xml" ${NUMBA_PYTEST_ARGS:-} --pyargs $SUITE > "$OUT/$name.log" 2>&1
     echo "$name: pytest exit $? -- $(tail -n 1 "$OUT/$name.log")"
 }
 
