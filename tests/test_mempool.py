@@ -548,6 +548,33 @@ def test_snapshot_lists_only_the_pools_segments(backend: Any) -> None:
     assert set(segs[0]) == set(gp.memory_snapshot()[0])  # the same layout
 
 
+def test_a_snapshot_tells_the_eager_side_from_the_graph_side(backend: Any) -> None:
+    """Both sides of a MemPool carry its id; ``eager_side`` says which side a segment is."""
+    p = gp.MemPool()
+    s = gp.Stream()
+    g = gp.CUDAGraph()
+    ordinary = gp.alloc(1000, s)
+    with gp.stream(s), gp.use_mem_pool(p):
+        eager = gp.alloc(1000)
+    with gp.graph(g, pool=p, stream=s):
+        captured = gp.alloc(1000)
+        _dev().memset(captured.ptr, 1, captured.nbytes, s.handle)
+
+    def side(snapshot: list[dict[str, Any]], ptr: int) -> bool:
+        (seg,) = [x for x in snapshot if x["address"] <= ptr < x["address"] + x["total_size"]]
+        return bool(seg["eager_side"])
+
+    segs = p.snapshot()
+    assert {seg["segment_pool_id"] for seg in segs} == {tuple(p.id)} and len(segs) == 2
+    assert side(segs, eager.ptr) and not side(segs, captured.ptr)
+    assert not side(gp.memory_snapshot(), ordinary.ptr)
+    torch_segs = gp.torch_snapshot()["segments"]
+    assert side(torch_segs, eager.ptr) and not side(torch_segs, captured.ptr)
+    for buf in (ordinary, eager, captured):
+        buf.free()
+    g.reset()
+
+
 def test_the_mempools_of_integrations_follow_use_mem_pool(backend: Any) -> None:
     """Arrays of the backend's array library (CuPy on the GPU, the simulator's xp) allocate
     through graphpool: inside use_mem_pool they come from the pool."""

@@ -105,7 +105,7 @@ def torch_layout(
     events (``CachingAllocator.history_snapshot()``, one pair per device index).
 
     PyTorch's keys (2.11), in its order, then graphpool's: a segment's ``pool_graphs``
-    (labels of the unreleased graphs using its private pool), a block's ``owner_graph`` and
+    (labels of the unreleased graphs using its private pool) and ``eager_side``, a block's ``owner_graph`` and
     ``kept_for`` (as ``memory_snapshot()``), an event's ``device`` and ``pool_id``, and
     ``allocator_settings``' ``GRAPHPOOL_ALLOC_CONF`` and ``backend``. ``conf``: the options in
     force (``max_split_size`` and ``garbage_collection_threshold`` come from it; default: none).
@@ -143,6 +143,7 @@ def torch_layout(
                         for b in seg["blocks"]
                     ],
                     "pool_graphs": list(seg["pool_graphs"]),
+                    "eager_side": seg["eager_side"],
                 }
             )
         trace = []

@@ -79,6 +79,7 @@ class Reports(Expandable):
                 "stream": self._exp[base].stream if base in self._exp else head.stream,
                 "segment_type": "small" if head.free_list.is_small else "large",
                 "segment_pool_id": tuple(owner.id) if owner is not None else None,
+                "eager_side": head.free_list.eager,
                 "is_expandable": base in self._exp,
                 "blocks": [
                     {
