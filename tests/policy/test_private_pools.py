@@ -1490,3 +1490,33 @@ def test_a_record_streamed_free_keeps_the_block_for_the_capture_its_user_stream_
     assert rec.foreign and [b.ptr for b in rec.kept] == [x]
     dev.end(S2)
     ok(a)
+
+
+def test_use_on_oom_never_hands_a_block_of_exactly_max_split_size_to_a_smaller_request() -> None:
+    """The use_on_oom fallback keeps the oversize rule: a MemPool's free block of exactly
+    max_split_size is oversize, and a request under max_split_size may not take it. (A
+    capture underway elsewhere skips the retry's cache release, which would give the
+    MemPool's free segment back first.)"""
+    from fakedevice import SHRUNK
+
+    from graphpool.policy.private_pools import PoolSpec, mempools
+
+    m = 6 * 8192  # max_split_size; SHRUNK's segments round to 8 KiB
+    dev, a = make(total=m + 8192, sizes=dataclasses.replace(SHRUNK, max_split_size=m))
+    pid = PoolId(0, 996)
+    mempools[pid] = PoolSpec(None, True)  # a MemPool made with use_on_oom
+    try:
+        a.ensure_pool(pid)
+        a.enter_pool(pid)
+        x = a.malloc(m - 512, stream=S1)  # a segment of m, not split (512 B would remain)
+        a.exit_pool(pid)
+        assert a.lookup(x).size == m  # type: ignore[union-attr]
+        a.free(x)
+        g = begin(a, dev, P, S2)
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(3 * 8192, stream=S1)  # the device is full; m is oversize for it
+        ok(a)
+        end(a, dev, g)
+        a.release_capture(g)
+    finally:
+        mempools.pop(pid, None)

@@ -1427,3 +1427,26 @@ def test_a_signal_handler_raising_right_after_enter_pool_leaves_no_entry() -> No
     finally:
         interrupts.pending.clear()
         mempools.pop(pid, None)
+
+
+def test_an_out_of_memory_event_says_zero_free_when_the_device_cannot_tell() -> None:
+    """The history's OOM event records the device's free memory; a device whose memory query
+    fails records 0 (unknown), and the OutOfMemoryError is raised all the same."""
+
+    class NoMemInfo(FakeDevice):
+        broken = False
+
+        def mem_info(self) -> tuple[int, int]:
+            if self.broken:
+                raise GraphpoolError("mem_info unavailable")
+            return super().mem_info()
+
+    dev = NoMemInfo(1 << 30)
+    a = CachingAllocator(dev, sizes=DEFAULT)
+    dev.broken = True  # from now on (the allocator asked for the total when it was made)
+    a.record_history(10, stacks=False)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(2 << 30, stream=S1)
+    (oom,) = [e for e in a._history.entries if e["action"] == "oom"]  # type: ignore[union-attr]
+    assert oom["device_free"] == 0 and oom["size"] == 2 << 30
+    ok(a)
