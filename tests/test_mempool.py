@@ -54,6 +54,8 @@ class CountingUpstream:
         self.mallocs += 1
         if self.fail:
             raise RuntimeError("registered memory exhausted")
+        if callable(self.answer):
+            return self.answer(nbytes)
         if self.answer is not None:
             return self.answer
         ptr = runtime.get().device(device).malloc(nbytes)
@@ -379,7 +381,9 @@ def test_a_user_upstream_makes_and_takes_back_the_segments(backend: Any) -> None
     gp.check_invariants()
 
 
-@pytest.mark.parametrize("failure", ["raises", "zero", "not-an-int", "too-large", "overlaps"])
+@pytest.mark.parametrize(
+    "failure", ["raises", "zero", "not-an-int", "too-large", "past-int64", "overlaps"]
+)
 def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: Any, failure: str) -> None:
     up = CountingUpstream()
     p = gp.MemPool(upstream=up)
@@ -394,6 +398,8 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
         up.answer = "0x1000"
     elif failure == "too-large":
         up.answer = 1 << 80  # an int, but no address (compiled, a Block refused it deep inside)
+    elif failure == "past-int64":
+        up.answer = lambda nbytes: (1 << 63) - nbytes  # its last byte would be 2**63: not 64-bit signed
     else:
         up.answer = first.ptr  # memory graphpool already holds
     with gp.use_mem_pool(p), pytest.raises(gp.OutOfMemoryError, match="MemPool") as info:
@@ -401,7 +407,7 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
     cause = info.value.__cause__
     if failure == "raises":
         assert isinstance(cause, RuntimeError) and "registered memory" in str(cause)
-    elif failure in ("not-an-int", "too-large"):
+    elif failure in ("not-an-int", "too-large", "past-int64"):
         assert isinstance(cause, TypeError)
     elif failure == "overlaps":
         assert isinstance(cause, ValueError) and "overlaps" in str(cause)

@@ -1450,3 +1450,23 @@ def test_an_out_of_memory_event_says_zero_free_when_the_device_cannot_tell() -> 
     (oom,) = [e for e in a._history.entries if e["action"] == "oom"]  # type: ignore[union-attr]
     assert oom["device_free"] == 0 and oom["size"] == 2 << 30
     ok(a)
+
+
+def test_use_mem_pool_calls_that_reenter_the_allocator_name_themselves() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    seen: dict[str, str] = {}
+
+    def hook() -> None:
+        for name in ("enter_pool", "exit_pool"):
+            try:
+                getattr(a, name)(PoolId(1, 0))
+            except GraphpoolError as e:
+                seen[name] = str(e)
+
+    dev.hook = hook
+    a.free(a.malloc(4096, stream=7))  # a new segment: runs the hook mid-call
+    assert sorted(seen) == ["enter_pool", "exit_pool"]
+    for name, message in seen.items():
+        assert message.startswith(f"graphpool: {name} re-entered the allocator"), message
+    ok(a)
