@@ -381,9 +381,7 @@ def test_a_user_upstream_makes_and_takes_back_the_segments(backend: Any) -> None
     gp.check_invariants()
 
 
-@pytest.mark.parametrize(
-    "failure", ["raises", "zero", "not-an-int", "too-large", "past-int64", "overlaps"]
-)
+@pytest.mark.parametrize("failure", ["raises", "zero", "not-an-int", "too-large", "past-int64", "overlaps"])
 def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: Any, failure: str) -> None:
     up = CountingUpstream()
     p = gp.MemPool(upstream=up)
