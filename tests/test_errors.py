@@ -613,3 +613,13 @@ def test_resetting_one_devices_statistics_leaves_the_others() -> None:
         one, zero = gp.memory_stats(1), gp.memory_stats(0)
         assert one["allocated_bytes.all.peak"] == 0 and one["allocation.all.allocated"] == 0
         assert zero["allocated_bytes.all.peak"] == 4096 and zero["allocation.all.allocated"] == 1
+
+
+def test_the_summary_of_a_device_reads_that_devices_statistics() -> None:
+    """memory_summary(1) tabulates device 1's counters, not the current device's."""
+    with fresh_sim(2):
+        keep = gp.alloc(3 * 1024 * 1024, stream=gp.default_stream(1))
+        text = gp.memory_summary(1)
+        assert "device 1" in text and "3.00 MiB" in text
+        assert "3.00 MiB" not in gp.memory_summary(0)
+        keep.free()

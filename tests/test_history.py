@@ -316,6 +316,7 @@ def test_expandable_segments_record_each_mapping_and_unmapping() -> None:
             s = gp.Stream()
             first = gp.alloc(4 * MiB, stream=s)
             more = gp.alloc(6 * MiB, stream=s)  # the segment grows: a mapping after the first
+            end = more.ptr
             more.free()
             gp.empty_cache()  # the free end is unmapped, the segment stays
             first.free()
@@ -326,6 +327,8 @@ def test_expandable_segments_record_each_mapping_and_unmapping() -> None:
     grow = got[0]
     assert (grow["size"], grow["stream"], grow["pool_id"]) == (6 * MiB, s.handle, None)
     assert all(e["stream"] == s.handle and e["pool_id"] is None for e in got)
+    unmap = got[-1]  # the grown part, a whole number of granules after `first`
+    assert (unmap["addr"], unmap["size"]) == (end, 6 * MiB)
 
 
 def test_max_entries_keeps_the_newest(rec: Any) -> None:

@@ -169,3 +169,19 @@ def test_the_level_test_reads_the_loggers_cache() -> None:
     finally:
         log.disabled = False
         log.setLevel(old)
+
+
+@pytest.mark.filterwarnings("ignore:graph#.* captured no work:UserWarning")
+def test_a_pool_with_no_segment_is_logged_released_when_its_last_use_ends(
+    small: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A graph that allocated nothing: its pool goes when the graph is reset (no segment to
+    wait for empty_cache), and that release is logged."""
+    caplog.set_level(logging.DEBUG, logger="graphpool")
+    g = gp.CUDAGraph()
+    with gp.graph(g):
+        pass
+    pool = tuple(g.pool())
+    caplog.clear()
+    g.reset()
+    assert messages(caplog, logging.DEBUG) == [f"device 0: private pool {pool} released"]

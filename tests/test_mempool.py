@@ -54,6 +54,8 @@ class CountingUpstream:
         self.mallocs += 1
         if self.fail:
             raise RuntimeError("registered memory exhausted")
+        if callable(self.answer):
+            return self.answer(nbytes)
         if self.answer is not None:
             return self.answer
         ptr = runtime.get().device(device).malloc(nbytes)
@@ -379,7 +381,7 @@ def test_a_user_upstream_makes_and_takes_back_the_segments(backend: Any) -> None
     gp.check_invariants()
 
 
-@pytest.mark.parametrize("failure", ["raises", "zero", "not-an-int", "too-large", "overlaps"])
+@pytest.mark.parametrize("failure", ["raises", "zero", "not-an-int", "too-large", "past-int64", "overlaps"])
 def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: Any, failure: str) -> None:
     up = CountingUpstream()
     p = gp.MemPool(upstream=up)
@@ -394,6 +396,8 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
         up.answer = "0x1000"
     elif failure == "too-large":
         up.answer = 1 << 80  # an int, but no address (compiled, a Block refused it deep inside)
+    elif failure == "past-int64":
+        up.answer = lambda nbytes: (1 << 63) - nbytes  # its last byte would be 2**63: not 64-bit signed
     else:
         up.answer = first.ptr  # memory graphpool already holds
     with gp.use_mem_pool(p), pytest.raises(gp.OutOfMemoryError, match="MemPool") as info:
@@ -401,7 +405,7 @@ def test_a_failing_upstream_is_a_clear_out_of_memory_and_loses_nothing(backend: 
     cause = info.value.__cause__
     if failure == "raises":
         assert isinstance(cause, RuntimeError) and "registered memory" in str(cause)
-    elif failure in ("not-an-int", "too-large"):
+    elif failure in ("not-an-int", "too-large", "past-int64"):
         assert isinstance(cause, TypeError)
     elif failure == "overlaps":
         assert isinstance(cause, ValueError) and "overlaps" in str(cause)
@@ -819,3 +823,123 @@ def test_use_on_oom_with_expandable_segments() -> None:
         gp.check_invariants()
         del p
         gc.collect()
+
+
+def test_an_upstream_without_free_is_refused_by_name(backend: Any) -> None:
+    """An object with ``malloc`` but no ``free`` is no upstream: the same TypeError as for one
+    with neither (not an AttributeError from the lookup)."""
+
+    class MallocOnly:
+        def malloc(self, nbytes: int, device: int, stream: int) -> int:
+            return 0
+
+    with pytest.raises(TypeError, match=r"not MallocOnly$"):
+        gp.MemPool(upstream=MallocOnly())
+
+
+def test_use_count_counts_on_the_device_asked() -> None:
+    """use_count(1) counts the users on device 1: a use_mem_pool block open there."""
+    with fresh_sim(2):
+        p = gp.MemPool()
+        with gp.device(1), gp.use_mem_pool(p):
+            assert p.use_count(1) == 2 and p.use_count(0) == 1
+        assert p.use_count(1) == 1
+        del p
+        gc.collect()
+
+
+def test_a_block_entered_and_left_on_a_new_thread_ends_its_entry(backend: Any) -> None:
+    """The first use_mem_pool of a thread makes its life marker alive: leaving the block ends
+    the entry, so the thread allocates outside the pool again."""
+    p = gp.MemPool()
+    seen: list[object] = []
+
+    def worker() -> None:
+        with gp.use_mem_pool(p):
+            inside = gp.alloc(4096)
+        outside = gp.alloc(4096)
+        seen.extend([_in_pool(p, inside.ptr), _in_pool(p, outside.ptr), p.use_count()])
+        inside.free()
+        outside.free()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join(10)
+    assert seen == [True, False, 1]
+    gp.check_invariants()
+
+
+def test_a_use_mem_pool_block_can_be_entered_again_once_left(backend: Any) -> None:
+    """Leaving a block resets it: the same object opens again (no "open already")."""
+    p = gp.MemPool()
+    block = gp.use_mem_pool(p)
+    for _ in range(2):
+        with block:
+            assert p.use_count() == 2
+        assert p.use_count() == 1
+    gp.check_invariants()
+
+
+def test_a_thread_ending_inside_blocks_on_two_devices_ends_both_entries() -> None:
+    """A thread that dies inside use_mem_pool blocks on two devices: each device's allocator
+    is told, so neither keeps the dead thread's entry (nor counts it as a use)."""
+    with fresh_sim(2):
+        p = gp.MemPool()
+        gens: list[Any] = []
+
+        def inside(device: int) -> Any:
+            with gp.device(device), gp.use_mem_pool(p):
+                yield
+
+        def worker() -> None:
+            for d in (0, 1):
+                g = inside(d)
+                next(g)
+                gens.append(g)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join(10)
+        gc.collect()
+        assert (p.use_count(0), p.use_count(1)) == (1, 1)
+        assert runtime.allocator(0)._thread_pools == {} and runtime.allocator(1)._thread_pools == {}
+        for g in gens:
+            g.close()
+        gp.check_invariants(0)
+        gp.check_invariants(1)
+        gens.clear()
+
+
+def test_the_fork_hook_forgets_every_other_threads_entries_and_keeps_the_callers(backend: Any) -> None:
+    """``_after_fork_in_child`` (run in a forked child), called here: the other threads' entries
+    end at the allocator's next call; the calling thread's block stays open."""
+    from graphpool import mempool
+
+    p = gp.MemPool()
+    entered, release = threading.Event(), threading.Event()
+    blocks: list[Any] = []
+
+    def inside() -> None:  # never leaves its block (in a forked child, the thread is gone)
+        blocks.append(gp.use_mem_pool(p))
+        blocks[0].__enter__()
+        entered.set()
+        release.wait(10)
+
+    t = threading.Thread(target=inside)
+    t.start()
+    entered.wait(10)
+    try:
+        with gp.use_mem_pool(p):
+            assert p.use_count() == 3
+            mempool._after_fork_in_child()
+            assert p.use_count() == 2  # the other thread's entry is gone, this one's stays
+            buf = gp.alloc(4096)
+            assert _in_pool(p, buf.ptr)
+            buf.free()
+    finally:
+        release.set()
+        t.join(10)
+    blocks.clear()  # the block's finalizer: its thread is gone, nothing to end
+    gc.collect()
+    assert p.use_count() == 1
+    gp.check_invariants()

@@ -1463,3 +1463,60 @@ def test_an_eager_free_after_a_detected_capture_ended_is_not_kept_for_its_graph(
     assert a._capturing == 0 and [b.ptr for b in rec.kept] == [y]
     assert a.malloc(1000, stream=S2) == x
     ok(a)
+
+
+def test_a_capture_found_by_an_allocation_is_labelled_by_its_id_and_stream() -> None:
+    """A capture begun outside graphpool and found by an allocation on its stream has no label
+    of its own: it is named by its capture id and stream (history, messages)."""
+    dev, a = make()
+    cid = dev.begin(S3)
+    a.free(a.malloc(1000, stream=S3))  # detected and adopted
+    (rec,) = a._captures.values()
+    assert rec.foreign and rec.label == f"capture {cid} on stream 0x{S3:x}"
+    dev.end(S3)
+    ok(a)
+
+
+def test_a_record_streamed_free_keeps_the_block_for_the_capture_its_user_stream_is_in() -> None:
+    """The free of a block used on S2 (record_stream) while S2 captures unseen: the capture is
+    adopted before the free decides, so the block is kept for that graph (its kernels may use
+    it on every replay), not only deferred until the capture ends."""
+    dev, a = make()
+    x = a.malloc(1000, stream=S1)
+    a.record_stream(x, S2)
+    dev.begin(S2)
+    a.free(x)
+    (rec,) = a._captures.values()
+    assert rec.foreign and [b.ptr for b in rec.kept] == [x]
+    dev.end(S2)
+    ok(a)
+
+
+def test_use_on_oom_never_hands_a_block_of_exactly_max_split_size_to_a_smaller_request() -> None:
+    """The use_on_oom fallback keeps the oversize rule: a MemPool's free block of exactly
+    max_split_size is oversize, and a request under max_split_size may not take it. (A
+    capture underway elsewhere skips the retry's cache release, which would give the
+    MemPool's free segment back first.)"""
+    from fakedevice import SHRUNK
+
+    from graphpool.policy.private_pools import PoolSpec, mempools
+
+    m = 6 * 8192  # max_split_size; SHRUNK's segments round to 8 KiB
+    dev, a = make(total=m + 8192, sizes=dataclasses.replace(SHRUNK, max_split_size=m))
+    pid = PoolId(0, 996)
+    mempools[pid] = PoolSpec(None, True)  # a MemPool made with use_on_oom
+    try:
+        a.ensure_pool(pid)
+        a.enter_pool(pid)
+        x = a.malloc(m - 512, stream=S1)  # a segment of m, not split (512 B would remain)
+        a.exit_pool(pid)
+        assert a.lookup(x).size == m  # type: ignore[union-attr]
+        a.free(x)
+        g = begin(a, dev, P, S2)
+        with pytest.raises(OutOfMemoryError):
+            a.malloc(3 * 8192, stream=S1)  # the device is full; m is oversize for it
+        ok(a)
+        end(a, dev, g)
+        a.release_capture(g)
+    finally:
+        mempools.pop(pid, None)

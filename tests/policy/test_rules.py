@@ -8,6 +8,8 @@ size tunables (``SizeConfig``) so splitting, growth and out-of-memory take small
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from fakedevice import SHRUNK, FakeDevice
@@ -1364,3 +1366,107 @@ def test_abort_capture_names_itself_when_it_re_enters() -> None:
     dev.end(9)
     a.abort_capture(rec)
     a.check_invariants()
+
+
+def test_a_queued_free_whose_call_out_fails_again_waits_for_the_next_call() -> None:
+    """A queued free whose call out raises (the history here) is queued again, and carried
+    out at the next call, not again within this one: a call out that always fails cannot
+    keep one call looping."""
+    from graphpool.policy.history import History
+
+    fails = [2]  # the history's free_requested raises twice, then works
+    calls: list[int] = []
+
+    class FailingHistory(History):
+        __slots__ = ()
+
+        def free_requested(self, *args: Any, **kw: Any) -> Any:
+            if args[0] != p:
+                return super().free_requested(*args, **kw)
+            calls.append(1)
+            if fails[0]:
+                fails[0] -= 1
+                raise RuntimeError("history unavailable")
+            return super().free_requested(*args, **kw)
+
+    _, a = make()
+    a._history = FailingHistory(0, 100, False)
+    p = a.malloc(4096, stream=S1)
+    a.defer_free(p)
+    with pytest.warns(RuntimeWarning, match="deferred work failed: RuntimeError"):
+        q = a.malloc(512, stream=S1)
+    assert len(calls) == 1 and a.lookup(p) is not None  # tried once in this call, still live
+    with pytest.warns(RuntimeWarning, match="deferred work failed: RuntimeError"):
+        a.free(q)
+    assert len(calls) == 2 and a.lookup(p) is not None
+    a.empty_cache()
+    assert len(calls) == 3 and a.lookup(p) is None  # carried out at last
+    ok(a)
+
+
+def test_a_signal_handler_raising_right_after_enter_pool_leaves_no_entry() -> None:
+    """A handler deferred during ``enter_pool`` runs when its lock is released; if it raises,
+    the caller never learns it entered, so the entry is taken back before the exception
+    propagates."""
+    from graphpool.policy import interrupts
+    from graphpool.policy.private_pools import PoolSpec, mempools
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    pid = PoolId(0, 997)
+    mempools[pid] = PoolSpec(None, False)
+    try:
+        _, a = make()
+        a.ensure_pool(pid)
+        interrupts.pending.append((handler, 2, None))  # as if SIGINT came inside the call
+        with pytest.raises(KeyboardInterrupt):
+            a.enter_pool(pid)
+        assert a._thread_pools == {} and a.memory_stats(pid)["use_count"] == 1
+        ok(a)
+    finally:
+        interrupts.pending.clear()
+        mempools.pop(pid, None)
+
+
+def test_an_out_of_memory_event_says_zero_free_when_the_device_cannot_tell() -> None:
+    """The history's OOM event records the device's free memory; a device whose memory query
+    fails records 0 (unknown), and the OutOfMemoryError is raised all the same."""
+
+    class NoMemInfo(FakeDevice):
+        broken = False
+
+        def mem_info(self) -> tuple[int, int]:
+            if self.broken:
+                raise GraphpoolError("mem_info unavailable")
+            return super().mem_info()
+
+    dev = NoMemInfo(1 << 30)
+    a = CachingAllocator(dev, sizes=DEFAULT)
+    dev.broken = True  # from now on (the allocator asked for the total when it was made)
+    a.record_history(10, stacks=False)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(2 << 30, stream=S1)
+    (oom,) = [e for e in a._history.entries if e["action"] == "oom"]  # type: ignore[union-attr]
+    assert oom["device_free"] == 0 and oom["size"] == 2 << 30
+    ok(a)
+
+
+def test_use_mem_pool_calls_that_reenter_the_allocator_name_themselves() -> None:
+    dev = _ReenteringDevice()
+    a = CachingAllocator(dev)
+    seen: dict[str, str] = {}
+
+    def hook() -> None:
+        for name in ("enter_pool", "exit_pool"):
+            try:
+                getattr(a, name)(PoolId(1, 0))
+            except GraphpoolError as e:
+                seen[name] = str(e)
+
+    dev.hook = hook
+    a.free(a.malloc(4096, stream=7))  # a new segment: runs the hook mid-call
+    assert sorted(seen) == ["enter_pool", "exit_pool"]
+    for name, message in seen.items():
+        assert message.startswith(f"graphpool: {name} re-entered the allocator"), message
+    ok(a)

@@ -304,3 +304,62 @@ def test_takeover_keeps_max_split_size() -> None:
     a.free(y)
     a.free(z)
     a.check_invariants()
+
+
+def test_a_run_of_two_other_streams_free_blocks_is_taken_whole() -> None:
+    """A's free block after B's free block in one segment (B took it over and freed it): C's
+    request for both takes the run, walking back from A's block over B's."""
+    _, a = _alloc()
+    half = BIG // 2
+    p = a.malloc(half, stream=A)
+    q = a.malloc(half, stream=A)
+    keep = a.malloc(half, stream=A)
+    a.free(p)
+    assert a.malloc(half, stream=B) == p  # taken over by B
+    a.free(p)  # B's free block now
+    a.free(q)  # A's, beside it
+    reserved = _reserved(a)
+    s = a.malloc(BIG, stream=C)
+    assert s == p and _reserved(a) == reserved  # both taken, merged: nothing mapped
+    a.free(s)
+    a.free(keep)
+    a.check_invariants()
+
+
+def test_each_mapping_of_an_expandable_segment_counts_as_a_device_allocation() -> None:
+    _, a = _alloc()
+    x = a.malloc(BIG, stream=A)  # the range made, its first mapping
+    y = a.malloc(BIG, stream=A)  # grown
+    assert a.memory_stats()["num_device_alloc"] == 2
+    a.free(y)
+    a.free(x)
+    a.empty_cache()
+    assert a.memory_stats()["num_device_free"] >= 1 and _reserved(a) == 0
+
+
+def test_a_history_failing_after_a_growth_leaves_the_mapped_block_free() -> None:
+    """The history raises when told of a growth: the exception propagates, and the block mapped
+    for the request is filed free (mapped, counted, in no one's hands)."""
+    from graphpool.policy.history import History
+
+    class FailingHistory(History):
+        __slots__ = ()
+
+        def record(self, action: str, *args: object, **kw: object) -> None:
+            if action == "segment_map":
+                raise RuntimeError("history unavailable")
+            super().record(action, *args, **kw)  # type: ignore[arg-type]
+
+    _, a = _alloc()
+    x = a.malloc(BIG, stream=A)
+    a._history = FailingHistory(0, 100, False)
+    with pytest.raises(RuntimeError, match="history unavailable"):
+        a.malloc(BIG, stream=A)
+    a.check_invariants()
+    a._history = None
+    reserved = _reserved(a)
+    y = a.malloc(BIG, stream=A)  # the block filed free serves it: nothing mapped
+    assert y == x + BIG and _reserved(a) == reserved
+    a.free(y)
+    a.free(x)
+    a.check_invariants()
