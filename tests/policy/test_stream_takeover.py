@@ -363,3 +363,28 @@ def test_a_history_failing_after_a_growth_leaves_the_mapped_block_free() -> None
     a.free(y)
     a.free(x)
     a.check_invariants()
+
+
+def test_after_the_retrys_release_a_stream_uses_what_came_back_to_it_before_mapping() -> None:
+    """The out-of-memory retry's release gives blocks other streams took over back to their
+    segment's stream, merged with its free neighbours; the request then takes that block
+    rather than mapping a granule more (here 16 KiB reserved after, not 24 KiB)."""
+    dev = FakeDevice(total=24 * 1024, streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    live = a.malloc(8704, stream=A)
+    small = a.malloc(4608, stream=A)
+    end = a.malloc(11264, stream=A)  # the device is full: 3 granules of 8 KiB mapped
+    a.free(end)
+    taken = a.malloc(11264, stream=B)
+    assert taken == end  # A idle: B took A's free end over
+    a.free(small)
+    dev.queue_work(B)
+    a.free(taken)  # B's now, B busy: not A's to take
+    x = a.malloc(7168, stream=A)  # fits nowhere until the retry's release merges the two
+    assert x == small and _reserved(a) == 16 * 1024
+    assert a.memory_stats()["num_alloc_retries"] == 1
+    a.check_invariants()
+    a.free(x)
+    a.free(live)
+    a.check_invariants()

@@ -376,9 +376,8 @@ class Expandable(Segments):
         return a fitting block they freed (out of ``fl``), else release the cache (PyTorch's
         retry) and count the retry; the caller then asks the driver again."""
         self._synchronize_events()
-        block = fl.best_fit(stream, size, self._max_split)
-        if block is not None and not (block.size >= self._max_split and self._refuses(block.size, size)):
-            fl.remove(block)  # a stream use that just completed freed a fitting block
+        block = self._cached_fit(fl, size, stream)  # a stream use that just completed freed one
+        if block is not None:
             return block
         self._release_cached(True)
         self.stats.num_alloc_retries += 1
@@ -386,15 +385,27 @@ class Expandable(Segments):
             fl.private_pool.stats.num_alloc_retries += 1
         return None
 
+    def _cached_fit(self, fl: FreeList, size: int, stream: int) -> Block | None:
+        """The best fitting free block of ``stream`` in ``fl`` that the split rules allow, out
+        of the list; None when there is none."""
+        block = fl.best_fit(stream, size, self._max_split)
+        if block is None or (block.size >= self._max_split and self._refuses(block.size, size)):
+            return None
+        fl.remove(block)
+        return block
+
     def _slow_expandable(self, fl: FreeList, size: int, stream: int, nbytes: int) -> Block:
         """``_slow_block`` for the ordinary pool with expandable segments: grow the stream's
         segment; out of memory and no capture underway, wait for pending stream uses, look
-        in the cache again, release the cache (``empty_cache``'s work) and grow again."""
+        in the cache again, release the cache (``empty_cache``'s work), look again (the release
+        merges blocks other streams took over back into this one's) and grow again."""
         block = None if self._world.active else self._take_idle(fl, size, stream)
         if block is None:
             block = self._grow(fl, size, stream)
         if block is None and not self._world.active:
             block = self._before_retry(fl, size, stream)
+            if block is None:  # the release gave blocks taken over back to this stream, merged
+                block = self._cached_fit(fl, size, stream)
             if block is None:  # the release synchronized: streams busy before may be idle now
                 block = self._take_idle(fl, size, stream)
             if block is None:
