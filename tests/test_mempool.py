@@ -267,7 +267,6 @@ def test_a_graph_keeps_a_dropped_mempools_pool(backend: Any) -> None:
     assert pid not in {pool.id for pool in a.private_pools()}
 
 
-
 def test_use_mem_pool_of_a_dropped_mempools_id_is_refused_while_its_pool_lives_on(backend: Any) -> None:
     """A MemPool dropped (collected) while a block of it lives: its pool stays on the device for
     that block, but no MemPool owns it. Entering it by id (use_mem_pool's allocator call) is
