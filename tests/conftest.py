@@ -23,10 +23,33 @@ from gpu_guard import cuda_unusable, pytest_runtest_makereport  # noqa: F401
 from graphpool import runtime
 from simenv import settle
 
+
+def pin_mined_constants() -> bool:
+    """Leave out of hypothesis's draws the literals it mines from the local modules loaded;
+    False where this hypothesis has no such mining (or names it otherwise).
+
+    ``derandomize`` fixes hypothesis's random choices, but hypothesis (6.131 on) also draws
+    now and then from the integer and string literals of every local module in
+    ``sys.modules`` (src and tests alike). So the examples a property test drew depended on
+    which modules the run had imported: a test file run alone drew other examples than the
+    whole suite, and a literal edited in any module moved CI's examples. Without the mined
+    literals, CI's examples depend only on hypothesis, Python and the test itself, as
+    ``derandomize`` promises (tests/test_suite_setup.py checks it)."""
+    try:
+        from hypothesis.internal.conjecture import providers
+
+        empty = type(providers._local_constants)()
+    except (ImportError, AttributeError):
+        return False
+    providers._get_local_constants = lambda: empty
+    return True
+
+
 # CI runs the property tests on fixed examples (a red CI blocks landing); elsewhere they explore.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+    pin_mined_constants()
 
 
 def pytest_report_header() -> str:

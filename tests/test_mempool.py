@@ -269,6 +269,38 @@ def test_a_graph_keeps_a_dropped_mempools_pool(backend: Any) -> None:
     assert pid not in {pool.id for pool in a.private_pools()}
 
 
+def test_use_mem_pool_of_a_dropped_mempools_id_is_refused_while_its_pool_lives_on(backend: Any) -> None:
+    """A MemPool dropped (collected) while a block of it lives: its pool stays on the device for
+    that block, but no MemPool owns it. Entering it by id (use_mem_pool's allocator call) is
+    refused with a ValueError that says so, as it is once the pool has gone, and changes
+    nothing: the thread's next allocation comes from outside the pool."""
+    p = gp.MemPool()
+    pid = p.id
+    with gp.use_mem_pool(p):
+        buf = gp.alloc(4096)
+    del p
+    gc.collect()
+    a = runtime.allocator(gp.current_device())
+    assert pid not in mempools and pid in {q.id for q in a.private_pools()}
+    before = gp.memory_stats(pool=pid)
+    assert before["use_count"] == 0 and before["allocated_bytes.all.current"] == buf.nbytes
+    with pytest.raises(ValueError) as info:
+        a.enter_pool(pid)
+    assert str(info.value) == (
+        f"{tuple(pid)} is not the id of a live MemPool: that MemPool was dropped (collected); "
+        "its pool lives on only for its users"
+    )
+    out = gp.alloc(4096)  # no entry was left: the ordinary pool serves
+    assert gp.memory_stats(pool=pid) == before
+    out.free()
+    buf.free()
+    gp.empty_cache()
+    assert pid not in {q.id for q in a.private_pools()}
+    with pytest.raises(ValueError, match=r"is not the id of a live MemPool$"):
+        a.enter_pool(pid)
+    gp.check_invariants()
+
+
 def test_a_live_pool_keeps_its_cache_until_the_device_is_full(backend: Any) -> None:
     """As PyTorch's: empty_cache (and gp.graph's, as a capture begins) leaves a live MemPool its
     free segments; the out-of-memory retry takes the eager side's back; dropping the pool

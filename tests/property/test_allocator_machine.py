@@ -1425,8 +1425,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             side.a.exit_pool(side.stack.pop())
 
     def mempool_enter(self, d: int, data: st.DataObject, bad: str | None) -> None:
-        """``use_mem_pool`` entered (nests); a graph pool's id or a dropped MemPool's with no pool
-        left is refused (ValueError) and changes nothing."""
+        """``use_mem_pool`` entered (nests); a graph pool's id or a dropped MemPool's (whether or
+        not its pool lives on for its users) is refused (ValueError) and changes nothing."""
         side = self.sides[d]
         a = side.a
         if bad == "graph":
@@ -1439,13 +1439,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         existed = pid in side.pool_ids()
         mp = self.mps.get(pid)
         if mp is None or not mp.alive:
-            if mp is not None and existed:
-                return  # (a dropped MemPool's pool that still exists: not use_mem_pool's case)
             before = (a.memory_stats(), sorted((p.id, p.use_count) for p in a.private_pools()))
             with pytest.raises(ValueError):
                 a.enter_pool(pid)
             assert (a.memory_stats(), sorted((p.id, p.use_count) for p in a.private_pools())) == before
             reached("MemPool: use_mem_pool of no live MemPool refused")
+            if mp is not None and existed:
+                reached("MemPool: use_mem_pool of a dropped MemPool whose pool lives on refused")
             return
         a.enter_pool(pid)
         side.stack.append(pid)

@@ -14,13 +14,17 @@ its own, only facts any configuration must keep, checked after every step:
 * no two live allocations overlap, and none is handed out over memory whose last use on
   another stream may still run (a free's stream and its ``record_stream`` users: each must
   have finished the work queued by the free, unless it is the new allocation's stream);
-* an ordinary block freed during a registered capture that it existed before is handed to
-  nobody while that capture's graph may still run;
+* an ordinary block freed while captures are registered (allocated before them or during
+  them) is handed to nobody while any of their graphs may still run;
 * a registered capture's allocations come from its private pool, every other from the
   ordinary pool; limits hold for every segment or mapping made (reserved memory grows only
   up to the binding cap);
 * while a capture is registered the device sees no event query, synchronize, free or unmap,
   and ``empty_cache`` refuses; the capture mode is always restored;
+* the model knows every capture the allocator registered: one begun outside graphpool is
+  adopted by a hook, by detection at an allocation, and before an event is recorded on a
+  stream capturing in it (a free's ``record_stream`` users; the events of frees deferred
+  during a capture, recorded when it ends or its graph is released);
 * everything goes back at the end.
 
 ``REACH`` counts the risky paths reached (``test_config_machine_reaches_its_risky_paths``);
@@ -117,7 +121,7 @@ class Use:
 
 @dataclass
 class Kept:
-    """An ordinary block freed during captures it existed before: theirs until released."""
+    """An ordinary block freed while captures were registered: their graphs' until released."""
 
     lo: int
     hi: int
@@ -249,8 +253,9 @@ class ConfigMachine(RuleBasedStateMachine):
             assert after["num_ooms"] == before["num_ooms"] + 1
             hit = "a limit was hit" in str(err)
             # refused by a limit or the device; or a stream's expandable segment, which never
-            # grows past the device's size, would have had to
-            full = a.sizes.expandable_segments and after["reserved_bytes.all.current"] + nbytes > BUDGET
+            # grows past the device's size, would have had to (for the rounded request: with
+            # roundup_power2_divisions, more than ``nbytes``)
+            full = a.sizes.expandable_segments and after["reserved_bytes.all.current"] + rounded > BUDGET
             assert hit or dev.refused > refused or nbytes > BUDGET or full, "out of memory, nothing refused"
             if hit:
                 reached("limit refused")
@@ -412,6 +417,7 @@ class ConfigMachine(RuleBasedStateMachine):
         self.alloc.end_capture(cap.rec)
         cap.ended = True
         self.graphs.append(cap)
+        self._registered(self.count)
         self._stopped()
         self.empty_cache()
 
@@ -451,10 +457,12 @@ class ConfigMachine(RuleBasedStateMachine):
         self._registered(self.count)
         marks = {x: self.dev.queued.get(x, 0) for x in v.uses | {v.stream}}
         self.uses.append(Use(ptr, ptr + v.size, v.stream, marks))
-        if not v.private:
-            caps = [c for c in self.caps.values() if v.seq <= c.began]
-            if caps:
-                self.kept.append(Kept(ptr, ptr + v.size, caps))
+        if not v.private and self.caps:
+            # kept for every registered capture's graph, whether the block existed before the
+            # capture began or was allocated during it (graphpool cannot see which addresses
+            # a captured kernel touches)
+            self.kept.append(Kept(ptr, ptr + v.size, list(self.caps.values())))
+            if any(v.seq <= c.began for c in self.caps.values()):
                 reached("kept block held while its graph lives")
         self._after_call(calls, before)
 
@@ -578,6 +586,9 @@ class ConfigMachine(RuleBasedStateMachine):
             if cap is not None:
                 cap.ended = True
                 self.graphs.append(cap)
+        # the end records the events of frees deferred during the capture: a user stream that
+        # captures now, outside graphpool, has its capture adopted first
+        self._registered(self.count)
         self._stopped()
 
     @rule(data=st.data())
@@ -594,6 +605,7 @@ class ConfigMachine(RuleBasedStateMachine):
             self.alloc.release_capture(cap.rec)
         self.alloc.memory_stats()  # the release is polled
         cap.released = True
+        self._registered(self.count)  # (the kept blocks' events may find a capture to adopt)
 
     # ------------------------------------------------------------- invariants
     @invariant()
@@ -606,6 +618,10 @@ class ConfigMachine(RuleBasedStateMachine):
         assert st_["allocation.all.current"] == len(self.live)
         assert st_["allocated_bytes.all.current"] == sum(v.size for v in self.live.values())
         assert dev.used == st_["reserved_bytes.all.current"], "the device and the allocator disagree"
+        registered = {cid: id(rec) for cid, rec in a._captures.items()}
+        assert registered == {cid: id(c.rec) for cid, c in self.caps.items()}, (
+            "the model and the allocator disagree on the registered captures"
+        )
         mapped = sum(len(g) for _, g in dev.reserved.values()) * dev.GRAN
         assert st_["expandable_mapped_bytes"] == mapped
         assert dev.mode == CAPTURE_MODE_GLOBAL, "capture mode not restored"
@@ -658,6 +674,91 @@ class ConfigMachine(RuleBasedStateMachine):
         assert st_["reserved_bytes.all.current"] == 0 and dev.used == 0, "memory not given back"
         assert st_["active.all.current"] == 0
         assert [p for p in a.private_pools() if p.use_count] == []
+
+
+class _Draws:
+    """Feeds fixed values to a rule's ``data`` argument (a replayed example)."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object, label: object = None) -> object:
+        return self.values.pop(0)
+
+
+def _replayed(oversize: bool) -> ConfigMachine:
+    """The start both examples below share: a graphpool capture on stream 1 (with
+    ``oversize``, stream 0 then allocates and frees a large block and fills the device), then
+    a block of stream 0, used on the busy stream 3 (``record_stream``) and freed during that
+    capture (its events deferred until no capture is underway), then the device filled on
+    stream 0."""
+    m = ConfigMachine()
+    m.configure(
+        expandable=False, max_split=None, divisions=0, gc=0.0, fraction=None, nbytes=None, detect=False
+    )
+    m.begin_capture(stream=1, shared=False)
+    if oversize:
+        m.fill_past_an_oversize_block(stream=0, big=82000)
+    m.fill_while_a_block_waits(stream=0, user=3, size=3000)
+    m.sound()
+    return m
+
+
+def test_model_knows_a_capture_adopted_when_another_ends() -> None:
+    """A found example (CI's examples, run alone): a framework begins a capture on stream 3,
+    unseen (no hook, no allocation in it); ending the graphpool capture flushes the deferred
+    free's events, and the flush asks stream 3 before recording there and adopts that
+    capture (so no event goes into it). The model must take it in, and end and release it at
+    the teardown, else it reports the adopted pool's use count as a leak."""
+    m = _replayed(False)
+    m.foreign_begin(stream=3, hook=False)
+    m.sound()
+    (ours,) = m.caps
+    m.stop_capture(data=_Draws(ours), how="end")  # type: ignore[arg-type]
+    m.sound()
+    ((cid, adopted),) = m.caps.items()
+    assert adopted.foreign and adopted.stream == 3 and m.dev.capturing == {3: cid}
+    assert m.alloc._captures == {cid: adopted.rec}
+    m.teardown()
+
+
+def test_model_keeps_a_block_allocated_and_freed_during_a_capture_for_its_graph() -> None:
+    """A found example (CI's examples, run alone): the block of stream 0 was allocated during
+    the capture and freed during it, so it is kept for that capture's graph (graphpool cannot
+    see which addresses a captured kernel touches), not only for its users' events. With the
+    graph alive, filling stream 0 again runs out of memory with that block still kept: the
+    model must not expect the out-of-memory retry to find it."""
+    m = _replayed(True)
+    (ours,) = m.caps
+    rec = m.caps[ours].rec
+    m.stop_capture(data=_Draws(ours), how="end")  # type: ignore[arg-type]
+    m.sound()
+    ooms = m.stats()["num_ooms"]
+    m.fill_while_a_block_waits(stream=0, user=1, size=3000)  # out of memory at once
+    m.sound()
+    assert m.stats()["num_ooms"] == ooms + 1
+    # the oversize block and the record_stream'd one, both allocated during the capture and
+    # freed during it, are kept for its graph: the model and the allocator agree
+    assert len(m.graphs) == 1 and not m.caps and [k.caps for k in m.kept] == [m.graphs] * 2
+    assert sorted((b.ptr, b.ptr + b.size) for b in rec.kept) == sorted((k.lo, k.hi) for k in m.kept)
+    m.teardown()
+
+
+def test_model_lets_an_expandable_segment_refuse_a_rounded_request_past_the_device() -> None:
+    """A found example (CI's examples with other test modules loaded): with
+    ``roundup_power2_divisions`` a request of 98,305 bytes rounds to 128 KiB, which the
+    stream's expandable segment (128 KiB mapped, the device 234 KiB) cannot grow to hold:
+    out of memory with no driver call, which the model must allow for the rounded size, not
+    only for ``nbytes``."""
+    m = ConfigMachine()
+    m.configure(expandable=True, max_split=None, divisions=2, gc=0.0, fraction=0.7, nbytes=None, detect=False)
+    m.fill_device(stream=0, nbytes=60000)
+    m.sound()
+    ooms, refused = m.stats()["num_ooms"], m.dev.refused
+    m.oversize_then_smaller(stream=0, big=98305, small=5000, to=0)
+    m.sound()
+    assert m.stats()["num_ooms"] == ooms + 1 and m.dev.refused == refused
+    m.teardown()
 
 
 def _settings() -> settings:

@@ -339,13 +339,25 @@ class Captures(Heap):
 
     def _enter_pool(self, pool_id: PoolId, ident: int) -> None:
         """Thread ``ident`` enters ``use_mem_pool`` of the MemPool ``pool_id``: its eager
-        allocations on this device come from that pool until it exits. Counts as a use."""
+        allocations on this device come from that pool until it exits. Counts as a use.
+
+        Only a live MemPool's pool is entered. A dropped (collected) MemPool's pool may live on
+        here for its remaining users (live blocks, graphs), but no MemPool owns it any more: it
+        goes once they do. Entering it would succeed or fail by whether such a leftover
+        happened to exist, and would send new allocations to a pool about to go; so the id of a
+        dropped MemPool is refused whether or not its pool is still here (ValueError, nothing
+        changed)."""
         if self._pending:
-            self._drain()
+            self._drain()  # (a drop queued by the MemPool's finalizer is carried out first)
         pool = self._pools.get(pool_id)
+        if pool_id not in mempools and (pool is None or pool.eager_small is not None):
+            why = (
+                ""
+                if pool is None
+                else ": that MemPool was dropped (collected); its pool lives on only for its users"
+            )
+            raise ValueError(f"{tuple(pool_id)} is not the id of a live MemPool{why}")
         if pool is None:
-            if pool_id not in mempools:
-                raise ValueError(f"{tuple(pool_id)} is not the id of a live MemPool")
             pool = self._make_pool(pool_id)
         if pool.eager_small is None:
             raise ValueError(
