@@ -115,9 +115,15 @@ def test_a_bad_free_is_reported_never_raised(lib: Any, monkeypatch: pytest.Monke
     assert len(seen) == 1 and type(seen[0].exc_value).__name__ == "ForeignPointerError"
     s = gp.Stream()
     p = lib.graphpool_torch_malloc(512, 0, s.handle)
-    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # queued (a tensor dropped) ...
+    gp.memory_stats()  # ... and carried out at this call
     lib.graphpool_torch_free(p, 512, 0, s.handle)  # twice
     assert len(seen) == 2 and type(seen[1].exc_value).__name__ == "DoubleFreeError"
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # the first still queued: found when carried out
+    with pytest.warns(RuntimeWarning, match="DoubleFreeError"):
+        gp.memory_stats()
     gp.check_invariants()
 
 
@@ -371,3 +377,38 @@ def test_without_the_compiled_shim_the_message_says_how_to_get_it(monkeypatch: p
     )
     monkeypatch.setattr(gtorch, "_shim", _FakeShim)
     assert gtorch.library_path() == "/the/shim.so"
+
+
+def test_a_tensor_dropped_during_a_capture_not_yet_detected_is_kept_for_its_graph() -> None:
+    """PyTorch frees a tensor when it dies, maybe during a capture graphpool has not detected
+    yet (no allocation since it began). The hooks queue that free (``CachingAllocator.drop``),
+    and the capture's first allocation detects the capture before carrying it out, so the
+    block the graph writes is kept for the graph: the eager allocation after gets other memory."""
+    import graphpool.torch as gtorch
+    from graphpool.device.protocol import CAPTURE_MODES
+
+    gp.set_backend("sim")
+    malloc, free = gtorch.hooks()
+    dev = runtime.get().device(gp.current_device())
+    s = gp.Stream()
+    w = malloc(4096, 0, s.handle)
+    s.synchronize()
+    dev.begin_capture(s.handle, CAPTURE_MODES["relaxed"])
+    dev.memset(w, 5, 4096, s.handle)  # the graph writes w
+    free(w, 4096, 0, s.handle)  # the tensor dies: queued
+    t = malloc(4096, 0, s.handle)  # the capture's first allocation: detected here
+    graph = dev.end_capture(s.handle)
+    exe = dev.instantiate(graph)
+    y = malloc(4096, 0, s.handle)
+    assert y != w  # w is the graph's
+    dev.memset(y, 7, 4096, s.handle)
+    dev.launch(exe, s.handle)
+    s.synchronize()
+    assert set(dev.read(y, 4096, s.handle)) == {7}  # the replay wrote w, not y
+    for p in (t, y):
+        free(p, 4096, 0, s.handle)
+    dev.destroy_graph_exec(exe)
+    dev.destroy_graph(graph)
+    gp.synchronize()
+    gp.empty_cache()
+    gp.check_invariants()

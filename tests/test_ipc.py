@@ -455,9 +455,10 @@ def test_cupy_arrays_shared_between_two_processes() -> None:
             arr = cupy.arange(10_000, dtype=cupy.float32)
             buf = gcupy.buffer_of(arr)
             cupy.cuda.runtime.deviceSynchronize()
+            before = arr.get().tobytes()
             key = w.call("open", buf.ipc_handle())[0]
-            seen = w.call("cupy", key, "float32")
-            assert seen[: arr.nbytes] == arr.get().tobytes()
+            seen = w.call("cupy", key, "float32")  # what the other process read, before doubling
+            assert seen[: arr.nbytes] == before
             assert bool((arr == cupy.arange(10_000, dtype=cupy.float32) * 2).all())
             w.call("close", key)
             del arr, buf

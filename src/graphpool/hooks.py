@@ -3,8 +3,10 @@
 CuPy (``graphpool.cupy``, through CuPy's ``PythonFunctionAllocator``) and PyTorch
 (``graphpool.torch``, through the C++ shim) call ``malloc`` and ``free`` here once per array
 or tensor. They name a stream by its raw handle and a block by its address, so these call the
-allocator's raw ``malloc`` and ``free_owned`` directly: no DeviceBuffer, no graphpool Stream
-object, no finalizer queue.
+allocator's raw ``malloc`` and ``drop`` directly: no DeviceBuffer, no graphpool Stream
+object. A free comes when the framework's array or tensor dies, so it is queued for the next
+allocator call (``drop``), as a dropped DeviceBuffer's: that call asks about captures first,
+and a block dropped during a capture graphpool has not detected yet is kept for its graph.
 
 Each hook object keeps the route it used last: the framework's (device, raw handle), the
 allocator and graphpool's handle for it, and the routing generation read before the route
@@ -99,7 +101,7 @@ class CupyHooks:
         a = self._allocs.get(device)
         if a is None:
             raise ValueError(f"graphpool.cupy: 0x{ptr:x} on device {device} was not allocated by graphpool")
-        a.free_owned(ptr)
+        a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
 
 
 class TorchHooks:
@@ -130,12 +132,12 @@ class TorchHooks:
         return route.alloc.malloc(size, stream=route.handle)
 
     def free(self, ptr: int, size: int, device: int, stream: int) -> None:
-        """Give back the block at ``ptr``; never waits for another thread (``free_owned``)."""
+        """Give back the block at ``ptr`` (PyTorch dropped its tensor): queued for the next call."""
         a = self._allocs.get(device)
         if a is None:
             a = self._allocator(device)
             self._allocs[device] = a
-        a.free_owned(ptr)
+        a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
 
 
 __all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks"]

@@ -76,9 +76,9 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
     PyTorch's own allocator gives). After ``set_backend`` replaced that runtime it refuses
     (RuntimeError): PyTorch keeps this allocator for the process, and a replaced backend's
     addresses are not the new one's. ``free(ptr, size, device, stream)`` gives the block back
-    to the allocator that made it, whatever runtime is current, and never waits for another
-    thread's call (``free_owned``: PyTorch frees from destructors, possibly inside a graphpool
-    call).
+    to the allocator that made it, whatever runtime is current, queued for its next call
+    (``drop``: PyTorch frees from destructors, possibly inside a graphpool call, and a tensor
+    dropped during a capture not yet detected is kept for that graph).
     """
     if rt is not None and not isinstance(rt, runtime.Runtime):
         raise TypeError(f"hooks(rt): rt must be a graphpool runtime (graphpool.runtime.get()), not {rt!r}")

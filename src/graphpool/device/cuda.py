@@ -102,8 +102,19 @@ def _load() -> Any:
 
 
 def _cuda_error(call: str, code: int) -> CUDAError:
-    """The CUDAError for a driver result ``code`` (CUresult), for the C module."""
+    """The CUDAError for a driver result ``code`` (CUresult), for the C module: named as the
+    runtime names that code (the runtime's error codes are the driver's), so an error reads the
+    same whichever path raised it (cudaErrorStreamCaptureUnsupported, not
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); the driver's name where the runtime has none."""
     name, meaning = f"CUresult {code}", ""
+    try:
+        err, text = _rt.cudaGetErrorName(_rt.cudaError_t(code))
+        if not err and text:
+            name = text.decode()
+            err, text = _rt.cudaGetErrorString(_rt.cudaError_t(code))
+            return CUDAError(call, code, name, text.decode() if not err and text else "")
+    except Exception:
+        pass
     try:
         from cuda.bindings import driver
 

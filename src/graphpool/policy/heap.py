@@ -254,6 +254,22 @@ class Heap:
         block = self._active.get(ptr)
         return block if block is not None else self._owned_at(ptr)
 
+    def drop(self, ptr: int) -> None:
+        """Queue the free of the raw allocation at ``ptr`` whose owner was collected (a CuPy
+        memory object, a PyTorch tensor), as a DeviceBuffer's finalizer queues its own: it is
+        carried out at the next allocator call, after that call's capture query, so a block
+        dropped during a capture graphpool has not seen yet is kept for that graph instead of
+        going back to the cache at once. Lock-free and no device call; an address that is no
+        live allocation is refused at once, with ``free``'s error."""
+        if type(ptr) is int and ptr in self._active:
+            self._pending.append(ptr)
+        else:
+            self.free_owned(ptr)  # raises: not a live allocation (or frees an owned block)
+
+    def free_owned(self, ptr: object) -> None:  # pragma: no cover - CachingAllocator defines it
+        """Free a live allocation now, under the lock (allocator.py defines it)."""
+        raise NotImplementedError
+
     def _live_block(self, ptr: object) -> Block | None:
         """The live allocation ``ptr`` names: a Block of ``malloc_owned`` still owned, or the
         raw allocation filed at address ``ptr``."""

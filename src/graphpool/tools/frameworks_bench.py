@@ -298,7 +298,7 @@ def _cuda_core_worker(side: str, number: int, rounds: int) -> dict[str, list[flo
         mr = gcc.GraphpoolMemoryResource(0)
 
     def one() -> None:
-        mr.allocate(4096, stream).close(stream)
+        mr.allocate(4096, stream=stream).close(stream)
 
     return {"allocate(4096, stream) + close(stream)": _timed(one, number, rounds, stream.sync)}
 
