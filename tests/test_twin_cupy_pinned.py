@@ -94,6 +94,10 @@ def hazard(cp: Any) -> int:
         wrong = int((cp.asnumpy(d) != 1.0).sum())
     del graph, eager
     gc.collect()
+    # Let graphpool notice the capture's end while its stream exists (README, "Limits of
+    # detection"): a stream destroyed first may still be asked about, which crashes the driver.
+    gp.pinned_memory_stats()
+    gp.memory_stats()
     return wrong
 
 
