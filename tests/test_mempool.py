@@ -788,7 +788,7 @@ def test_a_mempool_collected_while_a_device_makes_its_pool_is_dropped_there_too(
     pool counted the MemPool's use for good (its finalizer had passed it by), so the pool and
     its segments stayed after the graph was gone."""
     if runtime.get().count < 2:
-        pytest.skip("needs two devices")
+        pytest.skip("host has too few GPUs: needs two devices")
     p = gp.MemPool()  # made on device 0
     pid = p.id
     mempools[pid].places = _CollectsInside(mempools[pid].places)
