@@ -133,7 +133,15 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
             else:
                 self.device_id = _device()
                 self.ptr = _sim(self.device_id).create_stream()
+                self._made = True  # CuPy destroys the streams it made when they are collected
             self._prev: list[Stream] = []
+
+        def __del__(self) -> None:
+            if getattr(self, "_made", False):
+                try:
+                    _sim(self.device_id).destroy_stream(self.ptr)
+                except Exception:  # (CuPy ignores a failed destroy in its deallocator too)
+                    pass
 
         def use(self) -> Stream:
             streams = getattr(tls, "streams", None)
