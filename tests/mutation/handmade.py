@@ -42,6 +42,7 @@ T_SB = "tests/test_streams_buffers.py::"
 T_FID = "tests/sim/test_fidelity.py::"
 T_CUPY = "tests/test_twin_cupy_capture.py::"
 SIM = "sim/device.py"
+SIM_MEMORY = "sim/memcalls.py"
 
 MUTANTS = (
     Mutant(
@@ -184,7 +185,7 @@ MUTANTS = (
     ),
     Mutant(
         "simulator: vmm_unmap does not wait for queued work",
-        SIM,
+        SIM_MEMORY,
         '            capture.check_unsafe("cuMemUnmap")\n            interrupted = self._wait_uninterrupted()\n',
         '            capture.check_unsafe("cuMemUnmap")\n            interrupted = None\n',
         (T_FID + "test_vmm_unmap_waits_for_the_queued_work",),
@@ -212,7 +213,7 @@ MUTANTS = (
     ),
     Mutant(
         "simulator: free does not wait for queued work",
-        SIM,
+        SIM_MEMORY,
         "            interrupted = self._wait_uninterrupted()\n            self._mem.release(ptr)",
         "            interrupted = None\n            self._mem.release(ptr)",
         (T_FID + "test_free_waits_for_the_queued_work",),
@@ -380,14 +381,14 @@ MUTANTS = (
     ),
     Mutant(
         "simulator: malloc during a capture allowed",
-        SIM,
+        SIM_MEMORY,
         '            capture.check_unsafe("cudaMalloc")\n',
         "",
         (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
     ),
     Mutant(
         "simulator: free during a capture allowed",
-        SIM,
+        SIM_MEMORY,
         '            capture.check_unsafe("cudaFree")\n',
         "",
         (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
