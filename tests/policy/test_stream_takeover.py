@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 from fakedevice import SHRUNK, FakeDevice
 
+from graphpool.errors import OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.private_pools import PoolId
 
@@ -430,4 +431,21 @@ def test_after_the_out_of_memory_release_the_stream_maps_what_came_back() -> Non
     assert (st["num_alloc_retries"], st["num_ooms"], _reserved(a)) == (1, 0, 4 * g)
     a.check_invariants()
     a.free(y)
+    a.check_invariants()
+
+
+def test_an_expandable_out_of_memory_names_the_granules_it_asked_for() -> None:
+    """The message of an out of memory with expandable segments names the mapping refused
+    (the request rounded to granules), not only the request; its history event, the stream."""
+    g = 8 * 1024  # SHRUNK's granule
+    dev = FakeDevice(total=2 * g, streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    a.record_history(100, stacks=False)
+    x = a.malloc(2 * g, stream=A)  # the device is full
+    with pytest.raises(OutOfMemoryError, match=r"tried to allocate 6\.00 KiB \(a new segment of 8\.00 KiB\)"):
+        a.malloc(6 * 1024, stream=A)
+    [oom] = [e for e in a.history_snapshot()[1] if e["action"] == "oom"]
+    assert (oom["size"], oom["stream"], oom["pool_id"]) == (6 * 1024, A, None)  # the history names its stream
+    a.free(x)
     a.check_invariants()
