@@ -735,6 +735,78 @@ def test_oom_retry_waits_for_pending_events_before_release() -> None:
     ok(a)
 
 
+def test_oom_retry_takes_the_block_a_completed_stream_use_freed_and_releases_nothing() -> None:
+    """Refused, the retry first waits for pending stream uses: a block of this stream they
+    freed that fits is taken, with no cache release and no retry counted."""
+    dev, a = make(total=8192, sizes=SHRUNK)
+    p = a.malloc(8192, stream=S1)  # the whole device (its least segment, after a retry)
+    a.record_stream(p, S2)
+    a.free(p)  # waiting on an event
+    n = len(dev.calls)
+    q = a.malloc(8192, stream=S1)  # refused -> events synchronized -> p's block fits
+    assert q == p and dev.calls[n:] == ["query", "malloc", "sync"]  # no release, no second ask
+    st = a.memory_stats()
+    assert (st["num_alloc_retries"], st["num_ooms"], st["num_device_free"]) == (1, 0, 0)  # 1: p's
+    ok(a)
+
+
+def test_oom_retry_never_hands_a_completed_stream_uses_oversize_block_to_a_smaller_request() -> None:
+    """The block a completed stream use freed is taken by the retry only as the split rules
+    allow: one of exactly max_split_size is oversize, so a smaller request releases it instead."""
+    import dataclasses
+
+    m = 6 * 8192  # max_split_size; SHRUNK's large segments round to 8 KiB
+    _, a = make(total=m + 8192, sizes=dataclasses.replace(SHRUNK, max_split_size=m))
+    p = a.malloc(m, stream=S1)  # one unsplit segment of exactly m
+    a.record_stream(p, S2)
+    a.free(p)  # waiting on an event
+    q = a.malloc(8192, stream=S1)  # a 40 KiB segment refused; the retry frees p, refuses it, releases it
+    assert q != p and a.lookup(p) is None
+    st = a.memory_stats()
+    assert (st["num_alloc_retries"], st["num_device_free"], st["reserved_bytes.all.current"]) == (1, 1, 40960)
+    a.free(q)
+    ok(a)
+
+
+def test_oom_retry_hands_a_completed_stream_uses_oversize_block_to_a_request_as_large() -> None:
+    """A request of max_split_size or more may take an oversize block that wastes less than
+    max_non_split_rounding: the block a completed stream use freed is taken, nothing released."""
+    import dataclasses
+
+    m = 6 * 8192  # max_split_size
+    _, a = make(total=m + 8192, sizes=dataclasses.replace(SHRUNK, max_split_size=m))
+    p = a.malloc(m, stream=S1)
+    a.record_stream(p, S2)
+    a.free(p)  # waiting on an event
+    assert a.malloc(m, stream=S1) == p  # refused; the retry's wait frees p, which fits
+    assert a.memory_stats()["num_device_free"] == 0
+    ok(a)
+
+
+def test_a_private_pools_retries_are_counted_in_its_own_statistics() -> None:
+    """Each out-of-memory retry of an allocation routed to a MemPool's pool counts once in
+    the pool's statistics and once in the device's."""
+    from graphpool.policy.private_pools import PoolSpec, mempools
+
+    _, a = make(total=4 * MiB)
+    pid = PoolId(0, 994)
+    mempools[pid] = PoolSpec(None, False)
+    try:
+        a.ensure_pool(pid)
+        c = a.malloc(512, stream=S2)  # the ordinary pool holds 2 MiB of the 4
+        a.enter_pool(pid)
+        for n in (1, 2):
+            with pytest.raises(OutOfMemoryError):
+                a.malloc(3 * MiB, stream=S1)  # refused, retried once, refused again
+            assert a.memory_stats(pid)["num_alloc_retries"] == n
+        a.exit_pool(pid)
+        assert a.memory_stats()["num_alloc_retries"] == 2
+        a.free(c)
+        ok(a)
+    finally:
+        mempools.pop(pid, None)
+
+
 def test_oom_asks_the_driver_again_only_for_a_smaller_segment() -> None:
     """A small request's least segment is its usual one: after the refusal and the retry
     (once the cache is released) the driver is not asked a third time."""

@@ -19,6 +19,7 @@ import dataclasses
 import pytest
 from fakedevice import SHRUNK, FakeDevice
 
+from graphpool.errors import OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.private_pools import PoolId
 
@@ -168,6 +169,7 @@ def test_after_the_out_of_memory_release_an_idle_stream_is_asked_again() -> None
     a.free(p)  # A may still use p: not B's yet
     assert a.malloc(2 * g, stream=B) == p  # a new segment for B would need 2 granules, 1 is free
     assert a.memory_stats()["num_alloc_retries"] == 1
+    assert a.lookup(p).stream == B  # type: ignore[union-attr]  # taken over for B
     a.check_invariants()
     a.free(p)
     a.free(keep)
@@ -387,4 +389,63 @@ def test_after_the_retrys_release_a_stream_uses_what_came_back_to_it_before_mapp
     a.check_invariants()
     a.free(x)
     a.free(live)
+    a.check_invariants()
+
+
+def test_the_retrys_look_in_the_cache_spares_a_segments_free_end() -> None:
+    """Out of memory, the retry waits for pending stream uses and takes a fitting block they
+    freed by the usual best fit: a hole between live blocks before the segment's free end."""
+    dev = FakeDevice(total=24 * 1024, streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    hole = a.malloc(10240, stream=A)
+    live = a.malloc(5120, stream=A)
+    end = a.malloc(9216, stream=A)  # the device is full: 3 granules of 8 KiB mapped
+    dev.queue_work(B)
+    a.record_stream(hole, B)
+    a.record_stream(end, B)
+    a.free(hole)
+    a.free(end)  # both wait for B's work
+    x = a.malloc(8192, stream=A)  # nothing to map: the retry's wait frees both; end fits best
+    assert x == hole and _reserved(a) == 24 * 1024
+    assert a.memory_stats()["num_alloc_retries"] == 0
+    a.check_invariants()
+    a.free(x)
+    a.free(live)
+    a.check_invariants()
+
+
+def test_after_the_out_of_memory_release_the_stream_maps_what_came_back() -> None:
+    """A busy stream's free segment cannot be taken over; the retry's release unmaps it, and
+    the requesting stream then maps its own in that room."""
+    g = 8 * 1024  # SHRUNK's granule
+    dev = FakeDevice(total=4 * g, streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    x = a.malloc(4 * g, stream=A)  # the device is full
+    dev.queue_work(A)
+    a.free(x)  # A busy: not B's to take
+    y = a.malloc(4 * g, stream=B)  # refused; the release unmaps A's segment; B maps its own
+    assert a.lookup(y).stream == B  # type: ignore[union-attr]
+    st = a.memory_stats()
+    assert (st["num_alloc_retries"], st["num_ooms"], _reserved(a)) == (1, 0, 4 * g)
+    a.check_invariants()
+    a.free(y)
+    a.check_invariants()
+
+
+def test_an_expandable_out_of_memory_names_the_granules_it_asked_for() -> None:
+    """The message of an out of memory with expandable segments names the mapping refused
+    (the request rounded to granules), not only the request; its history event, the stream."""
+    g = 8 * 1024  # SHRUNK's granule
+    dev = FakeDevice(total=2 * g, streams=True)
+    dev.made = {A, B}
+    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    a.record_history(100, stacks=False)
+    x = a.malloc(2 * g, stream=A)  # the device is full
+    with pytest.raises(OutOfMemoryError, match=r"tried to allocate 6\.00 KiB \(a new segment of 8\.00 KiB\)"):
+        a.malloc(6 * 1024, stream=A)
+    [oom] = [e for e in a.history_snapshot()[1] if e["action"] == "oom"]
+    assert (oom["size"], oom["stream"], oom["pool_id"]) == (6 * 1024, A, None)  # the history names its stream
+    a.free(x)
     a.check_invariants()
