@@ -1053,3 +1053,17 @@ def test_a_lock_that_cannot_say_who_holds_it_is_taken_as_not_held() -> None:
     assert _owned(reentrant) is False
     with reentrant:
         assert _owned(reentrant) is True
+
+
+def test_the_framework_hooks_free_and_the_drop_are_handoffs() -> None:
+    """Plain build: a CuPy array's or PyTorch tensor's free hands its block to the allocator's
+    queue outside the lock (``CupyHooks.free``, ``TorchHooks.free``, ``Heap.drop``), so a
+    guarded signal landing there waits until the block is queued. Compiled, they have no
+    bytecode and nothing is registered."""
+    from graphpool.hooks import CupyHooks, TorchHooks
+    from graphpool.policy.heap import Heap
+
+    for fn in (CupyHooks.free, TorchHooks.free, Heap.drop):
+        code = getattr(fn, "__code__", None)
+        if code is not None:  # plain build
+            assert code in interrupts._handoffs, fn

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from graphpool import routing
+from graphpool.policy import interrupts
 from graphpool.routing import Route
 
 if TYPE_CHECKING:
@@ -139,5 +140,9 @@ class TorchHooks:
             self._allocs[device] = a
         a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
 
+
+# Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded
+# signal handler waits until it is there (policy/interrupts.py, "Handoffs").
+interrupts.handoff(CupyHooks.free, TorchHooks.free)
 
 __all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks"]

@@ -31,6 +31,7 @@ from graphpool.errors import (
     DoubleFreeError,
     ForeignPointerError,
 )
+from graphpool.policy import interrupts
 from graphpool.policy.block import Block, ExpandableSegment, iter_segment
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.history import History
@@ -354,3 +355,8 @@ class Heap:
         raise ForeignPointerError(
             f"{what}: 0x{ptr:x} was not allocated by graphpool on device {self.device.index}"
         )
+
+
+# Plain-Python build: a dropped block is on its way to the queue; a guarded signal handler
+# waits until it is there (policy/interrupts.py, "Handoffs"), as for defer_free.
+interrupts.handoff(Heap.drop)
