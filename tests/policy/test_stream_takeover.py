@@ -27,8 +27,8 @@ A, B, C = 11, 12, 13
 BIG = 64 * 1024  # large pool (SHRUNK's small requests end at 4 KiB); 8 granules of 8 KiB
 
 
-def _alloc(expandable: bool = True) -> tuple[FakeDevice, CachingAllocator]:
-    dev = FakeDevice(streams=True)
+def _alloc(expandable: bool = True, total: int = 1 << 34) -> tuple[FakeDevice, CachingAllocator]:
+    dev = FakeDevice(total, streams=True)
     dev.made = {A, B, C}
     a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=expandable))
     return dev, a
@@ -371,9 +371,7 @@ def test_after_the_retrys_release_a_stream_uses_what_came_back_to_it_before_mapp
     """The out-of-memory retry's release gives blocks other streams took over back to their
     segment's stream, merged with its free neighbours; the request then takes that block
     rather than mapping a granule more (here 16 KiB reserved after, not 24 KiB)."""
-    dev = FakeDevice(total=24 * 1024, streams=True)
-    dev.made = {A, B}
-    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    dev, a = _alloc(total=24 * 1024)  # 3 granules of 8 KiB
     live = a.malloc(8704, stream=A)
     small = a.malloc(4608, stream=A)
     end = a.malloc(11264, stream=A)  # the device is full: 3 granules of 8 KiB mapped
@@ -395,9 +393,7 @@ def test_after_the_retrys_release_a_stream_uses_what_came_back_to_it_before_mapp
 def test_the_retrys_look_in_the_cache_spares_a_segments_free_end() -> None:
     """Out of memory, the retry waits for pending stream uses and takes a fitting block they
     freed by the usual best fit: a hole between live blocks before the segment's free end."""
-    dev = FakeDevice(total=24 * 1024, streams=True)
-    dev.made = {A, B}
-    a = CachingAllocator(dev, sizes=dataclasses.replace(SHRUNK, expandable_segments=True))
+    dev, a = _alloc(total=24 * 1024)  # 3 granules of 8 KiB
     hole = a.malloc(10240, stream=A)
     live = a.malloc(5120, stream=A)
     end = a.malloc(9216, stream=A)  # the device is full: 3 granules of 8 KiB mapped
