@@ -1,5 +1,5 @@
 """graphpool.tools.frameworks_bench off the GPU: what it skips and says, and how it pairs the
-sides' runs into ratios (the workers themselves run only on a GPU: benchmarks/gpu_speed.sh)."""
+sides' runs into ratios (the workers themselves run only on a GPU: PART=2 of benchmarks/gpu_stop16.sh)."""
 
 from __future__ import annotations
 
