@@ -10,7 +10,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -253,6 +253,11 @@ def test_pytorch_allocates_through_graphpool() -> None:
     assert out.get("graph") is None, out.get("graph")
     assert out["graph_overwritten"] == 0 and out["graph_result_ok"]
     assert out["graph_private_segments"] >= 1 and out["graph_pool_segments_after_del"] == 0
+    # PyTorch's own memory calls answer for graphpool (graphpool.torch.forward_calls)
+    assert out["torch_allocated_is_graphpools"] and out["torch_reserved_is_graphpools"]
+    assert out["torch_summary"] == "ok: True" and out["torch_peak_reset"]
+    assert out["torch_empty_cache"] == "ok: None" and out["torch_empty_cache_released"] >= 64 << 20
+    assert out["record_stream"] == "ok: None" and out["record_stream_block_held"]
 
 
 def test_hooks_refuse_the_per_thread_default_stream(sim: Any) -> None:
@@ -308,8 +313,6 @@ class _FakeShim:
 
 
 def _fake_torch(refuse: Exception | None) -> Any:
-    import types
-
     seen: dict[str, Any] = {}
 
     def pluggable(path: str, malloc: str, free: str) -> tuple[str, str, str]:
@@ -321,9 +324,13 @@ def _fake_torch(refuse: Exception | None) -> Any:
             raise refuse
         seen["current"] = plugged
 
-    memory = types.SimpleNamespace(CUDAPluggableAllocator=pluggable, change_current_allocator=change)
-    cuda = types.SimpleNamespace(is_available=lambda: True, memory=memory)
-    return types.SimpleNamespace(cuda=cuda, seen=seen)
+    torch = _torch_for_forwarding()
+    for owner in (torch.cuda, torch.cuda.memory):
+        owner.CUDAPluggableAllocator = pluggable
+        owner.change_current_allocator = change
+    torch.cuda.is_available = lambda: True
+    torch.seen = seen
+    return torch
 
 
 @pytest.mark.parametrize("refused", [False, True])
@@ -357,6 +364,8 @@ def test_install_hands_pytorch_the_shims_two_functions(
             gtorch.install()
             assert gtorch.is_installed() and cooperate._served == {"torch"}
             assert torch.seen["current"] == ("/the/shim.so", "graphpool_torch_malloc", "graphpool_torch_free")
+            assert torch.cuda.memory_stats() == gp.memory_stats()  # PyTorch's calls forwarded
+            assert torch.Tensor.record_stream is not _FakeTensorBase.record_stream
         assert torch.seen["pluggable"] == ("/the/shim.so", "graphpool_torch_malloc", "graphpool_torch_free")
         assert len(fake_shim.hooks) == 2 and all(callable(h) for h in fake_shim.hooks)
     finally:
@@ -411,4 +420,108 @@ def test_a_tensor_dropped_during_a_capture_not_yet_detected_is_kept_for_its_grap
     dev.destroy_graph(graph)
     gp.synchronize()
     gp.empty_cache()
+    gp.check_invariants()
+
+
+class _FakeTensorBase:
+    """PyTorch's C tensor type as forward_calls sees it: a ``record_stream`` of its own."""
+
+    recorded: ClassVar[list[Any]] = []
+
+    def record_stream(self, stream: Any) -> None:
+        self.recorded.append(stream)
+
+
+def _torch_for_forwarding() -> Any:
+    """A stand-in for PyTorch's Python memory calls (what forward_calls replaces)."""
+    import types
+
+    calls: list[str] = []
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("CUDAPluggableAllocator does not yet support getDeviceStats")
+
+    memory = types.SimpleNamespace(
+        memory_stats=refused,
+        reset_peak_memory_stats=refused,
+        reset_accumulated_memory_stats=refused,
+        empty_cache=lambda: calls.append("their empty_cache"),
+    )
+    cuda = types.SimpleNamespace(memory=memory, current_device=lambda: 0, **vars(memory))
+    device = lambda text: types.SimpleNamespace(  # noqa: E731
+        type=str(text).split(":")[0], index=int(str(text).split(":")[1]) if ":" in str(text) else None
+    )
+    tensor = type("Tensor", (_FakeTensorBase,), {})
+    return types.SimpleNamespace(cuda=cuda, device=device, Tensor=tensor, calls=calls)
+
+
+def _tensor(torch: Any, ptr: int, device: int = 0) -> Any:
+    import types
+
+    t = torch.Tensor()
+    t.is_cuda = True
+    t.device = types.SimpleNamespace(index=device)
+    t.untyped_storage = lambda: types.SimpleNamespace(data_ptr=lambda: ptr)
+    return t
+
+
+def test_pytorchs_memory_calls_answer_for_graphpool(sim: Any) -> None:
+    """Statistics, peak resets and empty_cache through PyTorch's names reach graphpool's
+    allocator of the device PyTorch means (None, an index, "cuda:0")."""
+    import graphpool.torch as gtorch
+
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch)
+    malloc, free = gtorch.hooks()
+    s = gp.Stream()
+    p = malloc(3 << 20, 0, s.handle)
+    for device in (None, 0, "cuda:0", "cuda"):
+        stats = torch.cuda.memory_stats(device)
+        assert stats == gp.memory_stats() and list(stats) == sorted(stats)
+        assert torch.cuda.memory.memory_stats(device=device)["allocated_bytes.all.current"] == 3 << 20
+    with pytest.raises(ValueError, match="Expected a cuda device"):
+        torch.cuda.memory_stats("cpu")
+    free(p, 3 << 20, 0, s.handle)  # queued (the tensor died)
+    torch.cuda.reset_peak_memory_stats()  # counts that free first: the peak drops to nothing
+    assert gp.max_memory_allocated() == 0
+    q = malloc(512, 0, s.handle)
+    assert gp.max_memory_allocated() == 512
+    torch.cuda.memory.reset_accumulated_memory_stats(0)
+    assert gp.memory_stats()["allocation.all.allocated"] == 0
+    reserved = gp.memory_reserved()
+    torch.cuda.empty_cache()
+    assert torch.calls == ["their empty_cache"]
+    assert gp.memory_reserved() < reserved  # the freed 3 MiB segment went back
+    free(q, 512, 0, s.handle)
+    gp.synchronize()
+    gp.empty_cache()
+    gp.check_invariants()
+
+
+def test_tensor_record_stream_holds_the_block_for_the_other_stream(sim: Any) -> None:
+    """Tensor.record_stream reaches graphpool: the tensor's block, freed, is not handed to
+    its stream again while the recorded stream's work runs. A storage graphpool did not
+    allocate is left alone. PyTorch's own record_stream still runs first."""
+    import graphpool.torch as gtorch
+
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch)
+    malloc, free = gtorch.hooks()
+    s, side = gp.Stream(), gp.Stream()
+    p = malloc(4096, 0, s.handle)
+    t = _tensor(torch, p)
+    dev = runtime.get().device(0)
+    dev.launch_sleep(side.handle, rounds=50)  # type: ignore[attr-defined]
+    stream = type("S", (), {"cuda_stream": side.handle})()
+    _FakeTensorBase.recorded.clear()
+    t.record_stream(stream)
+    assert _FakeTensorBase.recorded == [stream]
+    free(p, 4096, 0, s.handle)
+    q = malloc(4096, 0, s.handle)
+    assert q != p  # side still runs: p waits for it
+    side.synchronize()
+    free(q, 4096, 0, s.handle)
+    assert malloc(4096, 0, s.handle) in (p, q)
+    _tensor(torch, 0xDEAD000).record_stream(stream)  # not graphpool's: nothing happens
+    gp.synchronize()
     gp.check_invariants()

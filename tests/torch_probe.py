@@ -128,10 +128,36 @@ def main() -> dict[str, Any]:
     except Exception as e:
         out["graph"] = f"{type(e).__name__}: {str(e)[:300]}"
 
-    # 6. what PyTorch's own memory calls do with a pluggable allocator
+    # 6. PyTorch's own memory calls, forwarded to graphpool (graphpool.torch.forward_calls)
     out["torch_memory_allocated"] = _try(torch.cuda.memory_allocated)
+    out["torch_allocated_is_graphpools"] = torch.cuda.memory_allocated() == gp.memory_allocated()
+    out["torch_reserved_is_graphpools"] = torch.cuda.memory_reserved(0) == gp.memory_reserved()
+    out["torch_summary"] = _try(lambda: len(torch.cuda.memory_summary()) > 0)
+    big = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    del big
+    torch.cuda.reset_peak_memory_stats()
+    out["torch_peak_reset"] = torch.cuda.max_memory_allocated() == gp.memory_allocated()
+    torch.cuda.synchronize()
+    before = gp.memory_reserved()
     out["torch_empty_cache"] = _try(torch.cuda.empty_cache)
-    out["record_stream"] = _try(lambda: torch.ones(10, device="cuda").record_stream(s))
+    out["torch_empty_cache_released"] = before - gp.memory_reserved()
+    # record_stream: a tensor of the current stream used on side stream s, dropped while s's
+    # work still runs, keeps its block from the current stream until that work is done
+    from graphpool.tools.benchkit import cuda_spin
+
+    side = gp.Stream()
+    cur = torch.cuda.current_stream()
+    r = torch.ones(1 << 16, device="cuda")
+    kept = r.data_ptr()
+    with torch.cuda.stream(torch.cuda.ExternalStream(side.handle)):
+        cuda_spin(side)
+        out["record_stream"] = _try(lambda t=r: t.record_stream(torch.cuda.current_stream()))
+    del r
+    gc.collect()
+    again = torch.empty(1 << 16, device="cuda")
+    out["record_stream_block_held"] = again.data_ptr() != kept and cur == torch.cuda.current_stream()
+    del again
+    side.synchronize()
     gc.collect()
     torch.cuda.synchronize()
     gp.check_invariants()

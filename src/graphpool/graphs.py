@@ -93,6 +93,8 @@ class CUDAGraph:
         self._last_stream: Stream | None = None
         self._last_mark = 0
         self._done_event: Event | None = None
+        self._event_stale = False  # replayed since _done_event was last recorded (alone in its pool)
+        self._mates: weakref.WeakSet[CUDAGraph] | None = None  # the graphs of its pool, itself included
 
     # ------------------------------------------------------------ capture
     def capture_begin(
@@ -238,17 +240,24 @@ class CUDAGraph:
     def replay(self) -> None:
         """Launch the graph on the current stream (any stream of its device)."""
         exe = self._exec
-        if exe is not None and _checks == "off":
+        if exe is not None:
             # The fast path: the thread's current stream as gp.alloc keeps it (one generation
             # test), and no backend check while no set_backend ran since the last replay's.
-            s = current_entry().stream
-            own = self._stream
-            if own is not None and s.device == own.device and self._checked == runtime.generation():
-                dev = self._dev
-                assert dev is not None
-                dev.launch(exe, s.handle)
-                self._replay_streams.add(s.handle)
-                return
+            # With the checker on it serves a graph alone in its pool too: every check is
+            # about pool mates, so only the replay's order is noted (_note_alone).
+            checks = _checks
+            mates = self._mates
+            if checks == "off" or (mates is not None and len(mates) < 2):
+                s = current_entry().stream
+                own = self._stream
+                if own is not None and s.device == own.device and self._checked == runtime.generation():
+                    dev = self._dev
+                    assert dev is not None
+                    dev.launch(exe, s.handle)
+                    self._replay_streams.add(s.handle)
+                    if checks != "off":
+                        _note_alone(self, s)
+                    return
         self._replay_slow()
 
     def _replay_slow(self) -> None:
@@ -476,7 +485,12 @@ def _key(g: CUDAGraph) -> tuple[int, PoolId]:
 
 def _register(g: CUDAGraph) -> None:
     with _checks_lock:
-        _by_pool.setdefault(_key(g), weakref.WeakSet()).add(g)
+        mates = _by_pool.setdefault(_key(g), weakref.WeakSet())
+        mates.add(g)
+        g._mates = mates
+        joined = [h for h in mates if h is not g and h._event_stale] if len(mates) > 1 else []
+    for h in joined:
+        _mark_done(h)  # its pool is shared now: its last replay needs an event to be waited on
 
 
 def _unregister(g: CUDAGraph, rec: CaptureRecord) -> None:
@@ -596,13 +610,37 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
                     return
 
 
-def _note_replay(g: CUDAGraph, s: Stream) -> None:
+def _note_alone(g: CUDAGraph, s: Stream) -> None:
+    """Note a replay of ``g`` on ``s`` in the checker's order, without recording its event.
+
+    Only a pool mate ever asks whether ``g``'s replay is finished, and ``g`` has none now; if
+    one joins, ``_register`` records the event then (``_mark_done``). That event is later than
+    the replay, so until the work queued on ``s`` before the join finishes, a mate's replay
+    on another stream is told ``g`` may still run: late, never early.
+    """
     g._last_tick = next(_tick)
     k = (s.device, s.handle)
     clock = _clocks.setdefault(k, {})
-    clock[k] = clock.get(k, 0) + 1
-    g._last_mark = clock[k]
+    mark = clock.get(k, 0) + 1
+    clock[k] = mark
+    g._last_mark = mark
     g._last_stream = s
+    g._event_stale = True
+
+
+def _note_replay(g: CUDAGraph, s: Stream) -> None:
+    _note_alone(g, s)
+    mates = g._mates
+    if mates is None or len(mates) < 2:
+        return
+    _mark_done(g)
+
+
+def _mark_done(g: CUDAGraph) -> None:
+    """Record ``g``'s done event on the stream of its last replay (after that replay)."""
+    s = g._last_stream
+    assert s is not None
+    g._event_stale = False
     if g._done_event is None:
         g._done_event = Event(s.device)
     dev = runtime.get().device(s.device)

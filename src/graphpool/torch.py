@@ -15,14 +15,15 @@ A failed allocation reaches PyTorch as a C++ exception, which PyTorch raises as 
 ``RuntimeError`` carrying graphpool's message (out of memory included: not
 ``torch.OutOfMemoryError``).
 
-What PyTorch gives up with any pluggable allocator (README, "PyTorch"): its own memory
-statistics and snapshots (use ``gp.memory_stats()``, ``gp.memory_snapshot()``), its graph
-pools (a ``torch.cuda.graph`` capture is served from a private pool of graphpool's, made
-by detection, so keep ``gp.set_capture_detection(True)``, the default; PyTorch's
-``pool=`` sharing does not reach graphpool), and ``Tensor.record_stream`` (PyTorch does not
-forward it: a tensor used on another stream must be kept alive until that stream's work
-is done, or synchronized). ``install()`` must run before PyTorch's first CUDA allocation
-and cannot be undone in the process.
+A pluggable allocator gets neither PyTorch's statistics calls, nor ``empty_cache``, nor
+``Tensor.record_stream``; ``install()`` replaces those Python entry points so that they
+answer for graphpool (``forward_calls``). What PyTorch still gives up (README, "PyTorch"):
+its snapshots (use ``gp.memory_snapshot()``), its graph pools (a ``torch.cuda.graph``
+capture is served from a private pool of graphpool's, made by detection, so keep
+``gp.set_capture_detection(True)``, the default; PyTorch's ``pool=`` sharing does not reach
+graphpool), and the ``recordStream`` calls PyTorch makes inside its C++ (a process group's,
+for example). ``install()`` must run before PyTorch's first CUDA allocation and cannot be
+undone in the process.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 from graphpool import cooperate, routing, runtime
-from graphpool.hooks import TorchHooks
+from graphpool import memory as gp_memory
+from graphpool.hooks import Finder, TorchHooks
 from graphpool.routing import Route
 from graphpool.streams import resolve_handle
 
@@ -83,9 +85,15 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
     if rt is not None and not isinstance(rt, runtime.Runtime):
         raise TypeError(f"hooks(rt): rt must be a graphpool runtime (graphpool.runtime.get()), not {rt!r}")
     bound = rt if rt is not None else runtime.get()
+    h = TorchHooks(_finder(bound), bound.allocator)
+    return h.malloc, h.free
+
+
+def _finder(bound: runtime.Runtime) -> Finder:
+    """``find(device, PyTorch's stream handle) -> Route`` for runtime ``bound``: refused
+    (RuntimeError) once ``set_backend`` replaced it, and for streams graphpool refuses."""
 
     def find(device: int, stream: int) -> Route:
-        """The route for PyTorch's stream handle ``stream`` of ``device`` (the hooks' slow path)."""
         generation = routing.routes.generation  # read first: a set_backend from now on makes it stale
         if runtime.get() is not bound:
             raise RuntimeError(
@@ -96,8 +104,84 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
         handle = resolve_handle(stream, "graphpool.torch", "PyTorch's current stream")
         return Route(handle, bound.allocator(device), generation)
 
-    h = TorchHooks(find, bound.allocator)
-    return h.malloc, h.free
+    return find
+
+
+def _device_index(torch: Any, device: object) -> int:
+    """The CUDA device index PyTorch's memory calls mean by ``device`` (None: the current one)."""
+    if device is None:
+        return int(torch.cuda.current_device())
+    if isinstance(device, int):
+        return device
+    d = torch.device(device)
+    if d.type != "cuda":
+        raise ValueError(f"Expected a cuda device, but got: {d}")
+    return int(torch.cuda.current_device()) if d.index is None else int(d.index)
+
+
+def forward_calls(torch: Any, rt: runtime.Runtime | None = None) -> None:
+    """Make PyTorch's own memory calls answer for graphpool (``install()`` does this).
+
+    A pluggable allocator leaves them to PyTorch, which refuses the statistics
+    ("CUDAPluggableAllocator does not yet support getDeviceStats"), and drops
+    ``Tensor.record_stream`` and ``empty_cache`` without a word. Replaced, in ``torch.cuda``
+    and ``torch.cuda.memory``:
+
+    * ``memory_stats`` (and so ``memory_allocated``, ``max_memory_allocated``,
+      ``memory_reserved``, ``max_memory_reserved``, ``memory_summary``): graphpool's statistics
+      of the device, under PyTorch's key names, which graphpool's are;
+    * ``reset_peak_memory_stats``, ``reset_accumulated_memory_stats``: graphpool's;
+    * ``empty_cache``: PyTorch's, then graphpool's of every device it allocated on;
+    * ``torch.Tensor.record_stream``: PyTorch's, then graphpool's ``record_stream`` on the
+      block under the tensor's storage (a storage graphpool did not allocate is left alone,
+      as PyTorch's own allocator leaves one it did not make).
+
+    Calls made inside PyTorch's C++ (a process group's ``recordStream``) still reach the
+    pluggable allocator and do nothing there.
+    """
+    bound = rt if rt is not None else runtime.get()
+    find = _finder(bound)
+    cuda, mem = torch.cuda, torch.cuda.memory
+    their_empty = mem.empty_cache
+    their_record = torch.Tensor.record_stream
+
+    def memory_stats(device: object = None) -> dict[str, int]:
+        """PyTorch's ``memory_stats``, answered by graphpool's allocator of the device."""
+        stats = bound.allocator(_device_index(torch, device)).memory_stats()
+        return dict(sorted(stats.items()))
+
+    def reset_peak_memory_stats(device: object = None) -> None:
+        """PyTorch's ``reset_peak_memory_stats``, for graphpool's allocator of the device."""
+        bound.allocator(_device_index(torch, device)).reset_peak()
+
+    def reset_accumulated_memory_stats(device: object = None) -> None:
+        """PyTorch's ``reset_accumulated_memory_stats``, for graphpool's allocator."""
+        bound.allocator(_device_index(torch, device)).reset_accumulated()
+
+    def empty_cache() -> None:
+        """PyTorch's ``empty_cache``, then graphpool's on every device it allocated on."""
+        their_empty()
+        if runtime.get() is bound:
+            for index, a in enumerate(bound.allocators):
+                if a is not None:
+                    gp_memory.empty_cache(index)
+
+    def record_stream(self: Any, stream: Any) -> None:
+        """PyTorch's ``Tensor.record_stream``, and graphpool's on the storage's block."""
+        their_record(self, stream)
+        if not self.is_cuda:
+            return
+        ptr = int(self.untyped_storage().data_ptr())
+        device = int(self.device.index)
+        a = bound.allocator(device)
+        if ptr == 0 or a.lookup(ptr) is None:
+            return  # memory graphpool did not allocate (another library's, by DLPack)
+        a.record_stream(ptr, find(device, int(stream.cuda_stream)).handle)
+
+    for owner in (cuda, mem):
+        for fn in (memory_stats, reset_peak_memory_stats, reset_accumulated_memory_stats, empty_cache):
+            setattr(owner, fn.__name__, fn)
+    torch.Tensor.record_stream = record_stream
 
 
 def install() -> None:
@@ -133,6 +217,7 @@ def install() -> None:
                 "install() must run before PyTorch's first CUDA allocation"
             ) from e
         atexit.register(shim.close)  # tensors PyTorch drops after Python is gone are left alone
+        forward_calls(torch, runtime.get())
         cooperate.serve("torch")  # PyTorch's cache is graphpool's: not asked before an OOM
         _installed = True
 

@@ -582,6 +582,27 @@ def corrupt_eager_in_capture(st: State) -> None:
     a._active[ptr].allocated_in = st.rec
 
 
+def corrupt_oversize_threshold(st: State) -> None:
+    st.a.stats.oversize_at = 1 << 20  # not max_split_size (none is set)
+
+
+def corrupt_pool_oversize_threshold(st: State) -> None:
+    st.a._pools[P].stats.oversize_at = 1 << 20
+
+
+def corrupt_oversize_current(st: State) -> None:
+    st.a.stats.oversize["oversize_allocations"][0] += 1  # no block is oversize
+
+
+def corrupt_oversize_peak(st: State) -> None:
+    """as_dict() copies the peak as kept: a peak below current needs a wrong counter."""
+    st.a.stats.oversize["oversize_segments"][1] = -1
+
+
+def corrupt_oversize_accumulated(st: State) -> None:
+    st.a.stats.oversize["oversize_allocations"][2] += 1  # one handed out, never freed, not current
+
+
 CASES: dict[str, Case] = {
     "half eager side": Case(corrupt_half_eager, "pool (7, 0) has half an eager side"),
     "list owner": Case(corrupt_list_owner, "a free list of pool (7, 0) names another pool"),
@@ -682,6 +703,13 @@ CASES: dict[str, Case] = {
     "expandable tiling": Case(corrupt_exp_tiling, ": blocks do not tile it"),
     "expandable reservation": Case(corrupt_exp_reservation, ": mapped outside its reservation"),
     "expandable granules": Case(corrupt_exp_granules, ": not whole granules"),
+    "oversize threshold": Case(corrupt_oversize_threshold, "oversize threshold is not max_split_size"),
+    "pool oversize threshold": Case(corrupt_pool_oversize_threshold, "pool (7, 0) oversize threshold"),
+    "oversize current": Case(corrupt_oversize_current, "device oversize_allocations.current is 1"),
+    "oversize peak": Case(corrupt_oversize_peak, "device oversize_segments.peak below current"),
+    "oversize accumulated": Case(
+        corrupt_oversize_accumulated, "device oversize_allocations: more allocated than freed and current"
+    ),
 }
 
 
@@ -736,6 +764,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 73  # the checks today; update with a case for each new one
+    assert len(messages) == 78  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

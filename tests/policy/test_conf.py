@@ -220,3 +220,64 @@ def test_garbage_collection_needs_a_memory_fraction_and_an_excess() -> None:
         a.malloc(300 * MiB, stream=S1)  # no fraction, or 600 MiB <= 0.5 x 2000 MiB: nothing freed
         assert stat(a, "num_device_free") == 0
         assert reserved(a) == 900 * MiB
+
+
+def oversize(a: CachingAllocator, name: str) -> tuple[int, int, int, int]:
+    s = a.memory_stats()
+    return tuple(s[f"{name}.{c}"] for c in ("current", "peak", "allocated", "freed"))  # type: ignore[return-value]
+
+
+def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_size_or_more() -> None:
+    """``oversize_allocations`` and ``oversize_segments`` (PyTorch's, which its
+    ``memory_summary`` prints): blocks handed out and segments made of ``max_split_size`` or
+    more, as current, peak, allocated and freed counts. Without the option nothing is oversize."""
+    a = make(SPLIT40)
+    p = a.malloc(40 * MiB, stream=S1)  # exactly max_split_size: oversize
+    q = a.malloc(50 * MiB, stream=S1)
+    r = a.malloc(30 * MiB, stream=S1)  # under it: neither the block nor its 30 MiB segment
+    assert oversize(a, "oversize_allocations") == (2, 2, 2, 0)
+    assert oversize(a, "oversize_segments") == (2, 2, 2, 0)
+    a.free(q)
+    assert oversize(a, "oversize_allocations") == (1, 2, 2, 1)
+    assert oversize(a, "oversize_segments") == (2, 2, 2, 0)  # cached, not released
+    a.reset_peak()
+    assert oversize(a, "oversize_allocations")[:2] == (1, 1)
+    a.empty_cache()  # q's segment goes back
+    assert oversize(a, "oversize_segments") == (1, 2, 2, 1)
+    a.reset_accumulated()
+    assert oversize(a, "oversize_segments") == (1, 2, 0, 0)
+    a.check_invariants()
+    for ptr in (p, r):
+        a.free(ptr)
+    assert oversize(a, "oversize_allocations")[0] == 0
+    a.check_invariants()
+    b = make(DEFAULT)
+    b.free(b.malloc(200 * MiB, stream=S1))
+    assert oversize(b, "oversize_allocations") == oversize(b, "oversize_segments") == (0, 0, 0, 0)
+
+
+def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own() -> None:
+    """An expandable segment grows, so it is never an oversize segment (its blocks may be
+    oversize allocations); a private pool counts its own oversize blocks and segments."""
+    from graphpool.policy.private_pools import PoolId
+
+    dev = FakeDevice(1 << 34)
+    a = CachingAllocator(dev, sizes=SizeConfig(max_split_size=40 * MiB, expandable_segments=True))
+    p = a.malloc(64 * MiB, stream=S1)
+    assert oversize(a, "oversize_allocations")[0] == 1
+    assert oversize(a, "oversize_segments")[0] == 0
+    pid = PoolId(0, 4242)
+    rec = a.begin_capture(pid, lambda: dev.begin(S1), stream=S1)
+    g = a.malloc(48 * MiB, stream=S1)
+    assert a.memory_stats(pid)["oversize_allocations.current"] == 1
+    assert a.memory_stats(pid)["oversize_segments.current"] == 1  # private pools' segments are fixed
+    assert oversize(a, "oversize_allocations")[0] == 2
+    dev.capturing.pop(S1)
+    a.end_capture(rec)
+    a.check_invariants()
+    a.free(g)
+    a.free(p)
+    a.release_capture(rec)
+    a.empty_cache()
+    assert oversize(a, "oversize_allocations")[0] == oversize(a, "oversize_segments")[0] == 0
+    a.check_invariants()

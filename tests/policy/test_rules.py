@@ -18,7 +18,7 @@ from graphpool.errors import DoubleFreeError, ForeignPointerError, GraphpoolErro
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
 from graphpool.policy.private_pools import PoolId
-from graphpool.policy.stats import POOL_NAMES, SCALAR_NAMES, STAT_NAMES, PoolStats
+from graphpool.policy.stats import OVERSIZE_NAMES, POOL_NAMES, SCALAR_NAMES, STAT_NAMES, PoolStats
 from graphpool.policy.units import fmt_bytes
 
 KiB = 1024
@@ -76,6 +76,11 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
         for counter in ("current", "peak", "allocated", "freed")
     } | {"num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"}
     expected |= {"expandable_mapped_bytes", "expandable_virtual_bytes"}  # graphpool's own two
+    expected |= {  # PyTorch's two of max_split_size, for "all" only (as PyTorch keeps them)
+        f"{name}.{counter}"
+        for name in ("oversize_allocations", "oversize_segments")
+        for counter in ("current", "peak", "allocated", "freed")
+    }
     assert set(st) == expected
     # the module's name lists match the keys exactly, in PyTorch's order
     assert STAT_NAMES == (
@@ -91,7 +96,7 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
     )
     assert POOL_NAMES == ("all", "small_pool", "large_pool")
     assert SCALAR_NAMES == ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
-    assert {k.split(".")[0] for k in st if "." in k} == set(STAT_NAMES)
+    assert {k.split(".")[0] for k in st if "." in k} == set(STAT_NAMES) | set(OVERSIZE_NAMES)
     assert [k for k in st if "." not in k] == [
         *SCALAR_NAMES,
         "expandable_mapped_bytes",

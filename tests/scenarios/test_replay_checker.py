@@ -186,3 +186,76 @@ def test_a_replay_into_another_capture_leaves_the_checker_working(sim: Any) -> N
     assert float(b.sum().item()) == 3.0 * N
     del a, b, g0, g1, outer
     settle()
+
+
+def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: Any) -> None:
+    """A graph alone in its pool replays with the checker on without recording when it is
+    done (no mate can ask). g0 replays on a busy stream while alone; g1 then captures into its
+    pool and replays on another stream: g0 may still run there, so that is reported, and the
+    same replay ordered after g0's stream is not."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b  # a temporary: its memory is g1's to reuse
+        g0.capture_end()
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        backend.spin(s0)
+        g0.replay()  # alone: nothing asks when it is done
+    with gp.stream(s):
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s1.wait_stream(s)
+    with gp.stream(s1):
+        with pytest.raises(gp.ReplayHazardError, match="may still run"):
+            g1.replay()
+        s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+    del a, c, g0, g1
+    settle()
+
+
+def test_a_graph_alone_in_its_pool_records_no_event_on_replay(sim: Any, monkeypatch: Any) -> None:
+    """The checker's cost for a graph with no pool mate is its bookkeeping, not a device call:
+    no event is recorded and no capture is asked about on replay. A mate that joins makes the
+    next replays record one each."""
+    from graphpool import runtime
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    s = gp.Stream()
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    dev = runtime.get().device(s.device)
+    calls: list[str] = []
+    for name in ("record_event", "capture_id"):
+        real = getattr(dev, name)
+        monkeypatch.setattr(dev, name, lambda *args, _r=real, _n=name: (calls.append(_n), _r(*args))[1])
+    with gp.stream(s):
+        for _ in range(3):
+            g0.replay()
+    assert calls == []
+    with gp.graph(g1, pool=g0.pool(), stream=s):
+        b = xp.ones(N, dtype=xp.float32) + 2
+    assert calls.count("record_event") == 1  # g0's last replay, marked when g1 joined
+    calls.clear()
+    with gp.stream(s):
+        g0.replay()
+        g1.replay()
+    assert calls.count("record_event") == 2
+    gp.synchronize()
+    del a, b, g0, g1
+    settle()

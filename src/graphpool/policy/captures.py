@@ -316,6 +316,7 @@ class Captures(Heap):
         kind of pool (``mempools``), with the MemPool's own use counted (``held``)."""
         spec = mempools.get(pool_id)
         pool = PrivatePool(pool_id, spec)
+        pool.stats.oversize_at = self.stats.oversize_at  # (max_split_size)
         if spec is not None:
             pool.use_count = 1
             pool.held = True

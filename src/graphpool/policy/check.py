@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from graphpool.policy.block import Block, iter_segment
 from graphpool.policy.freelist import FreeList
-from graphpool.policy.stats import POOL_NAMES, STAT_NAMES, PoolStats
+from graphpool.policy.stats import NEVER, POOL_NAMES, STAT_NAMES, PoolStats
 
 if TYPE_CHECKING:
     from graphpool.policy.reports import Reports
@@ -56,9 +56,26 @@ def _flat(st: PoolStats) -> dict[str, int]:
     return st.as_dict()
 
 
-def _check_stats(st: PoolStats, blocks: list[Block], segments: list[Block], scope: str) -> None:
+def _check_stats(
+    st: PoolStats, blocks: list[Block], segments: list[Block], scope: str, expandable: set[int]
+) -> None:
     expected = _tally(blocks, segments)
     flat = _flat(st)
+    at = st.oversize_at
+    over = {
+        "oversize_allocations": sum(1 for b in blocks if b.allocated and b.size >= at),
+        "oversize_segments": sum(
+            1 for h in segments if h.ptr not in expandable and sum(b.size for b in iter_segment(h)) >= at
+        ),
+    }
+    for name, want in over.items():
+        cur = flat[name + ".current"]
+        _expect(cur == want, f"{scope} {name}.current is {cur}, blocks say {want}")
+        _expect(cur <= flat[name + ".peak"], f"{scope} {name}.peak below current")
+        _expect(
+            flat[name + ".allocated"] - flat[name + ".freed"] <= cur,
+            f"{scope} {name}: more allocated than freed and current",
+        )
     for name in STAT_NAMES:
         for i, pool in enumerate(POOL_NAMES):
             key = f"{name}.{pool}."
@@ -174,11 +191,15 @@ def check_invariants(a: Reports) -> None:
     _expect(len(a._active) == n_allocated, "tracked allocations != allocated blocks")
 
     _check_expandable(a)
-    _check_stats(a.stats, all_blocks, heads, "device")
+    exp = set(a._exp)
+    threshold = NEVER if a.sizes.max_split_size is None else a._max_split
+    _expect(a.stats.oversize_at == threshold, "oversize threshold is not max_split_size")
+    _check_stats(a.stats, all_blocks, heads, "device", exp)
     for pool in a._pools.values():
         mine = [b for b in all_blocks if b.free_list.private_pool is pool]
         my_heads = [h for h in heads if h.free_list.private_pool is pool]
-        _check_stats(pool.stats, mine, my_heads, f"pool {tuple(pool.id)}")
+        _expect(pool.stats.oversize_at == a.stats.oversize_at, f"pool {tuple(pool.id)} oversize threshold")
+        _check_stats(pool.stats, mine, my_heads, f"pool {tuple(pool.id)}", exp)
         _expect(pool.segment_count == len(my_heads), f"pool {tuple(pool.id)} segment count wrong")
         _expect(pool.use_count >= 0, "negative use count")
         _expect((pool.use_count == 0) == (pool.id in a._freeable), "freeable set out of sync with use counts")

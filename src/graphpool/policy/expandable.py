@@ -201,7 +201,7 @@ class Expandable(Segments):
             seg = ExpandableSegment(va, reserve, need, stream, fl.is_small)
             self._exp[va] = seg
             self._exp_of[(fl.is_small, stream)] = seg
-            head = self._add_segment(va, need, stream, fl)
+            head = self._add_segment(va, need, stream, fl, True)
             self._segment_made(head, "allocated (expandable)", None)
             return head
         tail = self._segments[seg.base]

@@ -40,7 +40,7 @@ from graphpool.policy.private_pools import (
     PoolId,
     PrivatePool,
 )
-from graphpool.policy.stats import PoolStats
+from graphpool.policy.stats import NEVER, PoolStats
 
 LEGACY: Final = 0
 """The legacy stream's handle (device/protocol.py's LEGACY_STREAM), a constant compiled in."""
@@ -60,10 +60,10 @@ class Heap:
         self._large = FreeList(False)
         self._small_limit = sizes.small_size
         self._total = device.mem_info()[1]
+        self.stats = PoolStats()
         self._apply_sizes(sizes)
         # Live raw allocations (``malloc``): address -> Block. ``malloc_owned``'s are not filed.
         self._active: dict[int, Block] = {}
-        self.stats = PoolStats()
         # Block objects absorbed by merges, reused by splits. The last one waits apart in
         # ``_spare1``: the steady cycle (split, merge) then never resizes the list.
         self._spare: list[Block] = []
@@ -95,6 +95,7 @@ class Heap:
         self.sizes = sizes
         self._small_limit = sizes.small_size
         self._max_split = self._total + 1 if sizes.max_split_size is None else sizes.max_split_size
+        self.stats.oversize_at = NEVER if sizes.max_split_size is None else sizes.max_split_size
         self._non_split = sizes.non_split_rounding()
         self._divisions = bool(sizes.roundup_power2_divisions)
         self._gc_threshold = sizes.garbage_collection_threshold
@@ -178,9 +179,10 @@ class Heap:
         change but the inactive splits'. Returns the merged block."""
         return self._free_block(block, False, True)
 
-    def _add_segment(self, ptr: int, nbytes: int, stream: int, fl: FreeList) -> Block:
+    def _add_segment(self, ptr: int, nbytes: int, stream: int, fl: FreeList, grows: bool = False) -> Block:
         """File a new segment of ``nbytes`` at ``ptr`` (one block, in no free list: the caller
-        hands it out) and count it in the device's and its private pool's statistics."""
+        hands it out) and count it in the device's and its private pool's statistics. An
+        expandable one (``grows``) is never oversize."""
         head = Block(ptr, nbytes, stream, fl)
         self._segments[ptr] = head
         insort(self._seg_bases, ptr)
@@ -189,6 +191,8 @@ class Heap:
             k = st.kind(fl.is_small)
             k.add("segment", 1)
             k.add("reserved_bytes", nbytes)
+            if not grows and nbytes >= st.oversize_at:
+                st.move_oversize("oversize_segments", 1)
         if fl.private_pool is not None:
             fl.private_pool.segment_count += 1
         return head
@@ -208,6 +212,8 @@ class Heap:
             k = st.kind(fl.is_small)
             k.add("segment", -1)
             k.add("reserved_bytes", -head.size)
+            if seg is None and head.size >= st.oversize_at:
+                st.move_oversize("oversize_segments", -1)
         if fl.private_pool is not None:
             fl.private_pool.segment_count -= 1
         return seg

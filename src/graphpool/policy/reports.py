@@ -41,10 +41,12 @@ class Reports(Expandable):
         return out
 
     def _reset_peak(self) -> None:
+        self._settle()  # a free queued before the reset is counted before it, as it was asked
         for st in [self.stats] + [p.stats for p in self._pools.values()]:
             st.reset_peak()
 
     def _reset_accumulated(self) -> None:
+        self._settle()
         for st in [self.stats] + [p.stats for p in self._pools.values()]:
             st.reset_accumulated()
 

@@ -33,6 +33,15 @@ STAT_NAMES = (
 )
 POOL_NAMES = ("all", "small_pool", "large_pool")
 SCALAR_NAMES = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+OVERSIZE_NAMES = (
+    "oversize_allocations",  # count of handed-out blocks of max_split_size or more
+    "oversize_segments",  # count of driver allocations of max_split_size or more (not expandable)
+)
+"""PyTorch's two statistics of ``max_split_size``, kept for ``all`` only (as PyTorch keeps them):
+``<name>.current``, ``.peak``, ``.allocated``, ``.freed``. Without ``max_split_size`` no block
+is oversize and they stay 0."""
+NEVER = (1 << 63) - 1
+"""``PoolStats.oversize_at`` when no ``max_split_size`` is set: no block reaches it."""
 
 # Levels kept directly; "active" and "active_bytes" derive from allocation + held.
 LEVELS = (
@@ -181,9 +190,9 @@ class AllPeaks:
 class PoolStats:
     """All statistics of one accounting scope (a device, or one private pool)."""
 
-    __slots__ = ("small", "large", "epoch", "all_peak", *SCALAR_NAMES)
+    __slots__ = ("small", "large", "epoch", "all_peak", *SCALAR_NAMES, "oversize_at", "oversize")
 
-    def __init__(self) -> None:
+    def __init__(self, oversize_at: int = NEVER) -> None:
         self.small = KindCounters()
         self.large = KindCounters()
         self.epoch = self.small
@@ -192,6 +201,24 @@ class PoolStats:
         self.num_ooms = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
+        self.oversize_at = oversize_at  # max_split_size: blocks this big or bigger are oversize
+        # per OVERSIZE_NAMES entry: [current, peak, allocated, freed]
+        self.oversize: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in OVERSIZE_NAMES}
+
+    def move_oversize(self, name: str, amount: int) -> None:
+        """Move oversize statistic ``name`` by ``amount`` (+1 or -1). Off the hot path: only
+        for blocks and segments of ``max_split_size`` or more."""
+        s = self.oversize[name]
+        cur = s[0] + amount
+        if cur < 0:
+            raise AssertionError(f"statistic {name} would go negative")
+        s[0] = cur
+        if amount > 0:
+            s[2] += amount
+            if cur > s[1]:
+                s[1] = cur
+        else:
+            s[3] -= amount
 
     def kind(self, is_small: bool) -> KindCounters:
         """The counters of one kind, making it the epoch's kind first."""
@@ -291,6 +318,8 @@ class PoolStats:
             k.requested_bytes_run = c
         if d_split or d_bytes:
             _move_split(k, d_split, d_bytes)
+        if size >= self.oversize_at:
+            self.move_oversize("oversize_allocations", 1)
 
     def on_release(
         self, is_small: bool, size: int, requested: int, d_split: int, d_bytes: int, freed: bool
@@ -312,6 +341,8 @@ class PoolStats:
             k.allocation_free += 1
             k.allocated_bytes_cur -= size
             k.allocated_bytes_free += size
+            if size >= self.oversize_at:
+                self.move_oversize("oversize_allocations", -1)
         c = k.requested_bytes_cur - requested
         if c < 0:
             raise AssertionError("requested_bytes would go negative")
@@ -333,6 +364,8 @@ class PoolStats:
         k.allocation_free += 1
         k.allocated_bytes_cur -= size
         k.allocated_bytes_free += size
+        if size >= self.oversize_at:
+            self.move_oversize("oversize_allocations", -1)
 
     def hold(self, is_small: bool, size: int, amount: int) -> None:
         """``amount`` (+1 or -1) blocks of ``size`` start or stop being held back."""
@@ -382,6 +415,9 @@ class PoolStats:
                 out[prefix + "freed"] = vals[3]
         for name in SCALAR_NAMES:
             out[name] = getattr(self, name)
+        for name, o in self.oversize.items():
+            out[name + ".current"], out[name + ".peak"] = o[0], o[1]
+            out[name + ".allocated"], out[name + ".freed"] = o[2], o[3]
         return out
 
     def reset_peak(self) -> None:
@@ -394,6 +430,8 @@ class PoolStats:
             kc.active_bytes_peak = kc.allocated_bytes_cur + kc.held_bytes_cur
         for name in STAT_NAMES:
             self.all_peak[name] = self.current(name)
+        for s in self.oversize.values():
+            s[1] = s[0]
 
     def reset_accumulated(self) -> None:
         """Zero every accumulated counter and the scalar counters."""
@@ -403,3 +441,5 @@ class PoolStats:
                 setattr(kc, level + "_free", 0)
         for name in SCALAR_NAMES:
             setattr(self, name, 0)
+        for s in self.oversize.values():
+            s[2] = s[3] = 0

@@ -16,8 +16,9 @@ Cases (each skipped, and listed as skipped, where its framework is missing):
 * ``torch``: ``torch.empty(1024, device="cuda")`` made and dropped, default and side stream;
   PyTorch's caching allocator, graphpool (``graphpool.torch``), RMM's pool; and two programs
   (a small transformer's training step, an MLP's training step).
-* ``replay``: ``CUDAGraph.replay()`` with the checker off and on against a raw
-  ``cudaGraphLaunch`` of the same executable through cuda.bindings, in one process.
+* ``replay``: ``CUDAGraph.replay()`` with the checker off and on (a graph alone in its pool,
+  and one whose pool is shared with a second graph) against a raw ``cudaGraphLaunch`` of the
+  same executable through cuda.bindings, in one process.
 * ``numba``: ``numba.cuda.device_array(4096, uint8)`` made and dropped: Numba's own memory
   manager and graphpool's EMM plugin.
 * ``cuda_core``: ``allocate(4096, stream)`` and ``close(stream)``: cuda.core's
@@ -231,34 +232,34 @@ def _replay_worker(side: str, number: int, rounds: int) -> dict[str, list[float]
     s = gp.Stream()
     dev = runtime.get().device(s.device)
     buf = gp.alloc(1 << 16, s)
-    g = gp.CUDAGraph()
+    # g alone in its pool; m0 and m1 share one, as graphs captured one after another do
+    g, m0, m1 = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
     with gp.stream(s):
-        g.capture_begin()
-        dev.memset(buf.ptr, 1, buf.nbytes, s.handle)
-        g.capture_end()
+        for graph, pool in ((g, None), (m0, None), (m1, "m0")):
+            graph.capture_begin(m0.pool() if pool else None)
+            dev.memset(buf.ptr, 1, buf.nbytes, s.handle)
+            graph.capture_end()
+        m1.replay()  # m0's mate has replayed: m0's checks look at it
     exe = g._exec
     launch = gcuda._load().cudaGraphLaunch
     handle = gcuda._stream(s.handle)
     calls = max(1, min(number, 500))  # short runs: the launch queue never fills
-    out: dict[str, list[float]] = {
-        k: [] for k in ("raw cudaGraphLaunch", "replay, checker off", "replay, checker on")
-    }
-
-    def raw() -> None:
-        launch(exe, handle)
-
+    cases: tuple[tuple[str, str, Callable[[], None]], ...] = (
+        ("raw cudaGraphLaunch", "off", lambda: launch(exe, handle)),
+        ("replay, checker off", "off", g.replay),
+        ("replay, checker on", "raise", g.replay),
+        ("replay, checker on, pool shared with a graph", "raise", m0.replay),
+    )
+    out: dict[str, list[float]] = {name: [] for name, _, _ in cases}
     with gp.stream(s):
-        for _ in range(rounds):  # the three interleaved, round by round
-            for name, mode, fn in (
-                ("raw cudaGraphLaunch", "off", raw),
-                ("replay, checker off", "off", g.replay),
-                ("replay, checker on", "raise", g.replay),
-            ):
+        for _ in range(rounds):  # interleaved, round by round
+            for name, mode, fn in cases:
                 gp.set_replay_checks(mode)
                 out[name] += _timed(fn, calls, 3, s.synchronize)
         gp.set_replay_checks("off")
     buf.free()
-    g.reset()
+    for graph in (g, m0, m1):
+        graph.reset()
     return out
 
 
