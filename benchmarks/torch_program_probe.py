@@ -9,7 +9,9 @@ driver calls (num_device_alloc / num_device_free), syncs and retries. Run once p
 
 from __future__ import annotations
 
+import gc
 import importlib.util
+import os
 import json
 import sys
 import time
@@ -18,6 +20,8 @@ import graphpool as gp
 
 
 def main(label: str) -> None:
+    if os.environ.get("PROBE_GC_OFF"):
+        gc.disable()
     gp.set_backend("cuda")
     import torch
 
@@ -51,8 +55,14 @@ def main(label: str) -> None:
             acc["free_ns"] += clock() - t
             acc["frees"] += 1
 
-    gtorch._shim().set_hooks(tmalloc, tfree)
-    out: dict[str, object] = {"label": label, "compiled": getattr(gp, "compiled", lambda: None)()}
+    if not os.environ.get("PROBE_UNTIMED"):
+        gtorch._shim().set_hooks(tmalloc, tfree)
+    out: dict[str, object] = {
+        "label": label,
+        "compiled": getattr(gp, "compiled", lambda: None)(),
+        "gc_off": bool(os.environ.get("PROBE_GC_OFF")),
+        "hooks_timed": not os.environ.get("PROBE_UNTIMED"),
+    }
     keys = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
     for name, prog in fb._torch_programs(torch).items():
         for _ in range(10):
