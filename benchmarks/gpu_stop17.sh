@@ -68,3 +68,17 @@ if [ "$PART" = 2 ]; then
   frameworks ${CASES:-cupy torch}
 fi
 ls "$OUT"
+if [ "$PART" = 3 ]; then  # the PyTorch programs, where their time goes (torch_program_probe.py)
+  (cd /tmp/cc && PYTHONPATH=/tmp/cc/src:$DEP:$X timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_integrations_torch.py tests/scenarios/test_replay_checker.py > "$OUT/pytest_torch.txt" 2>&1)
+  tail -3 "$OUT/pytest_torch.txt"
+  for round in 1 2; do
+    for t in cc cb; do
+      for mode in "" PROBE_GC_OFF=1 PROBE_UNTIMED=1; do
+        env $mode PYTHONPATH=/tmp/$t/src:$DEP timeout 100 python3 benchmarks/torch_program_probe.py "$t $mode" \
+          >> "$OUT/torch_program_probe.jsonl" 2>> "$OUT/torch_program_probe.err"
+      done
+    done
+  done
+  cat "$OUT/torch_program_probe.jsonl"
+fi

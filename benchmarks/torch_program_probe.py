@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import os
 import json
+import os
 import sys
 import time
 
