@@ -12,11 +12,13 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${PART:-1}
 source benchmarks/gpu_env.sh  # $DEP, the build's mypy in /tmp/site, $OUT/env.txt
-X=/tmp/extra  # RMM and what it needs (the bench's third side)
-if [ ! -d $X/rmm ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target $X .whl/rmm_cu13-*.whl \
-    .whl/librmm_cu13-*.whl .whl/rapids_logger-*.whl > "$OUT/extra_install.txt" 2>&1 \
-    || echo "extra install failed: $(tail -2 "$OUT/extra_install.txt")"
+X=/tmp/extra  # RMM (the bench's third side), Dask (the README's Dask example) and their needs
+if [ ! -d $X/dask ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $X .whl/dask-*.whl \
+    .whl/distributed-*.whl .whl/dask_cuda-*.whl .whl/rmm_cu13-*.whl .whl/librmm_cu13-*.whl \
+    .whl/rapids_logger-*.whl .whl/partd-*.whl .whl/locket-*.whl .whl/importlib_metadata-*.whl \
+    .whl/tblib-*.whl .whl/tornado-*.whl .whl/zict-*.whl .whl/pynvml-*.whl .whl/filecheck-*.whl \
+    > "$OUT/extra_install.txt" 2>&1 || echo "extra install failed: $(tail -2 "$OUT/extra_install.txt")"
 fi
 build() {  # $1: tree, $2: where to build it (skipped when a build is already there)
   if ls "$2"/src/graphpool/policy/allocator*.so >/dev/null 2>&1; then return; fi
@@ -81,4 +83,10 @@ if [ "$PART" = 3 ]; then  # the PyTorch programs, where their time goes (torch_p
     done
   done
   cat "$OUT/torch_program_probe.jsonl"
+fi
+if [ "$PART" = 4 ]; then  # the final tree: every GPU-marked test, then the replay, Numba and cuda.core cases
+  (cd /tmp/cc && PYTHONPATH=/tmp/cc/src:$DEP:$X timeout 300 python3 -m pytest -q -m gpu \
+    -p no:cacheprovider -rs > "$OUT/pytest_gpu.txt" 2>&1)
+  tail -4 "$OUT/pytest_gpu.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -30 | cut -c1-300
+  frameworks replay numba cuda_core
 fi
