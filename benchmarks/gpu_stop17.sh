@@ -84,9 +84,9 @@ if [ "$PART" = 3 ]; then  # the PyTorch programs, where their time goes (torch_p
   done
   cat "$OUT/torch_program_probe.jsonl"
 fi
-if [ "$PART" = 4 ]; then  # the final tree: every GPU-marked test, then the replay, Numba and cuda.core cases
+if [ "$PART" = 4 ]; then  # the final tree: every GPU-marked test, then the frameworks cases named
   (cd /tmp/cc && PYTHONPATH=/tmp/cc/src:$DEP:$X timeout 300 python3 -m pytest -q -m gpu \
     -p no:cacheprovider -rs > "$OUT/pytest_gpu.txt" 2>&1)
   tail -4 "$OUT/pytest_gpu.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head -30 | cut -c1-300
-  frameworks replay numba cuda_core
+  frameworks ${CASES:-replay numba cuda_core}
 fi
