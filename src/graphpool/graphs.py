@@ -94,7 +94,8 @@ class CUDAGraph:
         self._last_mark = 0
         self._done_event: Event | None = None
         self._event_stale = False  # replayed since _done_event was last recorded (alone in its pool)
-        self._mates: weakref.WeakSet[CUDAGraph] | None = None  # the graphs of its pool, itself included
+        self._mates: Mates | None = None  # the graphs of its pool, itself included
+        self._pool_key: tuple[int, PoolId] | None = None  # (device, pool id) while registered
 
     # ------------------------------------------------------------ capture
     def capture_begin(
@@ -243,21 +244,28 @@ class CUDAGraph:
         if exe is not None:
             # The fast path: the thread's current stream as gp.alloc keeps it (one generation
             # test), and no backend check while no set_backend ran since the last replay's.
-            # With the checker on it serves a graph alone in its pool too: every check is
-            # about pool mates, so only the replay's order is noted (_note_alone).
-            checks = _checks
-            mates = self._mates
-            if checks == "off" or (mates is not None and len(mates) < 2):
-                s = current_entry().stream
-                own = self._stream
-                if own is not None and s.device == own.device and self._checked == runtime.generation():
-                    dev = self._dev
-                    assert dev is not None
+            s = current_entry().stream
+            own = self._stream
+            if own is not None and s.device == own.device and self._checked == runtime.generation():
+                dev = self._dev
+                assert dev is not None
+                checks = _checks
+                if checks == "off":
                     dev.launch(exe, s.handle)
                     self._replay_streams.add(s.handle)
-                    if checks != "off":
-                        _note_alone(self, s)
                     return
+                mates = self._mates
+                if mates is None or len(mates) < 2:
+                    # every check is about pool mates: only the replay's order is noted
+                    dev.launch(exe, s.handle)
+                    self._replay_streams.add(s.handle)
+                    _note_alone(self, s)
+                    return
+                _check_replay(self, s)
+                dev.launch(exe, s.handle)
+                self._replay_streams.add(s.handle)
+                _note_replay(self, s)
+                return
         self._replay_slow()
 
     def _replay_slow(self) -> None:
@@ -459,7 +467,15 @@ class graph:
 _checks = "off"
 _checks_lock = threading.Lock()
 _tick = itertools.count(1)
-_by_pool: dict[tuple[int, PoolId], weakref.WeakSet[CUDAGraph]] = {}
+Mates = dict[int, "weakref.ref[CUDAGraph]"]
+"""The graphs of one pool: ``id(graph)`` -> a weak reference that drops its entry when the
+graph is collected (a dict, not a WeakSet: a replay reads it, and a WeakSet's iteration guard
+costs more than the checks)."""
+_by_pool: dict[tuple[int, PoolId], Mates] = {}
+_streams_of: set[tuple[int, PoolId]] = set()
+"""The pools whose graphs have replayed on two streams or more: from then on each replay of
+theirs records an event (its mates on other streams may have to wait for it). A pool whose
+graphs all replay on one stream needs none: stream order settles every question."""
 _clocks: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
 
 
@@ -485,18 +501,30 @@ def _key(g: CUDAGraph) -> tuple[int, PoolId]:
 
 def _register(g: CUDAGraph) -> None:
     with _checks_lock:
-        mates = _by_pool.setdefault(_key(g), weakref.WeakSet())
-        mates.add(g)
+        key = _key(g)
+        mates = _by_pool.setdefault(key, {})
+        ident = id(g)
+
+        def gone(ref: weakref.ref[CUDAGraph], mates: Mates = mates, ident: int = ident) -> None:
+            if mates.get(ident) is ref:  # (the id may name a later graph by then)
+                del mates[ident]
+
+        mates[ident] = weakref.ref(g, gone)
         g._mates = mates
-        joined = [h for h in mates if h is not g and h._event_stale] if len(mates) > 1 else []
-    for h in joined:
-        _mark_done(h)  # its pool is shared now: its last replay needs an event to be waited on
+        g._pool_key = key
 
 
 def _unregister(g: CUDAGraph, rec: CaptureRecord) -> None:
     with _checks_lock:
-        for mates in _by_pool.values():
-            mates.discard(g)
+        mates, key = g._mates, g._pool_key
+        g._mates = g._pool_key = None
+        if mates is not None and key is not None:
+            ref = mates.get(id(g))
+            if ref is not None and ref() is g:
+                del mates[id(g)]
+            if not mates and _by_pool.get(key) is mates:  # (a pool id is never reused)
+                del _by_pool[key]
+                _streams_of.discard(key)
 
 
 def note_record(event: Event, s: Stream) -> None:
@@ -559,7 +587,20 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
     assert rec is not None
     key = _key(g)
     with _checks_lock:
-        mates = [h for h in _by_pool.get(key, ()) if h is not g and h._rec is not None]
+        mates = [
+            h
+            for r in _by_pool.get(key, {}).values()
+            if (h := r()) is not None and h is not g and h._rec is not None
+        ]
+        late = []
+        if key not in _streams_of and any(h._last_stream not in (None, s) for h in mates):
+            # The pool's first replay on a second stream: the mates' last replays get their
+            # events now. Late, so a mate whose stream is still busy with later work is taken
+            # to be running: a report may come late, none is missed.
+            _streams_of.add(key)
+            late = [h for h in mates if h._event_stale]
+    for h in late:
+        _mark_done(h)
     pool = tuple(rec.pool.id)
     # 1. an overlapping replay of a pool mate on another stream
     for h in mates:
@@ -613,10 +654,11 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
 def _note_alone(g: CUDAGraph, s: Stream) -> None:
     """Note a replay of ``g`` on ``s`` in the checker's order, without recording its event.
 
-    Only a pool mate ever asks whether ``g``'s replay is finished, and ``g`` has none now; if
-    one joins, ``_register`` records the event then (``_mark_done``). That event is later than
-    the replay, so until the work queued on ``s`` before the join finishes, a mate's replay
-    on another stream is told ``g`` may still run: late, never early.
+    Only a pool mate replaying on another stream ever asks whether ``g``'s replay is
+    finished. While ``g`` has no mate, or its pool's graphs all replay on one stream, none
+    does; the pool's first replay on a second stream records the event then (``_mark_done``,
+    from ``_check_replay``). That event is later than the replay, so until the work queued on
+    ``s`` before then finishes, that mate is told ``g`` may still run: late, never early.
     """
     g._last_tick = next(_tick)
     k = (s.device, s.handle)
@@ -630,10 +672,8 @@ def _note_alone(g: CUDAGraph, s: Stream) -> None:
 
 def _note_replay(g: CUDAGraph, s: Stream) -> None:
     _note_alone(g, s)
-    mates = g._mates
-    if mates is None or len(mates) < 2:
-        return
-    _mark_done(g)
+    if g._pool_key in _streams_of:
+        _mark_done(g)
 
 
 def _mark_done(g: CUDAGraph) -> None:

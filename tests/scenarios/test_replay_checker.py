@@ -226,36 +226,101 @@ def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: An
     settle()
 
 
-def test_a_graph_alone_in_its_pool_records_no_event_on_replay(sim: Any, monkeypatch: Any) -> None:
-    """The checker's cost for a graph with no pool mate is its bookkeeping, not a device call:
-    no event is recorded and no capture is asked about on replay. A mate that joins makes the
-    next replays record one each."""
+def _count_calls(monkeypatch: Any, dev: Any, name: str, calls: list[str]) -> None:
+    """Append ``name`` to ``calls`` at each call of ``dev.<name>`` (which still runs)."""
+    real = getattr(dev, name)
+
+    def counted(*args: Any) -> Any:
+        calls.append(name)
+        return real(*args)
+
+    monkeypatch.setattr(dev, name, counted)
+
+
+def test_replays_on_one_stream_record_no_event(sim: Any, monkeypatch: Any) -> None:
+    """The checker's cost for a graph alone in its pool, or for a pool whose graphs all
+    replay on one stream, is its bookkeeping, not a device call: no event is recorded and no
+    capture is asked about on replay (stream order answers every question). The pool's first
+    replay on a second stream records the mates' events then, and each replay one from then on."""
     from graphpool import runtime
     from graphpool.sim import xp
 
     settle()
     gp.set_replay_checks("raise")
-    s = gp.Stream()
+    s, other = gp.Stream(), gp.Stream()
     g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
     with gp.graph(g0, stream=s):
         a = xp.ones(N, dtype=xp.float32) + 1
     dev = runtime.get().device(s.device)
     calls: list[str] = []
     for name in ("record_event", "capture_id"):
-        real = getattr(dev, name)
-        monkeypatch.setattr(dev, name, lambda *args, _r=real, _n=name: (calls.append(_n), _r(*args))[1])
+        _count_calls(monkeypatch, dev, name, calls)
     with gp.stream(s):
         for _ in range(3):
-            g0.replay()
-    assert calls == []
+            g0.replay()  # alone in its pool
     with gp.graph(g1, pool=g0.pool(), stream=s):
         b = xp.ones(N, dtype=xp.float32) + 2
-    assert calls.count("record_event") == 1  # g0's last replay, marked when g1 joined
+    with gp.stream(s):
+        for _ in range(3):
+            g0.replay()  # a shared pool, one stream
+            g1.replay()
+    assert calls == []
+    other.wait_stream(s)  # (records an event of its own)
+    calls.clear()
+    with gp.stream(other):
+        g1.replay()  # the pool's first replay on a second stream
+    assert calls.count("record_event") == 2  # g0's last replay, late; then g1's own
+    gp.synchronize()  # (records nothing)
     calls.clear()
     with gp.stream(s):
         g0.replay()
-        g1.replay()
-    assert calls.count("record_event") == 2
+    assert calls.count("record_event") == 1
     gp.synchronize()
     del a, b, g0, g1
+    settle()
+
+
+def test_a_collected_or_reset_mate_leaves_the_pool(sim: Any, monkeypatch: Any) -> None:
+    """A pool mate that is reset or collected no longer counts: the graph left alone replays
+    with no event again, and the checker keeps nothing of pools whose graphs are all gone."""
+    import gc
+
+    from graphpool import graphs, runtime
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    pools_before, multi_before = len(graphs._by_pool), len(graphs._streams_of)
+    s, other = gp.Stream(), gp.Stream()
+    g0, g1, g2 = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    for g in (g1, g2):
+        with gp.graph(g, pool=g0.pool(), stream=s):
+            a += 1
+    with gp.stream(s):
+        g0.replay()
+    with gp.stream(other):
+        other.wait_stream(s)
+        g1.replay()  # the pool's second stream: its replays record events from now on
+    gp.synchronize()
+    dev = runtime.get().device(s.device)
+    calls: list[str] = []
+    _count_calls(monkeypatch, dev, "record_event", calls)
+    with gp.stream(s):
+        g0.replay()
+    assert calls == ["record_event"]
+    g1.reset()
+    del g2, g
+    gc.collect()
+    calls.clear()
+    with gp.stream(other):
+        other.wait_stream(s)
+        calls.clear()
+        g0.replay()  # alone again
+    assert calls == []
+    g0.reset()
+    assert (len(graphs._by_pool), len(graphs._streams_of)) == (pools_before, multi_before)
+    gp.synchronize()
+    del a, g0, g1
     settle()
