@@ -499,8 +499,19 @@ def _key(g: CUDAGraph) -> tuple[int, PoolId]:
     return (g._stream.device, g._rec.pool.id)
 
 
+_sweep_at = 64
+"""``_register`` drops the pools whose graphs are all gone (collected, not reset) when
+``_by_pool`` reaches this many entries, then doubles it: amortized, no pool is kept for long."""
+
+
 def _register(g: CUDAGraph) -> None:
+    global _sweep_at
     with _checks_lock:
+        if len(_by_pool) >= _sweep_at:
+            for k in [k for k, v in _by_pool.items() if not v]:
+                del _by_pool[k]
+                _streams_of.discard(k)
+            _sweep_at = max(64, 2 * len(_by_pool))
         key = _key(g)
         mates = _by_pool.setdefault(key, {})
         ident = id(g)
@@ -566,6 +577,8 @@ def _finished(h: CUDAGraph, s: Stream) -> bool:
     seen = _clocks.get((s.device, s.handle), {})
     if seen.get((h._last_stream.device, h._last_stream.handle), 0) >= h._last_mark:
         return True
+    if h._event_stale:
+        return False  # its last replay has no event (its stream was capturing): may still run
     if h._done_event is None:
         return True
     dev = runtime.get().device(s.device)
@@ -589,16 +602,12 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
     with _checks_lock:
         mates = [
             h
-            for r in _by_pool.get(key, {}).values()
+            for r in tuple(_by_pool.get(key, {}).values())  # (C-level copy: weakref callbacks edit it)
             if (h := r()) is not None and h is not g and h._rec is not None
         ]
-        late = []
-        if key not in _streams_of and any(h._last_stream not in (None, s) for h in mates):
-            # The pool's first replay on a second stream: the mates' last replays get their
-            # events now. Late, so a mate whose stream is still busy with later work is taken
-            # to be running: a report may come late, none is missed.
+        late = [h for h in mates if h._event_stale and h._last_stream not in (None, s)]
+        if late:
             _streams_of.add(key)
-            late = [h for h in mates if h._event_stale]
     for h in late:
         _mark_done(h)
     pool = tuple(rec.pool.id)
@@ -680,7 +689,6 @@ def _mark_done(g: CUDAGraph) -> None:
     """Record ``g``'s done event on the stream of its last replay (after that replay)."""
     s = g._last_stream
     assert s is not None
-    g._event_stale = False
     if g._done_event is None:
         g._done_event = Event(s.device)
     dev = runtime.get().device(s.device)
@@ -689,6 +697,7 @@ def _mark_done(g: CUDAGraph) -> None:
     # every later replay of a pool mate). The event keeps marking the last eager replay.
     if s.handle == LEGACY_STREAM or not dev.capture_id(s.handle):
         dev.record_event(g._done_event.handle, s.handle)
+        g._event_stale = False
 
 
 # The checker hears about event records and waits from streams.py (which never imports us).

@@ -324,3 +324,172 @@ def test_a_collected_or_reset_mate_leaves_the_pool(sim: Any, monkeypatch: Any) -
     gp.synchronize()
     del a, g0, g1
     settle()
+
+
+def test_new_graphs_of_a_pool_whose_first_graphs_are_gone_are_still_waited_for(backend: Any) -> None:
+    """A pool whose first graphs replayed on two streams and were collected: the next graphs
+    captured into it start alone again. One replays alone on a busy stream (no event); its
+    mate replaying on another stream is still told it may run."""
+    import gc
+
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    s.wait_stream(gp.current_stream())
+    old = [gp.CUDAGraph(), gp.CUDAGraph()]
+    with gp.stream(s):
+        for g in old:
+            g.capture_begin(pool)
+            y = a + 7
+            g.capture_end()
+            del y
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        old[0].replay()
+    s1.wait_stream(s0)
+    with gp.stream(s1):
+        old[1].replay()  # the pool's graphs on two streams, in order
+    gp.synchronize()
+    del old, g
+    gc.collect()
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b
+        g0.capture_end()
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()
+        s0.synchronize()
+        backend.spin(s0)
+        g0.replay()  # alone: no event; the one of its first replay is complete
+    with gp.stream(s):
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s1.wait_stream(s)
+    with gp.stream(s1), pytest.raises(gp.ReplayHazardError, match="may still run"):
+        g1.replay()
+    gp.synchronize()
+    del a, c, g0, g1
+    settle()
+
+
+def test_a_mate_whose_stream_captures_when_marked_late_is_taken_to_run(sim: Any) -> None:
+    """The pool's first replay on a second stream marks the mates' last replays; a mate whose
+    stream is capturing another graph then cannot get an event (it would join that capture),
+    so it is taken to be still running: reported, not passed over."""
+    from graphpool import runtime
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1, gz = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b
+        g0.capture_end()
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        runtime.get().device(s0.device).launch_sleep(s0.handle, rounds=50)  # type: ignore[attr-defined]
+        g0.replay()  # a one-stream pool so far: no event
+        gz.capture_begin(capture_error_mode="relaxed")  # s0 captures another graph now
+    s1.wait_stream(s)
+    with gp.stream(s1), pytest.raises(gp.ReplayHazardError, match="may still run"):
+        g1.replay()
+    with gp.stream(s0):
+        d = a + 3
+        gz.capture_end()
+    gp.synchronize()
+    del a, c, d, g0, g1, gz
+    settle()
+
+
+def test_mates_collected_on_one_thread_while_another_replays(sim: Any) -> None:
+    """Pool mates dropped on one thread (their weak references' callbacks edit the pool's
+    mates) while another thread replays a graph of that pool with the checker on: every
+    replay runs its checks, none fails."""
+    import sys
+    import threading
+
+    settle()
+    gp.set_replay_checks("warn")
+    pool = gp.graph_pool_handle()
+    s, sr = gp.Stream(), gp.Stream()
+
+    def make(n: int) -> list[gp.CUDAGraph]:
+        out = []
+        with gp.stream(s):
+            for _ in range(n):
+                g = gp.CUDAGraph()
+                g.capture_begin(pool)
+                g.capture_end()
+                out.append(g)
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graphs capture no work
+        g0 = make(1)[0]
+        errors: list[str] = []
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            for _ in range(3):
+                graphs = make(300)
+                stop = False
+
+                def replayer() -> None:
+                    try:
+                        with gp.stream(sr):
+                            while not stop:
+                                g0.replay()
+                    except Exception as e:  # recorded: the assertion below names it
+                        errors.append(repr(e))
+
+                t = threading.Thread(target=replayer)
+                t.start()
+                while graphs:
+                    graphs.pop()  # the last reference: the callback runs on this thread
+                stop = True
+                t.join()
+        finally:
+            sys.setswitchinterval(interval)
+    assert errors == []
+    gp.synchronize()
+    del g0
+    settle()
+
+
+def test_the_checker_keeps_no_pool_whose_graphs_were_collected(sim: Any) -> None:
+    """Graphs collected without a reset leave their pool's entry empty; registering later
+    graphs drops such entries, so the checker's records stay bounded by the live pools."""
+    import gc
+
+    from graphpool import graphs
+
+    settle()
+    s = gp.Stream()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the graphs capture no work
+        for _ in range(300):
+            g = gp.CUDAGraph()
+            with gp.stream(s):
+                g.capture_begin()
+                g.capture_end()
+            del g
+            gc.collect(0)
+    assert sum(1 for v in graphs._by_pool.values() if not v) < 130
+    assert len(graphs._by_pool) < 200
+    settle()

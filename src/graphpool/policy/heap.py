@@ -61,6 +61,8 @@ class Heap:
         self._small_limit = sizes.small_size
         self._total = device.mem_info()[1]
         self.stats = PoolStats()
+        # The private pools that exist, by id (their free lists are this allocator's too).
+        self._pools: dict[PoolId, PrivatePool] = {}
         self._apply_sizes(sizes)
         # Live raw allocations (``malloc``): address -> Block. ``malloc_owned``'s are not filed.
         self._active: dict[int, Block] = {}
@@ -75,8 +77,6 @@ class Heap:
         self._seg_bases: list[int] = []
         self._exp: dict[int, ExpandableSegment] = {}
         self._exp_of: dict[tuple[bool, int], ExpandableSegment] = {}
-        # The private pools that exist, by id (their free lists are this allocator's too).
-        self._pools: dict[PoolId, PrivatePool] = {}
         # Finalizer work, carried out by the next call (``_drain``): frees (an int or a Block),
         # frees after a stream use ((ptr, stream)), releases (capture records).
         self._pending: deque[Any] = deque()
@@ -96,6 +96,8 @@ class Heap:
         self._small_limit = sizes.small_size
         self._max_split = self._total + 1 if sizes.max_split_size is None else sizes.max_split_size
         self.stats.oversize_at = NEVER if sizes.max_split_size is None else sizes.max_split_size
+        for pool in self._pools.values():  # pools made before the first allocation (a MemPool's)
+            pool.stats.oversize_at = self.stats.oversize_at
         self._non_split = sizes.non_split_rounding()
         self._divisions = bool(sizes.roundup_power2_divisions)
         self._gc_threshold = sizes.garbage_collection_threshold
