@@ -187,3 +187,19 @@ def test_torch_snapshot_reports_the_options(sim: None) -> None:
     gp.set_allocator_config("max_split_size_mb:64,garbage_collection_threshold:0.25")
     settings = gp.torch_snapshot()["allocator_settings"]
     assert (settings["max_split_size"], settings["garbage_collection_threshold"]) == (64 * MiB, 0.25)
+
+
+def test_a_mempool_made_before_set_allocator_config_counts_oversize_by_it(sim: None) -> None:
+    """A MemPool's private pool can exist before the first allocation, when the configuration
+    may still change: its oversize statistics follow the configuration set after it."""
+    from graphpool.sim import xp
+
+    pool = gp.MemPool()
+    gp.memory_stats(pool=pool.id)  # its pool made now, before the configuration
+    gp.set_allocator_config("max_split_size_mb:40")
+    with gp.use_mem_pool(pool):
+        x = xp.ones(64 << 18, dtype=xp.float32)  # 64 MiB: oversize
+    assert gp.memory_stats()["oversize_allocations.current"] == 1
+    assert gp.memory_stats(pool=pool.id)["oversize_allocations.current"] == 1
+    gp.check_invariants()
+    del x

@@ -364,7 +364,7 @@ def test_install_hands_pytorch_the_shims_two_functions(
             gtorch.install()
             assert gtorch.is_installed() and cooperate._served == {"torch"}
             assert torch.seen["current"] == ("/the/shim.so", "graphpool_torch_malloc", "graphpool_torch_free")
-            assert torch.cuda.memory_stats() == gp.memory_stats()  # PyTorch's calls forwarded
+            assert torch.cuda.memory_stats()["allocation.all.current"] == 0  # PyTorch's calls forwarded
             assert torch.Tensor.record_stream is not _FakeTensorBase.record_stream
         assert torch.seen["pluggable"] == ("/the/shim.so", "graphpool_torch_malloc", "graphpool_torch_free")
         assert len(fake_shim.hooks) == 2 and all(callable(h) for h in fake_shim.hooks)
@@ -447,7 +447,12 @@ def _torch_for_forwarding() -> Any:
         reset_accumulated_memory_stats=refused,
         empty_cache=lambda: calls.append("their empty_cache"),
     )
-    cuda = types.SimpleNamespace(memory=memory, current_device=lambda: 0, **vars(memory))
+
+    class Stream:  # torch.cuda.Stream made from a torch.Stream's three numbers
+        def __init__(self, stream_id: int, device_index: int, device_type: int) -> None:
+            self.cuda_stream, self.device_index = stream_id, device_index
+
+    cuda = types.SimpleNamespace(memory=memory, current_device=lambda: 0, Stream=Stream, **vars(memory))
     device = lambda text: types.SimpleNamespace(  # noqa: E731
         type=str(text).split(":")[0], index=int(str(text).split(":")[1]) if ":" in str(text) else None
     )
@@ -477,6 +482,7 @@ def test_pytorchs_memory_calls_answer_for_graphpool(sim: Any) -> None:
     p = malloc(3 << 20, 0, s.handle)
     for device in (None, 0, "cuda:0", "cuda"):
         stats = torch.cuda.memory_stats(device)
+        assert stats.pop("max_split_size") == -1  # PyTorch's key: none set
         assert stats == gp.memory_stats() and list(stats) == sorted(stats)
         assert torch.cuda.memory.memory_stats(device=device)["allocated_bytes.all.current"] == 3 << 20
     with pytest.raises(ValueError, match="Expected a cuda device"):
@@ -523,5 +529,56 @@ def test_tensor_record_stream_holds_the_block_for_the_other_stream(sim: Any) -> 
     free(q, 4096, 0, s.handle)
     assert malloc(4096, 0, s.handle) in (p, q)
     _tensor(torch, 0xDEAD000).record_stream(stream)  # not graphpool's: nothing happens
+    gp.synchronize()
+    gp.check_invariants()
+
+
+def test_memory_calls_for_a_device_graphpool_never_used_make_no_allocator() -> None:
+    """PyTorch's statistics and resets for a device graphpool has no allocator on answer
+    zeros and do nothing: no allocator (and so no CUDA context) is made by asking."""
+    import graphpool.torch as gtorch
+    from graphpool.sim import SimBackend
+
+    runtime.set_backend("sim", backend=SimBackend(device_count=2))
+    try:
+        torch = _torch_for_forwarding()
+        gtorch.forward_calls(torch)
+        rt = runtime.get()
+        stats = torch.cuda.memory_stats(1)
+        assert rt.allocators[1] is None
+        assert set(stats) == set(gp.memory_stats(0)) | {"max_split_size"}
+        assert set(stats.values()) == {0, -1}
+        torch.cuda.reset_peak_memory_stats(1)
+        torch.cuda.memory.reset_accumulated_memory_stats("cuda:1")
+        assert rt.allocators[1] is None
+        with pytest.raises(ValueError):
+            torch.cuda.memory_stats(7)  # no such device
+    finally:
+        gp.set_backend("sim")
+
+
+def test_tensor_record_stream_takes_a_torch_stream_and_refuses_another_devices(sim: Any) -> None:
+    """A ``torch.Stream`` (no ``cuda_stream``: torch.accelerator's) is turned into PyTorch's
+    CUDA stream for its handle; a stream of another device than the tensor's is refused with
+    a clear error (graphpool's blocks record streams of their own device)."""
+    import types
+
+    import graphpool.torch as gtorch
+
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch)
+    malloc, free = gtorch.hooks()
+    s, side = gp.Stream(), gp.Stream()
+    p = malloc(4096, 0, s.handle)
+    t = _tensor(torch, p)
+    generic = types.SimpleNamespace(stream_id=side.handle, device_index=0, device_type=1)
+    t.record_stream(generic)
+    free(p, 4096, 0, s.handle)
+    runtime.get().device(0).launch_sleep(side.handle, rounds=50)  # type: ignore[attr-defined]
+    assert malloc(4096, 0, s.handle) != p  # held for the side stream
+    other = types.SimpleNamespace(cuda_stream=side.handle, device_index=1)
+    q = malloc(4096, 0, s.handle)
+    with pytest.raises(ValueError, match="stream of device 1"):
+        _tensor(torch, q).record_stream(other)
     gp.synchronize()
     gp.check_invariants()

@@ -31,13 +31,18 @@ from __future__ import annotations
 import atexit
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from graphpool import cooperate, routing, runtime
 from graphpool import memory as gp_memory
 from graphpool.hooks import Finder, TorchHooks
+from graphpool.policy.reports import EXPANDABLE_KEYS
+from graphpool.policy.stats import PoolStats
 from graphpool.routing import Route
 from graphpool.streams import resolve_handle
+
+if TYPE_CHECKING:
+    from graphpool.policy.allocator import CachingAllocator
 
 MallocHook = Callable[[int, int, int], int]
 """``malloc(size, device, stream handle) -> address``, as the shim calls it."""
@@ -145,18 +150,37 @@ def forward_calls(torch: Any, rt: runtime.Runtime | None = None) -> None:
     their_empty = mem.empty_cache
     their_record = torch.Tensor.record_stream
 
+    def made(device: object) -> CachingAllocator | None:
+        """graphpool's allocator of the device PyTorch means, if it made one (asking makes
+        none: a poll of every device would otherwise open a context on each)."""
+        index = _device_index(torch, device)
+        bound.check_index(index)
+        return bound.allocators[index]
+
     def memory_stats(device: object = None) -> dict[str, int]:
-        """PyTorch's ``memory_stats``, answered by graphpool's allocator of the device."""
-        stats = bound.allocator(_device_index(torch, device)).memory_stats()
+        """PyTorch's ``memory_stats``: graphpool's statistics of the device (all 0 where it
+        never allocated), with PyTorch's ``max_split_size`` (-1: none)."""
+        a = made(device)
+        if a is None:
+            stats = dict.fromkeys(PoolStats().as_dict(), 0) | dict.fromkeys(EXPANDABLE_KEYS, 0)
+            split = runtime.configured_sizes(bound.sizes, runtime.alloc_conf()).max_split_size
+        else:
+            stats = a.memory_stats()
+            split = a.sizes.max_split_size
+        stats["max_split_size"] = -1 if split is None else split
         return dict(sorted(stats.items()))
 
     def reset_peak_memory_stats(device: object = None) -> None:
         """PyTorch's ``reset_peak_memory_stats``, for graphpool's allocator of the device."""
-        bound.allocator(_device_index(torch, device)).reset_peak()
+        a = made(device)
+        if a is not None:
+            a.reset_peak()
 
     def reset_accumulated_memory_stats(device: object = None) -> None:
         """PyTorch's ``reset_accumulated_memory_stats``, for graphpool's allocator."""
-        bound.allocator(_device_index(torch, device)).reset_accumulated()
+        a = made(device)
+        if a is not None:
+            a.reset_accumulated()
 
     def empty_cache() -> None:
         """PyTorch's ``empty_cache``, then graphpool's on every device it allocated on."""
@@ -173,10 +197,21 @@ def forward_calls(torch: Any, rt: runtime.Runtime | None = None) -> None:
             return
         ptr = int(self.untyped_storage().data_ptr())
         device = int(self.device.index)
-        a = bound.allocator(device)
-        if ptr == 0 or a.lookup(ptr) is None:
+        a = bound.allocators[device]
+        if ptr == 0 or a is None or a.lookup(ptr) is None:
             return  # memory graphpool did not allocate (another library's, by DLPack)
-        a.record_stream(ptr, find(device, int(stream.cuda_stream)).handle)
+        handle = getattr(stream, "cuda_stream", None)
+        if handle is None:  # a torch.Stream (torch.accelerator's), not a torch.cuda.Stream
+            handle = torch.cuda.Stream(
+                stream_id=stream.stream_id, device_index=stream.device_index, device_type=stream.device_type
+            ).cuda_stream
+        on = getattr(stream, "device_index", device)
+        if on != device:
+            raise ValueError(
+                f"graphpool.torch: record_stream of a tensor of device {device} with a stream of "
+                f"device {on}: graphpool's blocks record streams of their own device only"
+            )
+        a.record_stream(ptr, find(device, int(handle)).handle)
 
     for owner in (cuda, mem):
         for fn in (memory_stats, reset_peak_memory_stats, reset_accumulated_memory_stats, empty_cache):

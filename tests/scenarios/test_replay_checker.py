@@ -445,24 +445,24 @@ def test_mates_collected_on_one_thread_while_another_replays(sim: Any) -> None:
         errors: list[str] = []
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-6)
+
+        def replayer(graph: gp.CUDAGraph, stop: threading.Event) -> None:
+            try:
+                with gp.stream(sr):
+                    while not stop.is_set():
+                        graph.replay()
+            except Exception as e:  # recorded: the assertion below names it
+                errors.append(repr(e))
+
         try:
             for _ in range(3):
                 graphs = make(300)
-                stop = False
-
-                def replayer() -> None:
-                    try:
-                        with gp.stream(sr):
-                            while not stop:
-                                g0.replay()
-                    except Exception as e:  # recorded: the assertion below names it
-                        errors.append(repr(e))
-
-                t = threading.Thread(target=replayer)
+                stop = threading.Event()
+                t = threading.Thread(target=replayer, args=(g0, stop))
                 t.start()
                 while graphs:
                     graphs.pop()  # the last reference: the callback runs on this thread
-                stop = True
+                stop.set()
                 t.join()
         finally:
             sys.setswitchinterval(interval)

@@ -17,6 +17,10 @@ from graphpool.policy.private_pools import (
     PrivatePool,
 )
 
+EXPANDABLE_KEYS = ("expandable_mapped_bytes", "expandable_virtual_bytes")
+"""The device statistics' two keys beyond PyTorch's: bytes mapped in expandable segments
+(also counted in ``reserved_bytes``) and the address space they hold."""
+
 
 class Reports(Expandable):
     """The allocator's statistics, snapshots and history (see the module doc)."""
@@ -36,8 +40,9 @@ class Reports(Expandable):
         """The device's flattened statistics: PyTorch's keys, then the expandable segments'
         mapped bytes (also counted in ``reserved_bytes``) and the address space they hold."""
         out = self.stats.as_dict()
-        out["expandable_mapped_bytes"] = sum(seg.mapped for seg in self._exp.values())
-        out["expandable_virtual_bytes"] = sum(seg.reserved for seg in self._exp.values())
+        mapped, virtual = EXPANDABLE_KEYS
+        out[mapped] = sum(seg.mapped for seg in self._exp.values())
+        out[virtual] = sum(seg.reserved for seg in self._exp.values())
         return out
 
     def _reset_peak(self) -> None:
