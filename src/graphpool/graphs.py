@@ -260,6 +260,8 @@ class CUDAGraph:
                     dev.launch(exe, s.handle)
                     self._replay_streams.add(s.handle)
                     _note_alone(self, s)
+                    if s._source is not None:
+                        _mark_done(self)  # another library's stream: see _note_alone
                     return
                 _check_replay(self, s)
                 dev.launch(exe, s.handle)
@@ -577,7 +579,7 @@ def _finished(h: CUDAGraph, s: Stream) -> bool:
     seen = _clocks.get((s.device, s.handle), {})
     if seen.get((h._last_stream.device, h._last_stream.handle), 0) >= h._last_mark:
         return True
-    if h._event_stale:
+    if h._event_stale and h._last_stream._source is None:
         return False  # its last replay has no event (its stream was capturing): may still run
     if h._done_event is None:
         return True
@@ -605,7 +607,11 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
             for r in tuple(_by_pool.get(key, {}).values())  # (C-level copy: weakref callbacks edit it)
             if (h := r()) is not None and h is not g and h._rec is not None
         ]
-        late = [h for h in mates if h._event_stale and h._last_stream not in (None, s)]
+        late = [
+            h
+            for h in mates
+            if h._event_stale and h._last_stream not in (None, s) and h._last_stream._source is None
+        ]
         if late:
             _streams_of.add(key)
     for h in late:
@@ -668,6 +674,11 @@ def _note_alone(g: CUDAGraph, s: Stream) -> None:
     does; the pool's first replay on a second stream records the event then (``_mark_done``,
     from ``_check_replay``). That event is later than the replay, so until the work queued on
     ``s`` before then finishes, that mate is told ``g`` may still run: late, never early.
+
+    Only for streams whose handles outlive any use here: graphpool's own (never destroyed)
+    and the legacy stream. Another library's stream may be destroyed (cuda.core's ``close()``)
+    before a mate asks, and an event recorded on a destroyed handle can crash the driver; a
+    replay on one records its event at once (``_mark_done``), as every replay did before.
     """
     g._last_tick = next(_tick)
     k = (s.device, s.handle)
@@ -681,7 +692,7 @@ def _note_alone(g: CUDAGraph, s: Stream) -> None:
 
 def _note_replay(g: CUDAGraph, s: Stream) -> None:
     _note_alone(g, s)
-    if g._pool_key in _streams_of:
+    if g._pool_key in _streams_of or s._source is not None:
         _mark_done(g)
 
 

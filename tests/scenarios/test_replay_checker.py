@@ -493,3 +493,39 @@ def test_the_checker_keeps_no_pool_whose_graphs_were_collected(sim: Any) -> None
     assert sum(1 for v in graphs._by_pool.values() if not v) < 130
     assert len(graphs._by_pool) < 200
     settle()
+
+
+def test_a_replay_on_another_librarys_stream_records_its_event_at_once(sim: Any, monkeypatch: Any) -> None:
+    """A graph alone in its pool replaying on another library's stream (``__cuda_stream__``)
+    records its event at once, as every replay did before: that library may destroy its
+    stream (cuda.core's ``close()``) before a mate asks, and no event may go on a destroyed
+    handle later. On graphpool's own streams, which it never destroys, none is recorded."""
+    from graphpool import runtime
+    from graphpool.sim import xp
+
+    class Foreign:
+        def __init__(self, handle: int) -> None:
+            self.handle = handle
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, self.handle)
+
+    settle()
+    gp.set_replay_checks("raise")
+    s = gp.Stream()
+    g = gp.CUDAGraph()
+    with gp.graph(g, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    calls: list[str] = []
+    _count_calls(monkeypatch, runtime.get().device(s.device), "record_event", calls)
+    with gp.stream(s):
+        g.replay()
+        g.replay()
+    assert calls == []
+    with gp.stream(Foreign(gp.Stream().handle)):
+        g.replay()
+        g.replay()
+    assert calls == ["record_event", "record_event"]
+    gp.synchronize()
+    del a, g
+    settle()
