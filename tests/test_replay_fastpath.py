@@ -75,6 +75,50 @@ def test_replay_on_another_current_device_uses_the_graphs_device(sim: Any) -> No
     g.reset()
 
 
+def test_the_checker_leaves_the_fast_path_to_a_graph_alone_in_its_pool(sim: Any, monkeypatch: Any) -> None:
+    """With the checker on, a graph with no pool mate replays on the fast path after its first
+    (checked) replay; once a mate captures into its pool, each replay of either goes the
+    checked way. With the checker off, graphs sharing a pool take the fast path too."""
+    slow: list[gp.CUDAGraph] = []
+    real = gp.CUDAGraph._replay_slow
+
+    def counted(self: gp.CUDAGraph) -> None:
+        slow.append(self)
+        real(self)
+
+    monkeypatch.setattr(gp.CUDAGraph, "_replay_slow", counted)
+    s = gp.Stream()
+    dev = runtime.get().device(s.device)
+    g0, buf = _graph(s)
+    g1 = gp.CUDAGraph()
+    try:
+        gp.set_replay_checks("raise")
+        with gp.stream(s):
+            for _ in range(3):
+                g0.replay()
+            assert slow == [g0]  # the first replay checks the backend; then the fast path
+            g1.capture_begin(g0.pool())
+            dev.memset(buf.ptr, 2, buf.nbytes, s.handle)
+            g1.capture_end()
+            slow.clear()
+            for _ in range(2):
+                g0.replay()
+                g1.replay()
+            assert slow == [g0, g1, g0, g1]  # mates: every replay is checked
+            gp.set_replay_checks("off")
+            slow.clear()
+            for _ in range(2):
+                g0.replay()
+                g1.replay()
+            assert slow == []  # the checker off: the fast path whatever the pool
+    finally:
+        gp.set_replay_checks("off")
+    gp.synchronize()
+    buf.free()
+    g0.reset()
+    g1.reset()
+
+
 def test_the_c_launch_checks_its_arguments() -> None:
     """The compiled build's C launch (device/_capture.c) refuses bad arguments with TypeError."""
     try:

@@ -256,6 +256,118 @@ def test_a_graph_alone_in_its_pool_records_no_event_on_replay(sim: Any, monkeypa
         g0.replay()
         g1.replay()
     assert calls.count("record_event") == 2
+    calls.clear()
+    g2 = gp.CUDAGraph()
+    with gp.graph(g2, pool=g0.pool(), stream=s):
+        c = xp.ones(N, dtype=xp.float32) + 3
+    assert calls.count("record_event") == 0  # g0's and g1's events already follow their replays
+    gp.synchronize()
+    del a, b, c, g0, g1, g2
+    settle()
+
+
+def test_a_mates_second_replay_on_a_busy_stream_is_not_covered_by_a_wait_for_its_first(
+    backend: Any,
+) -> None:
+    """The checker's order counts each replay on a stream: s1 waited for g0's first replay on
+    s0, not for its second one, queued behind work still running; g1 replaying on s1 then
+    may meet g0 (g1 is handed g0's temporary) and is reported."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b  # a temporary: its memory is g1's to reuse
+        g0.capture_end()
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s0.wait_stream(s)
+    s1.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()
+    s1.wait_stream(s0)  # ordered after g0's first replay ...
+    with gp.stream(s0):
+        backend.spin(s0)
+        g0.replay()  # ... not after this one
+    with gp.stream(s1):
+        with pytest.raises(gp.ReplayHazardError, match="may still run"):
+            g1.replay()
+        s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+    del a, c, g0, g1
+    settle()
+
+
+def test_a_lone_graphs_fast_replays_count_in_the_checkers_order(backend: Any) -> None:
+    """g0, alone in its pool, replays twice on s0: the first replay is the checked one, the
+    second takes the fast path, behind work still running. s1 waited for the first only, so
+    when g1 joins the pool (handed g0's temporary) and replays on s1, that is reported."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b  # a temporary: its memory is g1's to reuse
+        g0.capture_end()
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()
+    s1.wait_stream(s0)  # ordered after g0's first replay ...
+    with gp.stream(s0):
+        backend.spin(s0)
+        g0.replay()  # ... not after this one (the fast path: g0 is alone)
+    with gp.stream(s):
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s1.wait_stream(s)
+    with gp.stream(s1):
+        with pytest.raises(gp.ReplayHazardError, match="may still run"):
+            g1.replay()
+        s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+    del a, c, g0, g1
+    settle()
+
+
+def test_replays_with_the_checker_off_leave_it_nothing_to_mark(sim: Any, monkeypatch: Any) -> None:
+    """With the checker off a replay is a launch and nothing else: when a mate joins the pool
+    later, no done event is recorded for the earlier replays."""
+    from graphpool import runtime
+    from graphpool.sim import xp
+
+    settle()
+    s = gp.Stream()
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    with gp.stream(s):
+        for _ in range(3):
+            g0.replay()
+    dev = runtime.get().device(s.device)
+    calls: list[int] = []
+    real = dev.record_event
+    monkeypatch.setattr(dev, "record_event", lambda *args: (calls.append(1), real(*args))[1])
+    with gp.graph(g1, pool=g0.pool(), stream=s):
+        b = xp.ones(N, dtype=xp.float32) + 2
+    assert calls == []
     gp.synchronize()
     del a, b, g0, g1
     settle()
