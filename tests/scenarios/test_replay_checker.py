@@ -371,3 +371,60 @@ def test_replays_with_the_checker_off_leave_it_nothing_to_mark(sim: Any, monkeyp
     gp.synchronize()
     del a, b, g0, g1
     settle()
+
+
+def test_a_mate_joining_while_the_lone_graphs_stream_captures_leaves_the_checker_working(
+    sim: Any,
+) -> None:
+    """g0 replayed alone on s0, so its done event is recorded only when g1 joins its pool.
+    g1's capture ends while s0 is capturing another graph: the event cannot go on s0 then (it
+    would become part of that capture, and CUDA refuses to query it after), so a later replay
+    of g1 on another stream must still be able to ask about g0."""
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    g0, g1, outer = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, pool=pool, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()  # alone: no event yet
+    with gp.graph(outer, stream=s0, capture_error_mode="relaxed"):
+        c = xp.ones(N, dtype=xp.float32)
+        with gp.graph(g1, pool=pool, stream=s1, capture_error_mode="relaxed"):
+            b = xp.ones(N, dtype=xp.float32) + 2  # g1 joins g0's pool while s0 captures
+    gp.synchronize()
+    with gp.stream(gp.Stream()):
+        g1.replay()  # asks whether g0's last replay is done
+    gp.synchronize()
+    assert float(b.sum().item()) == 3.0 * N
+    del a, b, c, g0, g1, outer
+    settle()
+
+
+def test_the_checker_on_another_device_than_the_current_one(sim: Any) -> None:
+    """The done events belong to the graphs' device, not to the device current at replay:
+    two graphs of device 1 sharing a pool replay with device 0 current, checked."""
+    from graphpool import runtime
+
+    settle()
+    gp.set_replay_checks("raise")
+    dev = runtime.get().device(1)
+    with gp.device(1):
+        s = gp.Stream()
+        buf = gp.alloc(4096, s)
+        pool = gp.graph_pool_handle()
+        g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+        for g, value in ((g0, 1), (g1, 2)):
+            with gp.graph(g, pool=pool, stream=s):
+                dev.memset(buf.ptr, value, buf.nbytes, s.handle)
+    for g in (g0, g1, g0, g1):
+        g.replay()  # device 0 current: each replay goes to device 1's current stream
+    gp.synchronize()
+    assert {g0._done_event.device, g1._done_event.device} == {1}  # type: ignore[union-attr]
+    buf.free()
+    del g0, g1
+    settle()
