@@ -498,6 +498,49 @@ def test_pytorchs_memory_calls_answer_for_graphpool(sim: Any) -> None:
     gp.check_invariants()
 
 
+def test_pytorchs_memory_calls_reach_the_device_they_name(sim: Any) -> None:
+    """With device 0 current, PyTorch's calls naming device 1 (an index, "cuda:1") read and
+    reset device 1's statistics, and leave device 0's alone."""
+    import graphpool.torch as gtorch
+
+    torch = _torch_for_forwarding()  # its current device is 0
+    gtorch.forward_calls(torch)
+    malloc, free = gtorch.hooks()
+    with gp.device(1):
+        s1 = gp.Stream()
+    p = malloc(2 << 20, 1, s1.handle)
+    q = malloc(1 << 20, 1, s1.handle)
+    free(p, 2 << 20, 1, s1.handle)
+    assert torch.cuda.memory_stats("cuda:1") == gp.memory_stats(1)
+    assert torch.cuda.memory_stats("cuda:1")["allocated_bytes.all.current"] == 1 << 20
+    assert torch.cuda.memory_stats()["allocated_bytes.all.peak"] == 0  # device 0's
+    torch.cuda.reset_peak_memory_stats(1)
+    assert gp.max_memory_allocated(1) == 1 << 20
+    assert gp.memory_stats(1)["allocation.all.allocated"] == 2
+    torch.cuda.memory.reset_accumulated_memory_stats("cuda:1")
+    assert gp.memory_stats(1)["allocation.all.allocated"] == 0
+    free(q, 1 << 20, 1, s1.handle)
+    gp.synchronize()
+    gp.check_invariants()
+
+
+def test_forward_calls_answers_for_the_runtime_it_is_given(sim: Any) -> None:
+    """forward_calls(torch, rt) binds PyTorch's calls to ``rt``, not to the runtime current
+    when it is called: after a set_backend they still read the replaced runtime's allocator."""
+    import graphpool.torch as gtorch
+
+    rt = runtime.get()
+    malloc, free = gtorch.hooks(rt)
+    s = gp.Stream()
+    p = malloc(4096, 0, s.handle)
+    gp.set_backend("sim")  # a new runtime; rt keeps its block
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch, rt)
+    assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == 4096
+    assert gp.memory_stats()["allocated_bytes.all.current"] == 0
+    free(p, 4096, 0, s.handle)
+
+
 def test_tensor_record_stream_holds_the_block_for_the_other_stream(sim: Any) -> None:
     """Tensor.record_stream reaches graphpool: the tensor's block, freed, is not handed to
     its stream again while the recorded stream's work runs. A storage graphpool did not
