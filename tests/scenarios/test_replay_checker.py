@@ -428,3 +428,36 @@ def test_the_checker_on_another_device_than_the_current_one(sim: Any) -> None:
     buf.free()
     del g0, g1
     settle()
+
+
+def test_a_first_replay_is_checked_against_the_processs_first_noted_replay(
+    sim: Any, monkeypatch: Any
+) -> None:
+    """g never replayed; h, captured after g and handed g's temporary for its output, made
+    the first replay the checker noted (its order starts at 1). g's first replay overwrites
+    that output: reported, as after any other replay of h."""
+    import itertools
+
+    from graphpool import graphs
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    monkeypatch.setattr(graphs, "_tick", itertools.count(1))  # as in a fresh process
+    pool = gp.graph_pool_handle()
+    s = gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g, h = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.graph(g, pool=pool, stream=s):
+        t = a + 1
+        del t  # g's temporary ...
+    with gp.graph(h, pool=pool, stream=s):
+        out = a + 2  # ... is h's output
+    with gp.stream(s):
+        h.replay()
+        with pytest.raises(gp.ReplayHazardError, match="replays after .* and overwrites"):
+            g.replay()
+    gp.synchronize()
+    del a, out, g, h
+    settle()
