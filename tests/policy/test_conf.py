@@ -251,6 +251,9 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
         a.free(ptr)
     assert oversize(a, "oversize_allocations")[0] == 0
     a.check_invariants()
+    a.empty_cache()  # p's segment, exactly max_split_size, goes back: oversize as it leaves too
+    assert oversize(a, "oversize_segments") == (0, 2, 0, 1)
+    a.check_invariants()
     b = make(DEFAULT)
     b.free(b.malloc(200 * MiB, stream=S1))
     assert oversize(b, "oversize_allocations") == oversize(b, "oversize_segments") == (0, 0, 0, 0)
