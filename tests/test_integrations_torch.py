@@ -275,22 +275,35 @@ def test_hooks_refuse_the_per_thread_default_stream(sim: Any) -> None:
     assert gp.memory_allocated() == 0
 
 
-def test_hooks_keep_a_stream_route_only_until_set_backend(sim: Any) -> None:
+def test_hooks_keep_a_stream_route_only_until_set_backend(sim: Any, monkeypatch: Any) -> None:
     """The hooks keep the route of the stream they served last (graphpool.hooks): a repeated
-    allocation skips the backend check, until set_backend moves the routing generation; the
-    bound runtime's blocks still go back to it."""
+    allocation skips the backend check and the stream lookup, until set_backend moves the
+    routing generation; the bound runtime's blocks still go back to it."""
     import graphpool.torch as gtorch
 
+    looked_up: list[int] = []
+    real = gtorch.resolve_handle
+    monkeypatch.setattr(
+        gtorch, "resolve_handle", lambda stream, *args: (looked_up.append(stream), real(stream, *args))[1]
+    )
     old = runtime.get()
     malloc, free = gtorch.hooks()
     p = malloc(512, 0, 0)
     q = malloc(512, 0, 0)  # served by the kept route
+    assert looked_up == [0]
     assert p != q and gp.memory_allocated() == 1024
     free(p, 512, 0, 0)
     assert malloc(0, 0, 0) == 0  # a null pointer, even on a kept route
     gp.set_backend("sim")
-    with pytest.raises(RuntimeError, match="backend was replaced"):
+    with pytest.raises(RuntimeError) as info:
         malloc(512, 0, 0)
+    assert str(info.value) == (
+        "graphpool.torch: graphpool's backend was replaced (set_backend) after "
+        "graphpool.torch.install(); PyTorch keeps graphpool's allocator for the process, "
+        "so keep the backend it was installed under"
+    )
+    with pytest.raises(RuntimeError, match="backend was replaced"):
+        gtorch.hooks(old)[0](512, 0, 0)  # hooks bound to the replaced runtime, made now
     free(q, 512, 0, 0)
     assert old.allocator(0).memory_stats()["allocated_bytes.all.current"] == 0
     old.allocator(0).check_invariants()
