@@ -10,6 +10,7 @@ from fakedevice import FakeDevice
 
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
+from graphpool.policy.stats import PoolStats
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -257,6 +258,15 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
     b = make(DEFAULT)
     b.free(b.malloc(200 * MiB, stream=S1))
     assert oversize(b, "oversize_allocations") == oversize(b, "oversize_segments") == (0, 0, 0, 0)
+
+
+def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
+    """A release counted twice is the allocator's bug: the statistic says so and stays as it was."""
+    st = PoolStats(40 * MiB)
+    with pytest.raises(AssertionError) as info:
+        st.move_oversize("oversize_segments", -1)
+    assert str(info.value) == "statistic oversize_segments would go negative"
+    assert st.as_dict()["oversize_segments.current"] == st.as_dict()["oversize_segments.freed"] == 0
 
 
 def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own() -> None:
