@@ -260,6 +260,33 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
     assert oversize(b, "oversize_allocations") == oversize(b, "oversize_segments") == (0, 0, 0, 0)
 
 
+def test_an_oversize_block_freed_while_another_stream_uses_it_leaves_the_count_at_the_free() -> None:
+    """A block of exactly max_split_size, recorded on another stream, is freed by its user:
+    it is no longer an oversize allocation (it is held, still active, until that stream's
+    work is done). A peak reset meanwhile (the small pool's counters changed last) counts it
+    as active, and the large pool keeps that level as its peak once the block is back."""
+    dev = FakeDevice(1 << 34)
+    a = CachingAllocator(dev, sizes=SPLIT40)
+    p = a.malloc(40 * MiB, stream=S1)
+    a.record_stream(p, 2)
+    a.free(p)
+    assert oversize(a, "oversize_allocations") == (0, 1, 1, 1)
+    small = a.malloc(512, stream=S1)  # the small pool's counters change last before the reset
+    a.reset_peak()
+    st = a.memory_stats()
+    assert (st["active.all.peak"], st["active_bytes.all.peak"]) == (2, 40 * MiB + 512)
+    assert (st["active.large_pool.peak"], st["active_bytes.large_pool.peak"]) == (1, 40 * MiB)
+    a.check_invariants()
+    dev.complete_all()
+    a.empty_cache()
+    assert oversize(a, "oversize_allocations")[0] == oversize(a, "oversize_segments")[0] == 0
+    st = a.memory_stats()
+    assert st["active.large_pool.current"] == 0  # the peak stays the level at the reset
+    assert (st["active.large_pool.peak"], st["active_bytes.large_pool.peak"]) == (1, 40 * MiB)
+    a.free(small)
+    a.check_invariants()
+
+
 def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
     """A release counted twice is the allocator's bug: the statistic says so and stays as it was."""
     st = PoolStats(40 * MiB)
