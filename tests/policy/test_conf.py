@@ -263,18 +263,22 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
 def test_an_oversize_block_freed_while_another_stream_uses_it_leaves_the_count_at_the_free() -> None:
     """A block of exactly max_split_size, recorded on another stream, is freed by its user:
     it is no longer an oversize allocation (it is held, still active, until that stream's
-    work is done). A peak reset meanwhile (the small pool's counters changed last) counts it
-    as active, and the large pool keeps that level as its peak once the block is back."""
+    work is done), and the free closes the small pool's run first (the peak of both). A peak
+    reset meanwhile (the small pool's counters changed last) counts it as active, and the
+    large pool keeps that level as its peak once the block is back."""
     dev = FakeDevice(1 << 34)
     a = CachingAllocator(dev, sizes=SPLIT40)
     p = a.malloc(40 * MiB, stream=S1)
     a.record_stream(p, 2)
+    small = a.malloc(512, stream=S1)
     a.free(p)
     assert oversize(a, "oversize_allocations") == (0, 1, 1, 1)
-    small = a.malloc(512, stream=S1)  # the small pool's counters change last before the reset
+    st = a.memory_stats()
+    assert (st["allocation.all.peak"], st["allocation.large_pool.freed"]) == (2, 1)
+    small2 = a.malloc(512, stream=S1)  # the small pool's counters change last before the reset
     a.reset_peak()
     st = a.memory_stats()
-    assert (st["active.all.peak"], st["active_bytes.all.peak"]) == (2, 40 * MiB + 512)
+    assert (st["active.all.peak"], st["active_bytes.all.peak"]) == (3, 40 * MiB + 1024)
     assert (st["active.large_pool.peak"], st["active_bytes.large_pool.peak"]) == (1, 40 * MiB)
     a.check_invariants()
     dev.complete_all()
@@ -283,7 +287,16 @@ def test_an_oversize_block_freed_while_another_stream_uses_it_leaves_the_count_a
     st = a.memory_stats()
     assert st["active.large_pool.current"] == 0  # the peak stays the level at the reset
     assert (st["active.large_pool.peak"], st["active_bytes.large_pool.peak"]) == (1, 40 * MiB)
-    a.free(small)
+    q = a.malloc(40 * MiB, stream=S1)
+    a.record_stream(q, 2)
+    a.free(q)
+    assert a.memory_stats()["allocation.large_pool.freed"] == 2
+    for ptr in (small, small2):
+        a.free(ptr)
+    dev.complete_all()
+    a.reset_accumulated()
+    st = a.memory_stats()
+    assert [k for k, v in st.items() if k.endswith((".allocated", ".freed")) and v] == []
     a.check_invariants()
 
 
@@ -294,6 +307,9 @@ def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
         st.move_oversize("oversize_segments", -1)
     assert str(info.value) == "statistic oversize_segments would go negative"
     assert st.as_dict()["oversize_segments.current"] == st.as_dict()["oversize_segments.freed"] == 0
+    with pytest.raises(AssertionError) as info:
+        st.on_free(False, 512)  # a block given back that was never counted
+    assert str(info.value) == "allocation would go negative"
 
 
 def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own() -> None:
