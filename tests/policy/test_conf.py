@@ -300,6 +300,18 @@ def test_an_oversize_block_freed_while_another_stream_uses_it_leaves_the_count_a
     a.check_invariants()
 
 
+def test_without_max_split_size_a_block_as_large_as_the_device_splits_like_any_other() -> None:
+    """No block is oversize without the option, not even one of the device's whole memory:
+    a smaller request splits the cached one instead of releasing it and allocating again."""
+    a = make(DEFAULT, total=64 * MiB)
+    a.free(a.malloc(64 * MiB, stream=S1))
+    p = a.malloc(4 * MiB, stream=S1)
+    st = a.memory_stats()
+    assert (st["num_device_alloc"], st["num_device_free"], st["num_alloc_retries"]) == (1, 0, 0)
+    a.free(p)
+    a.check_invariants()
+
+
 def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
     """A release counted twice is the allocator's bug: the statistic says so and stays as it was."""
     st = PoolStats(40 * MiB)
