@@ -456,7 +456,7 @@ def test_a_first_replay_is_checked_against_the_processs_first_noted_replay(
         out = a + 2  # ... is h's output
     with gp.stream(s):
         h.replay()
-        with pytest.raises(gp.ReplayHazardError, match="replays after .* and overwrites"):
+        with pytest.raises(gp.ReplayHazardError, match=r"replays after .* and overwrites"):
             g.replay()
     gp.synchronize()
     del a, out, g, h
