@@ -313,6 +313,22 @@ def test_without_max_split_size_a_block_as_large_as_the_device_splits_like_any_o
     a.check_invariants()
 
 
+def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -> None:
+    """Two small blocks, one freed, then a large one from the cache: never more than two
+    at once, though the small pool's peak (2) and the large pool's (1) add up to three."""
+    a = make(SPLIT40)
+    a.free(a.malloc(40 * MiB, stream=S1))  # cached: the next one makes no segment
+    s1, s2 = a.malloc(512, stream=S1), a.malloc(512, stream=S1)
+    a.free(s1)
+    big = a.malloc(40 * MiB, stream=S1)
+    st = a.memory_stats()
+    assert (st["allocation.small_pool.peak"], st["allocation.large_pool.peak"]) == (2, 1)
+    assert st["allocation.all.peak"] == 2
+    for ptr in (s2, big):
+        a.free(ptr)
+    a.check_invariants()
+
+
 def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
     """A release counted twice is the allocator's bug: the statistic says so and stays as it was."""
     st = PoolStats(40 * MiB)
@@ -345,8 +361,11 @@ def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own
     a.end_capture(rec)
     a.check_invariants()
     a.free(g)
-    a.free(p)
     a.release_capture(rec)
+    a.empty_cache()  # the pool's fixed segment goes while p's expandable one stays
+    assert oversize(a, "oversize_segments")[0] == 0
+    a.check_invariants()
+    a.free(p)
     a.empty_cache()
     assert oversize(a, "oversize_allocations")[0] == oversize(a, "oversize_segments")[0] == 0
     a.check_invariants()
