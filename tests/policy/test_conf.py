@@ -325,6 +325,7 @@ def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -
     assert (st["allocation.small_pool.peak"], st["allocation.large_pool.peak"]) == (2, 1)
     assert st["allocation.all.peak"] == 2
     assert (st["allocation.all.allocated"], st["allocated_bytes.all.allocated"]) == (4, 80 * MiB + 1024)
+    assert st["requested_bytes.all.allocated"] == 80 * MiB + 1024
     for ptr in (s2, big):
         a.free(ptr)
     a.check_invariants()
