@@ -315,7 +315,8 @@ def test_without_max_split_size_a_block_as_large_as_the_device_splits_like_any_o
 
 def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -> None:
     """Two small blocks, one freed, then a large one from the cache: never more than two
-    at once, though the small pool's peak (2) and the large pool's (1) add up to three."""
+    at once, though the small pool's peak (2) and the large pool's (1) add up to three. A
+    third small one then makes three, counted before the large one's release lowers them."""
     a = make(SPLIT40)
     a.free(a.malloc(40 * MiB, stream=S1))  # cached: the next one makes no segment
     s1, s2 = a.malloc(512, stream=S1), a.malloc(512, stream=S1)
@@ -326,7 +327,10 @@ def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -
     assert st["allocation.all.peak"] == 2
     assert (st["allocation.all.allocated"], st["allocated_bytes.all.allocated"]) == (4, 80 * MiB + 1024)
     assert st["requested_bytes.all.allocated"] == 80 * MiB + 1024
-    for ptr in (s2, big):
+    s3 = a.malloc(512, stream=S1)  # three at once now
+    a.free(big)  # the small pool's run is closed before the large count drops
+    assert a.memory_stats()["allocation.all.peak"] == 3
+    for ptr in (s2, s3):
         a.free(ptr)
     a.check_invariants()
 
@@ -340,6 +344,9 @@ def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
     assert st.as_dict()["oversize_segments.current"] == st.as_dict()["oversize_segments.freed"] == 0
     with pytest.raises(AssertionError) as info:
         st.on_free(False, 512)  # a block given back that was never counted
+    assert str(info.value) == "allocation would go negative"
+    with pytest.raises(AssertionError) as info:
+        st.on_release(False, 512, 512, 0, 0, True)
     assert str(info.value) == "allocation would go negative"
 
 
