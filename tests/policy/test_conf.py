@@ -332,6 +332,8 @@ def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -
     assert a.memory_stats()["allocation.all.peak"] == 3
     for ptr in (s2, s3):
         a.free(ptr)
+    st = a.memory_stats()
+    assert (st["allocation.all.freed"], st["allocated_bytes.all.freed"]) == (5, 80 * MiB + 1536)
     a.check_invariants()
 
 
@@ -348,6 +350,9 @@ def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
     with pytest.raises(AssertionError) as info:
         st.on_release(False, 512, 512, 0, 0, True)
     assert str(info.value) == "allocation would go negative"
+    with pytest.raises(AssertionError) as info:
+        st.on_release(False, 512, 512, 0, 0, False)  # a hold ending that never began
+    assert str(info.value) == "requested_bytes would go negative"
 
 
 def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own() -> None:
