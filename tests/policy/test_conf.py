@@ -334,6 +334,7 @@ def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -
         a.free(ptr)
     st = a.memory_stats()
     assert (st["allocation.all.freed"], st["allocated_bytes.all.freed"]) == (5, 80 * MiB + 1536)
+    assert st["requested_bytes.all.freed"] == 80 * MiB + 1536
     a.check_invariants()
 
 
