@@ -275,22 +275,35 @@ def test_hooks_refuse_the_per_thread_default_stream(sim: Any) -> None:
     assert gp.memory_allocated() == 0
 
 
-def test_hooks_keep_a_stream_route_only_until_set_backend(sim: Any) -> None:
+def test_hooks_keep_a_stream_route_only_until_set_backend(sim: Any, monkeypatch: Any) -> None:
     """The hooks keep the route of the stream they served last (graphpool.hooks): a repeated
-    allocation skips the backend check, until set_backend moves the routing generation; the
-    bound runtime's blocks still go back to it."""
+    allocation skips the backend check and the stream lookup, until set_backend moves the
+    routing generation; the bound runtime's blocks still go back to it."""
     import graphpool.torch as gtorch
 
+    looked_up: list[int] = []
+    real = gtorch.resolve_handle
+    monkeypatch.setattr(
+        gtorch, "resolve_handle", lambda stream, *args: (looked_up.append(stream), real(stream, *args))[1]
+    )
     old = runtime.get()
     malloc, free = gtorch.hooks()
     p = malloc(512, 0, 0)
     q = malloc(512, 0, 0)  # served by the kept route
+    assert looked_up == [0]
     assert p != q and gp.memory_allocated() == 1024
     free(p, 512, 0, 0)
     assert malloc(0, 0, 0) == 0  # a null pointer, even on a kept route
     gp.set_backend("sim")
-    with pytest.raises(RuntimeError, match="backend was replaced"):
+    with pytest.raises(RuntimeError) as info:
         malloc(512, 0, 0)
+    assert str(info.value) == (
+        "graphpool.torch: graphpool's backend was replaced (set_backend) after "
+        "graphpool.torch.install(); PyTorch keeps graphpool's allocator for the process, "
+        "so keep the backend it was installed under"
+    )
+    with pytest.raises(RuntimeError, match="backend was replaced"):
+        gtorch.hooks(old)[0](512, 0, 0)  # hooks bound to the replaced runtime, made now
     free(q, 512, 0, 0)
     assert old.allocator(0).memory_stats()["allocated_bytes.all.current"] == 0
     old.allocator(0).check_invariants()
@@ -502,6 +515,50 @@ def test_pytorchs_memory_calls_answer_for_graphpool(sim: Any) -> None:
     gp.synchronize()
     gp.empty_cache()
     gp.check_invariants()
+
+
+def test_pytorchs_memory_calls_reach_the_device_they_name(sim: Any) -> None:
+    """With device 0 current, PyTorch's calls naming device 1 (an index, "cuda:1") read and
+    reset device 1's statistics, and leave device 0's alone."""
+    import graphpool.torch as gtorch
+
+    torch = _torch_for_forwarding()  # its current device is 0
+    gtorch.forward_calls(torch)
+    malloc, free = gtorch.hooks()
+    with gp.device(1):
+        s1 = gp.Stream()
+    p = malloc(2 << 20, 1, s1.handle)
+    q = malloc(1 << 20, 1, s1.handle)
+    free(p, 2 << 20, 1, s1.handle)
+    assert torch.cuda.memory_stats("cuda:1") == gp.memory_stats(1) | {"max_split_size": -1}
+    assert torch.cuda.memory_stats("cuda:1")["allocated_bytes.all.current"] == 1 << 20
+    assert torch.cuda.memory_stats()["allocated_bytes.all.peak"] == 0  # device 0's
+    torch.cuda.reset_peak_memory_stats(1)
+    assert gp.max_memory_allocated(1) == 1 << 20
+    assert gp.memory_stats(1)["allocation.all.allocated"] == 2
+    torch.cuda.memory.reset_accumulated_memory_stats("cuda:1")
+    assert gp.memory_stats(1)["allocation.all.allocated"] == 0
+    free(q, 1 << 20, 1, s1.handle)
+    torch.cuda.empty_cache()  # graphpool's of every device, not only the current one
+    assert gp.memory_reserved(1) == 0
+    gp.check_invariants()
+
+
+def test_forward_calls_answers_for_the_runtime_it_is_given(sim: Any) -> None:
+    """forward_calls(torch, rt) binds PyTorch's calls to ``rt``, not to the runtime current
+    when it is called: after a set_backend they still read the replaced runtime's allocator."""
+    import graphpool.torch as gtorch
+
+    rt = runtime.get()
+    malloc, free = gtorch.hooks(rt)
+    s = gp.Stream()
+    p = malloc(4096, 0, s.handle)
+    gp.set_backend("sim")  # a new runtime; rt keeps its block
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch, rt)
+    assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == 4096
+    assert gp.memory_stats()["allocated_bytes.all.current"] == 0
+    free(p, 4096, 0, s.handle)
 
 
 def test_tensor_record_stream_holds_the_block_for_the_other_stream(sim: Any) -> None:

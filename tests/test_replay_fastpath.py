@@ -75,6 +75,64 @@ def test_replay_on_another_current_device_uses_the_graphs_device(sim: Any) -> No
     g.reset()
 
 
+def test_the_checker_leaves_the_fast_path_to_a_graph_alone_in_its_pool(sim: Any, monkeypatch: Any) -> None:
+    """With the checker on, a graph with no pool mate replays on the fast path after its first
+    (checked) replay, and runs no check; once a mate captures into its pool, each replay of
+    either runs the checks (the first of g1 on the slow path, which checks the backend).
+    With the checker off, graphs sharing a pool take the fast path, unchecked."""
+    from graphpool import graphs
+
+    slow: list[gp.CUDAGraph] = []
+    checked: list[gp.CUDAGraph] = []
+    real = gp.CUDAGraph._replay_slow
+    real_check = graphs._check_replay
+
+    def counted(self: gp.CUDAGraph) -> None:
+        slow.append(self)
+        real(self)
+
+    def counted_check(g: gp.CUDAGraph, s: gp.Stream) -> None:
+        checked.append(g)
+        real_check(g, s)
+
+    monkeypatch.setattr(gp.CUDAGraph, "_replay_slow", counted)
+    monkeypatch.setattr(graphs, "_check_replay", counted_check)
+    s = gp.Stream()
+    dev = runtime.get().device(s.device)
+    g0, buf = _graph(s)
+    g1 = gp.CUDAGraph()
+    try:
+        gp.set_replay_checks("raise")
+        with gp.stream(s):
+            for _ in range(3):
+                g0.replay()
+            assert slow == [g0]  # the first replay checks the backend; then the fast path
+            assert checked == [g0]  # (alone: the checks find no mate)
+            g1.capture_begin(g0.pool())
+            dev.memset(buf.ptr, 2, buf.nbytes, s.handle)
+            g1.capture_end()
+            slow.clear()
+            checked.clear()
+            for _ in range(2):
+                g0.replay()
+                g1.replay()
+            assert slow == [g1]  # g1's first replay
+            assert checked == [g0, g1, g0, g1]  # mates: every replay is checked
+            gp.set_replay_checks("off")
+            slow.clear()
+            checked.clear()
+            for _ in range(2):
+                g0.replay()
+                g1.replay()
+            assert slow == [] and checked == []  # the checker off: the fast path, unchecked
+    finally:
+        gp.set_replay_checks("off")
+    gp.synchronize()
+    buf.free()
+    g0.reset()
+    g1.reset()
+
+
 def test_the_c_launch_checks_its_arguments() -> None:
     """The compiled build's C launch (device/_capture.c) refuses bad arguments with TypeError."""
     try:

@@ -10,6 +10,7 @@ from fakedevice import FakeDevice
 
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import DEFAULT, SizeConfig
+from graphpool.policy.stats import PoolStats
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -251,9 +252,108 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
         a.free(ptr)
     assert oversize(a, "oversize_allocations")[0] == 0
     a.check_invariants()
+    a.empty_cache()  # p's segment, exactly max_split_size, goes back: oversize as it leaves too
+    assert oversize(a, "oversize_segments") == (0, 2, 0, 1)
+    a.check_invariants()
     b = make(DEFAULT)
     b.free(b.malloc(200 * MiB, stream=S1))
     assert oversize(b, "oversize_allocations") == oversize(b, "oversize_segments") == (0, 0, 0, 0)
+
+
+def test_an_oversize_block_freed_while_another_stream_uses_it_leaves_the_count_at_the_free() -> None:
+    """A block of exactly max_split_size, recorded on another stream, is freed by its user:
+    it is no longer an oversize allocation (it is held, still active, until that stream's
+    work is done), and the free closes the small pool's run first (the peak of both). A peak
+    reset meanwhile (the small pool's counters changed last) counts it as active, and the
+    large pool keeps that level as its peak once the block is back."""
+    dev = FakeDevice(1 << 34)
+    a = CachingAllocator(dev, sizes=SPLIT40)
+    p = a.malloc(40 * MiB, stream=S1)
+    a.record_stream(p, 2)
+    small = a.malloc(512, stream=S1)
+    a.free(p)
+    assert oversize(a, "oversize_allocations") == (0, 1, 1, 1)
+    st = a.memory_stats()
+    assert (st["allocation.all.peak"], st["allocation.large_pool.freed"]) == (2, 1)
+    small2 = a.malloc(512, stream=S1)  # the small pool's counters change last before the reset
+    a.reset_peak()
+    st = a.memory_stats()
+    assert (st["active.all.peak"], st["active_bytes.all.peak"]) == (3, 40 * MiB + 1024)
+    assert (st["active.large_pool.peak"], st["active_bytes.large_pool.peak"]) == (1, 40 * MiB)
+    a.check_invariants()
+    dev.complete_all()
+    a.empty_cache()
+    assert oversize(a, "oversize_allocations")[0] == oversize(a, "oversize_segments")[0] == 0
+    st = a.memory_stats()
+    assert st["active.large_pool.current"] == 0  # the peak stays the level at the reset
+    assert (st["active.large_pool.peak"], st["active_bytes.large_pool.peak"]) == (1, 40 * MiB)
+    q = a.malloc(40 * MiB, stream=S1)
+    a.record_stream(q, 2)
+    a.free(q)
+    st = a.memory_stats()
+    assert (st["allocation.large_pool.freed"], st["allocated_bytes.large_pool.freed"]) == (2, 80 * MiB)
+    for ptr in (small, small2):
+        a.free(ptr)
+    dev.complete_all()
+    a.reset_accumulated()
+    st = a.memory_stats()
+    assert [k for k, v in st.items() if k.endswith((".allocated", ".freed")) and v] == []
+    a.check_invariants()
+
+
+def test_without_max_split_size_a_block_as_large_as_the_device_splits_like_any_other() -> None:
+    """No block is oversize without the option, not even one of the device's whole memory:
+    a smaller request splits the cached one instead of releasing it and allocating again."""
+    a = make(DEFAULT, total=64 * MiB)
+    a.free(a.malloc(64 * MiB, stream=S1))
+    p = a.malloc(4 * MiB, stream=S1)
+    st = a.memory_stats()
+    assert (st["num_device_alloc"], st["num_device_free"], st["num_alloc_retries"]) == (1, 0, 0)
+    a.free(p)
+    a.check_invariants()
+
+
+def test_the_all_pool_peak_is_the_highest_sum_seen_not_the_kinds_peaks_added() -> None:
+    """Two small blocks, one freed, then a large one from the cache: never more than two
+    at once, though the small pool's peak (2) and the large pool's (1) add up to three. A
+    third small one then makes three, counted before the large one's release lowers them."""
+    a = make(SPLIT40)
+    a.free(a.malloc(40 * MiB, stream=S1))  # cached: the next one makes no segment
+    s1, s2 = a.malloc(512, stream=S1), a.malloc(512, stream=S1)
+    a.free(s1)
+    big = a.malloc(40 * MiB, stream=S1)
+    st = a.memory_stats()
+    assert (st["allocation.small_pool.peak"], st["allocation.large_pool.peak"]) == (2, 1)
+    assert st["allocation.all.peak"] == 2
+    assert (st["allocation.all.allocated"], st["allocated_bytes.all.allocated"]) == (4, 80 * MiB + 1024)
+    assert st["requested_bytes.all.allocated"] == 80 * MiB + 1024
+    s3 = a.malloc(512, stream=S1)  # three at once now
+    a.free(big)  # the small pool's run is closed before the large count drops
+    assert a.memory_stats()["allocation.all.peak"] == 3
+    for ptr in (s2, s3):
+        a.free(ptr)
+    st = a.memory_stats()
+    assert (st["allocation.all.freed"], st["allocated_bytes.all.freed"]) == (5, 80 * MiB + 1536)
+    assert st["requested_bytes.all.freed"] == 80 * MiB + 1536
+    a.check_invariants()
+
+
+def test_an_oversize_count_refuses_to_go_negative_by_name() -> None:
+    """A release counted twice is the allocator's bug: the statistic says so and stays as it was."""
+    st = PoolStats(40 * MiB)
+    with pytest.raises(AssertionError) as info:
+        st.move_oversize("oversize_segments", -1)
+    assert str(info.value) == "statistic oversize_segments would go negative"
+    assert st.as_dict()["oversize_segments.current"] == st.as_dict()["oversize_segments.freed"] == 0
+    with pytest.raises(AssertionError) as info:
+        st.on_free(False, 512)  # a block given back that was never counted
+    assert str(info.value) == "allocation would go negative"
+    with pytest.raises(AssertionError) as info:
+        st.on_release(False, 512, 512, 0, 0, True)
+    assert str(info.value) == "allocation would go negative"
+    with pytest.raises(AssertionError) as info:
+        st.on_release(False, 512, 512, 0, 0, False)  # a hold ending that never began
+    assert str(info.value) == "requested_bytes would go negative"
 
 
 def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own() -> None:
@@ -276,8 +376,11 @@ def test_expandable_segments_and_private_pools_keep_oversize_counts_of_their_own
     a.end_capture(rec)
     a.check_invariants()
     a.free(g)
-    a.free(p)
     a.release_capture(rec)
+    a.empty_cache()  # the pool's fixed segment goes while p's expandable one stays
+    assert oversize(a, "oversize_segments")[0] == 0
+    a.check_invariants()
+    a.free(p)
     a.empty_cache()
     assert oversize(a, "oversize_allocations")[0] == oversize(a, "oversize_segments")[0] == 0
     a.check_invariants()

@@ -529,3 +529,206 @@ def test_a_replay_on_another_librarys_stream_records_its_event_at_once(sim: Any,
     gp.synchronize()
     del a, g
     settle()
+
+
+def test_a_mates_second_replay_on_a_busy_stream_is_not_covered_by_a_wait_for_its_first(
+    backend: Any,
+) -> None:
+    """The checker's order counts each replay on a stream: s1 waited for g0's first replay on
+    s0, not for its second one, queued behind work still running; g1 replaying on s1 then
+    may meet g0 (g1 is handed g0's temporary) and is reported."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b  # a temporary: its memory is g1's to reuse
+        g0.capture_end()
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s0.wait_stream(s)
+    s1.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()
+    s1.wait_stream(s0)  # ordered after g0's first replay ...
+    with gp.stream(s0):
+        backend.spin(s0)
+        g0.replay()  # ... not after this one
+    with gp.stream(s1):
+        with pytest.raises(gp.ReplayHazardError, match="may still run"):
+            g1.replay()
+        s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+    del a, c, g0, g1
+    settle()
+
+
+def test_a_lone_graphs_fast_replays_count_in_the_checkers_order(backend: Any) -> None:
+    """g0, alone in its pool, replays twice on s0: the first replay is the checked one, the
+    second takes the fast path, behind work still running. s1 waited for the first only, so
+    when g1 joins the pool (handed g0's temporary) and replays on s1, that is reported."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.stream(s):
+        g0.capture_begin(pool)
+        b = a + 1
+        del b  # a temporary: its memory is g1's to reuse
+        g0.capture_end()
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()
+    s1.wait_stream(s0)  # ordered after g0's first replay ...
+    with gp.stream(s0):
+        backend.spin(s0)
+        g0.replay()  # ... not after this one (the fast path: g0 is alone)
+    with gp.stream(s):
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s1.wait_stream(s)
+    with gp.stream(s1):
+        with pytest.raises(gp.ReplayHazardError, match="may still run"):
+            g1.replay()
+        s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+    del a, c, g0, g1
+    settle()
+
+
+def test_replays_with_the_checker_off_leave_it_nothing_to_mark(sim: Any, monkeypatch: Any) -> None:
+    """With the checker off a replay is a launch and nothing else: when a mate joins the pool
+    later, no done event is recorded for the earlier replays."""
+    from graphpool import runtime
+    from graphpool.sim import xp
+
+    settle()
+    s = gp.Stream()
+    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    with gp.stream(s):
+        for _ in range(3):
+            g0.replay()
+    dev = runtime.get().device(s.device)
+    calls: list[int] = []
+    real = dev.record_event
+    monkeypatch.setattr(dev, "record_event", lambda *args: (calls.append(1), real(*args))[1])
+    with gp.graph(g1, pool=g0.pool(), stream=s):
+        b = xp.ones(N, dtype=xp.float32) + 2
+    assert calls == []
+    gp.synchronize()
+    del a, b, g0, g1
+    settle()
+
+
+def test_a_mate_joining_while_the_lone_graphs_stream_captures_leaves_the_checker_working(
+    sim: Any,
+) -> None:
+    """g0 replayed alone on s0, so its done event is recorded only when g1 joins its pool.
+    g1's capture ends while s0 is capturing another graph: the event cannot go on s0 then (it
+    would become part of that capture, and CUDA refuses to query it after), so a later replay
+    of g1 on another stream must still be able to ask about g0."""
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    pool = gp.graph_pool_handle()
+    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
+    g0, g1, outer = gp.CUDAGraph(), gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g0, pool=pool, stream=s):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()  # alone: no event yet
+    with gp.graph(outer, stream=s0, capture_error_mode="relaxed"):
+        c = xp.ones(N, dtype=xp.float32)
+        with gp.graph(g1, pool=pool, stream=s1, capture_error_mode="relaxed"):
+            b = xp.ones(N, dtype=xp.float32) + 2  # g1 joins g0's pool while s0 captures
+    gp.synchronize()
+    with gp.stream(gp.Stream()):
+        g1.replay()  # asks whether g0's last replay is done
+    gp.synchronize()
+    assert float(b.sum().item()) == 3.0 * N
+    del a, b, c, g0, g1, outer
+    settle()
+
+
+def test_the_checker_on_another_device_than_the_current_one(sim: Any) -> None:
+    """The done events belong to the graphs' device, not to the device current at replay:
+    two graphs of device 1 sharing a pool replay with device 0 current, checked."""
+    from graphpool import runtime
+
+    settle()
+    gp.set_replay_checks("raise")
+    dev = runtime.get().device(1)
+    with gp.device(1):
+        s = gp.Stream()
+        buf = gp.alloc(4096, s)
+        pool = gp.graph_pool_handle()
+        g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
+        for g, value in ((g0, 1), (g1, 2)):
+            with gp.graph(g, pool=pool, stream=s):
+                dev.memset(buf.ptr, value, buf.nbytes, s.handle)
+    # device 0 current: a replay goes to device 1's current stream, or to s; two streams, so
+    # the pool's replays record done events
+    for g, on in ((g0, None), (g1, s), (g0, None), (g1, s)):
+        if on is None:
+            g.replay()
+        else:
+            with gp.stream(on):
+                g.replay()
+        gp.synchronize()
+    assert {g0._done_event.device, g1._done_event.device} == {1}  # type: ignore[union-attr]
+    buf.free()
+    del g0, g1
+    settle()
+
+
+def test_a_first_replay_is_checked_against_the_processs_first_noted_replay(
+    sim: Any, monkeypatch: Any
+) -> None:
+    """g never replayed; h, captured after g and handed g's temporary for its output, made
+    the first replay the checker noted (its order starts at 1). g's first replay overwrites
+    that output: reported, as after any other replay of h."""
+    import itertools
+
+    from graphpool import graphs
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    monkeypatch.setattr(graphs, "_tick", itertools.count(1))  # as in a fresh process
+    pool = gp.graph_pool_handle()
+    s = gp.Stream()
+    a = xp.ones(N, dtype=xp.float32)
+    g, h = gp.CUDAGraph(), gp.CUDAGraph()
+    s.wait_stream(gp.current_stream())
+    with gp.graph(g, pool=pool, stream=s):
+        t = a + 1
+        del t  # g's temporary ...
+    with gp.graph(h, pool=pool, stream=s):
+        out = a + 2  # ... is h's output
+    with gp.stream(s):
+        h.replay()
+        with pytest.raises(gp.ReplayHazardError, match=r"replays after .* and overwrites"):
+            g.replay()
+    gp.synchronize()
+    del a, out, g, h
+    settle()
