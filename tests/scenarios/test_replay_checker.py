@@ -732,3 +732,33 @@ def test_a_first_replay_is_checked_against_the_processs_first_noted_replay(
     gp.synchronize()
     del a, out, g, h
     settle()
+
+
+@pytest.mark.parametrize(("live", "after"), [(40, 80), (10, 64)])
+def test_register_drops_empty_pools_when_the_entries_reach_the_threshold_then_doubles_it(
+    sim: Any, monkeypatch: Any, live: int, after: int
+) -> None:
+    """Registering a graph when the checker's pool entries reach the threshold drops every
+    pool whose graphs are all gone (and its two-stream mark), keeps the live ones, and sets
+    the next threshold to twice the entries kept, at least 64."""
+    from graphpool import graphs
+    from graphpool.sim import xp
+
+    settle()
+    dead = [("gone", i) for i in range(70 - live)]
+    kept = [("live", i) for i in range(live)]
+    by_pool: dict[Any, Any] = {k: {} for k in dead}
+    by_pool.update({k: {0: None} for k in kept})
+    streams_of: set[Any] = {dead[0], kept[0]}
+    monkeypatch.setattr(graphs, "_by_pool", by_pool)
+    monkeypatch.setattr(graphs, "_streams_of", streams_of)
+    monkeypatch.setattr(graphs, "_sweep_at", 70)  # reached exactly
+    g = gp.CUDAGraph()
+    with gp.graph(g, stream=gp.Stream()):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    assert set(by_pool) == set(kept) | {graphs._key(g)}
+    assert streams_of == {kept[0]}
+    assert graphs._sweep_at == after
+    g.reset()
+    del a, g
+    settle()
