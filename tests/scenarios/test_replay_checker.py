@@ -762,3 +762,38 @@ def test_register_drops_empty_pools_when_the_entries_reach_the_threshold_then_do
     g.reset()
     del a, g
     settle()
+
+
+def test_every_fast_replay_names_its_stream_for_the_pools_release(sim: Any) -> None:
+    """Each replay, on the fast path too (checker off, a graph alone in its pool, a pool
+    with mates), adds its stream to the capture's replay streams, which the pool's kept
+    blocks wait for when it is released."""
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    s0, s1, s2, s3 = gp.Stream(), gp.Stream(), gp.Stream(), gp.Stream()
+    g, h = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g, stream=s0):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    with gp.stream(s0):
+        g.replay()  # the slow path (first replay)
+    assert g._rec is not None
+    streams = g._rec.replay_streams
+    with gp.stream(s1):
+        g.replay()  # alone in its pool
+    assert s1.handle in streams
+    gp.set_replay_checks("off")
+    with gp.stream(s2):
+        g.replay()  # checker off
+    assert s2.handle in streams
+    gp.set_replay_checks("raise")
+    with gp.graph(h, pool=g.pool(), stream=s0):
+        b = xp.ones(N, dtype=xp.float32) + 2
+    gp.synchronize()
+    with gp.stream(s3):
+        g.replay()  # with a mate
+    assert streams == {s0.handle, s1.handle, s2.handle, s3.handle}
+    gp.synchronize()
+    del a, b, g, h
+    settle()
