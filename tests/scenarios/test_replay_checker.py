@@ -687,8 +687,9 @@ def test_the_checker_on_another_device_than_the_current_one(sim: Any) -> None:
             with gp.graph(g, pool=pool, stream=s):
                 dev.memset(buf.ptr, value, buf.nbytes, s.handle)
     # device 0 current: a replay goes to device 1's current stream, or to s; two streams, so
-    # the pool's replays record done events
-    for g, on in ((g0, None), (g1, s), (g0, None), (g1, s)):
+    # the pool's replays record done events (g0's first one late, at g1's replay with device 0
+    # current and device 1's current stream)
+    for g, on in ((g0, s), (g1, None), (g0, None), (g1, s)):
         if on is None:
             g.replay()
         else:
