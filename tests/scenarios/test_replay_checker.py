@@ -687,8 +687,9 @@ def test_the_checker_on_another_device_than_the_current_one(sim: Any) -> None:
             with gp.graph(g, pool=pool, stream=s):
                 dev.memset(buf.ptr, value, buf.nbytes, s.handle)
     # device 0 current: a replay goes to device 1's current stream, or to s; two streams, so
-    # the pool's replays record done events
-    for g, on in ((g0, None), (g1, s), (g0, None), (g1, s)):
+    # the pool's replays record done events (g0's first one late, at g1's replay with device 0
+    # current and device 1's current stream)
+    for g, on in ((g0, s), (g1, None), (g0, None), (g1, s)):
         if on is None:
             g.replay()
         else:
@@ -731,4 +732,69 @@ def test_a_first_replay_is_checked_against_the_processs_first_noted_replay(
             g.replay()
     gp.synchronize()
     del a, out, g, h
+    settle()
+
+
+@pytest.mark.parametrize(("live", "after"), [(40, 80), (10, 64)])
+def test_register_drops_empty_pools_when_the_entries_reach_the_threshold_then_doubles_it(
+    sim: Any, monkeypatch: Any, live: int, after: int
+) -> None:
+    """Registering a graph when the checker's pool entries reach the threshold drops every
+    pool whose graphs are all gone (and its two-stream mark), keeps the live ones, and sets
+    the next threshold to twice the entries kept, at least 64."""
+    from graphpool import graphs
+    from graphpool.sim import xp
+
+    settle()
+    dead = [("gone", i) for i in range(70 - live)]
+    kept = [("live", i) for i in range(live)]
+    by_pool: dict[Any, Any] = {k: {} for k in dead}
+    by_pool.update({k: {0: None} for k in kept})
+    streams_of: set[Any] = {dead[0], kept[0]}
+    monkeypatch.setattr(graphs, "_by_pool", by_pool)
+    monkeypatch.setattr(graphs, "_streams_of", streams_of)
+    monkeypatch.setattr(graphs, "_sweep_at", 70)  # reached exactly
+    g = gp.CUDAGraph()
+    with gp.graph(g, stream=gp.Stream()):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    assert set(by_pool) == set(kept) | {graphs._key(g)}
+    assert streams_of == {kept[0]}
+    assert graphs._sweep_at == after
+    g.reset()
+    del a, g
+    settle()
+
+
+def test_every_fast_replay_names_its_stream_for_the_pools_release(sim: Any) -> None:
+    """Each replay, on the fast path too (checker off, a graph alone in its pool, a pool
+    with mates), adds its stream to the capture's replay streams, which the pool's kept
+    blocks wait for when it is released."""
+    from graphpool.sim import xp
+
+    settle()
+    gp.set_replay_checks("raise")
+    s0, s1, s2, s3 = gp.Stream(), gp.Stream(), gp.Stream(), gp.Stream()
+    g, h = gp.CUDAGraph(), gp.CUDAGraph()
+    with gp.graph(g, stream=s0):
+        a = xp.ones(N, dtype=xp.float32) + 1
+    with gp.stream(s0):
+        g.replay()  # the slow path (first replay)
+    assert g._rec is not None
+    streams = g._rec.replay_streams
+    with gp.stream(s1):
+        g.replay()  # alone in its pool
+    assert s1.handle in streams
+    gp.set_replay_checks("off")
+    with gp.stream(s2):
+        g.replay()  # checker off
+    assert s2.handle in streams
+    gp.set_replay_checks("raise")
+    with gp.graph(h, pool=g.pool(), stream=s0):
+        b = xp.ones(N, dtype=xp.float32) + 2
+    gp.synchronize()
+    with gp.stream(s3):
+        g.replay()  # with a mate
+    assert streams == {s0.handle, s1.handle, s2.handle, s3.handle}
+    gp.synchronize()
+    del a, b, g, h
     settle()
