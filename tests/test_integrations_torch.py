@@ -161,6 +161,10 @@ def test_hooks_want_a_runtime() -> None:
 
     with pytest.raises(TypeError, match="must be a graphpool runtime"):
         gtorch.hooks(1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"forward_calls\(rt\): rt must be a graphpool runtime"):
+        gtorch.forward_calls(_torch_for_forwarding(), "x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="torch must be the torch module"):
+        gtorch.forward_calls(None)
 
 
 def test_after_close_malloc_fails_and_free_does_nothing(shim: Any, lib: Any) -> None:
@@ -473,6 +477,16 @@ def _torch_for_forwarding() -> Any:
     return types.SimpleNamespace(cuda=cuda, device=device, Tensor=tensor, calls=calls)
 
 
+def _forwarded() -> tuple[Any, Any, Any]:
+    """(torch, malloc, free): a stand-in torch whose memory calls graphpool answers
+    (``forward_calls``), and the hooks the shim calls, on the current runtime."""
+    import graphpool.torch as gtorch
+
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch)
+    return (torch, *gtorch.hooks())
+
+
 def _tensor(torch: Any, ptr: int, device: int = 0) -> Any:
     import types
 
@@ -486,11 +500,8 @@ def _tensor(torch: Any, ptr: int, device: int = 0) -> Any:
 def test_pytorchs_memory_calls_answer_for_graphpool(sim: Any) -> None:
     """Statistics, peak resets and empty_cache through PyTorch's names reach graphpool's
     allocator of the device PyTorch means (None, an index, "cuda:0")."""
-    import graphpool.torch as gtorch
 
-    torch = _torch_for_forwarding()
-    gtorch.forward_calls(torch)
-    malloc, free = gtorch.hooks()
+    torch, malloc, free = _forwarded()
     s = gp.Stream()
     p = malloc(3 << 20, 0, s.handle)
     for device in (None, 0, "cuda:0", "cuda"):
@@ -520,11 +531,8 @@ def test_pytorchs_memory_calls_answer_for_graphpool(sim: Any) -> None:
 def test_pytorchs_memory_calls_reach_the_device_they_name(sim: Any) -> None:
     """With device 0 current, PyTorch's calls naming device 1 (an index, "cuda:1") read and
     reset device 1's statistics, and leave device 0's alone."""
-    import graphpool.torch as gtorch
 
-    torch = _torch_for_forwarding()  # its current device is 0
-    gtorch.forward_calls(torch)
-    malloc, free = gtorch.hooks()
+    torch, malloc, free = _forwarded()  # its current device is 0
     with gp.device(1):
         s1 = gp.Stream()
     p = malloc(2 << 20, 1, s1.handle)
@@ -565,11 +573,8 @@ def test_tensor_record_stream_holds_the_block_for_the_other_stream(sim: Any) -> 
     """Tensor.record_stream reaches graphpool: the tensor's block, freed, is not handed to
     its stream again while the recorded stream's work runs. A storage graphpool did not
     allocate is left alone. PyTorch's own record_stream still runs first."""
-    import graphpool.torch as gtorch
 
-    torch = _torch_for_forwarding()
-    gtorch.forward_calls(torch)
-    malloc, free = gtorch.hooks()
+    torch, malloc, free = _forwarded()
     s, side = gp.Stream(), gp.Stream()
     p = malloc(4096, 0, s.handle)
     t = _tensor(torch, p)
@@ -620,11 +625,7 @@ def test_tensor_record_stream_takes_a_torch_stream_and_refuses_another_devices(s
     a clear error (graphpool's blocks record streams of their own device)."""
     import types
 
-    import graphpool.torch as gtorch
-
-    torch = _torch_for_forwarding()
-    gtorch.forward_calls(torch)
-    malloc, free = gtorch.hooks()
+    torch, malloc, free = _forwarded()
     s, side = gp.Stream(), gp.Stream()
     p = malloc(4096, 0, s.handle)
     t = _tensor(torch, p)

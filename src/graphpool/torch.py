@@ -36,8 +36,7 @@ from typing import TYPE_CHECKING, Any
 from graphpool import cooperate, routing, runtime
 from graphpool import memory as gp_memory
 from graphpool.hooks import Finder, TorchHooks
-from graphpool.policy.reports import EXPANDABLE_KEYS
-from graphpool.policy.stats import PoolStats
+from graphpool.policy.reports import zero_device_stats
 from graphpool.routing import Route
 from graphpool.streams import resolve_handle
 
@@ -87,11 +86,16 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
     (``drop``: PyTorch frees from destructors, possibly inside a graphpool call, and a tensor
     dropped during a capture not yet detected is kept for that graph).
     """
-    if rt is not None and not isinstance(rt, runtime.Runtime):
-        raise TypeError(f"hooks(rt): rt must be a graphpool runtime (graphpool.runtime.get()), not {rt!r}")
-    bound = rt if rt is not None else runtime.get()
+    bound = _runtime_of(rt, "hooks")
     h = TorchHooks(_finder(bound), bound.allocator)
     return h.malloc, h.free
+
+
+def _runtime_of(rt: object, what: str) -> runtime.Runtime:
+    """``rt``, checked to be a graphpool runtime, or the current one for None."""
+    if rt is not None and not isinstance(rt, runtime.Runtime):
+        raise TypeError(f"{what}(rt): rt must be a graphpool runtime (graphpool.runtime.get()), not {rt!r}")
+    return rt if rt is not None else runtime.get()
 
 
 def _finder(bound: runtime.Runtime) -> Finder:
@@ -144,7 +148,9 @@ def forward_calls(torch: Any, rt: runtime.Runtime | None = None) -> None:
     Calls made inside PyTorch's C++ (a process group's ``recordStream``) still reach the
     pluggable allocator and do nothing there.
     """
-    bound = rt if rt is not None else runtime.get()
+    bound = _runtime_of(rt, "forward_calls")
+    if not hasattr(torch, "Tensor") or not hasattr(getattr(torch, "cuda", None), "memory"):
+        raise TypeError(f"forward_calls(torch): torch must be the torch module, not {torch!r}")
     find = _finder(bound)
     cuda, mem = torch.cuda, torch.cuda.memory
     their_empty = mem.empty_cache
@@ -162,7 +168,7 @@ def forward_calls(torch: Any, rt: runtime.Runtime | None = None) -> None:
         never allocated), with PyTorch's ``max_split_size`` (-1: none)."""
         a = made(device)
         if a is None:
-            stats = dict.fromkeys(PoolStats().as_dict(), 0) | dict.fromkeys(EXPANDABLE_KEYS, 0)
+            stats = zero_device_stats()
             split = runtime.configured_sizes(bound.sizes, runtime.alloc_conf()).max_split_size
         else:
             stats = a.memory_stats()

@@ -188,14 +188,9 @@ def test_a_replay_into_another_capture_leaves_the_checker_working(sim: Any) -> N
     settle()
 
 
-def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: Any) -> None:
-    """A graph alone in its pool replays with the checker on without recording when it is
-    done (no mate can ask). g0 replays on a busy stream while alone; g1 then captures into its
-    pool and replays on another stream: g0 may still run there, so that is reported, and the
-    same replay ordered after g0's stream is not."""
-    xp = backend.xp
-    settle()
-    gp.set_replay_checks("raise")
+def _lone_graph_with_a_temporary(xp: Any) -> tuple[Any, ...]:
+    """(pool, s, s0, s1, a, g0, g1): g0 captured on s into a new shared pool, where it drops
+    a temporary (its memory is the next graph's to reuse); g1 made, not captured yet."""
     pool = gp.graph_pool_handle()
     s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
     a = xp.ones(N, dtype=xp.float32)
@@ -204,8 +199,20 @@ def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: An
     with gp.stream(s):
         g0.capture_begin(pool)
         b = a + 1
-        del b  # a temporary: its memory is g1's to reuse
+        del b
         g0.capture_end()
+    return pool, s, s0, s1, a, g0, g1
+
+
+def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: Any) -> None:
+    """A graph alone in its pool replays with the checker on without recording when it is
+    done (no mate can ask). g0 replays on a busy stream while alone; g1 then captures into its
+    pool and replays on another stream: g0 may still run there, so that is reported, and the
+    same replay ordered after g0's stream is not."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool, s, s0, s1, a, g0, g1 = _lone_graph_with_a_temporary(xp)
     s0.wait_stream(s)
     with gp.stream(s0):
         backend.spin(s0)
@@ -540,16 +547,8 @@ def test_a_mates_second_replay_on_a_busy_stream_is_not_covered_by_a_wait_for_its
     xp = backend.xp
     settle()
     gp.set_replay_checks("raise")
-    pool = gp.graph_pool_handle()
-    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
-    a = xp.ones(N, dtype=xp.float32)
-    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
-    s.wait_stream(gp.current_stream())
+    pool, s, s0, s1, a, g0, g1 = _lone_graph_with_a_temporary(xp)
     with gp.stream(s):
-        g0.capture_begin(pool)
-        b = a + 1
-        del b  # a temporary: its memory is g1's to reuse
-        g0.capture_end()
         g1.capture_begin(pool)
         c = a + 2
         g1.capture_end()
@@ -579,16 +578,7 @@ def test_a_lone_graphs_fast_replays_count_in_the_checkers_order(backend: Any) ->
     xp = backend.xp
     settle()
     gp.set_replay_checks("raise")
-    pool = gp.graph_pool_handle()
-    s, s0, s1 = gp.Stream(), gp.Stream(), gp.Stream()
-    a = xp.ones(N, dtype=xp.float32)
-    g0, g1 = gp.CUDAGraph(), gp.CUDAGraph()
-    s.wait_stream(gp.current_stream())
-    with gp.stream(s):
-        g0.capture_begin(pool)
-        b = a + 1
-        del b  # a temporary: its memory is g1's to reuse
-        g0.capture_end()
+    pool, s, s0, s1, a, g0, g1 = _lone_graph_with_a_temporary(xp)
     s0.wait_stream(s)
     with gp.stream(s0):
         g0.replay()

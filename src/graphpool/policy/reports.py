@@ -16,10 +16,17 @@ from graphpool.policy.private_pools import (
     PoolId,
     PrivatePool,
 )
+from graphpool.policy.stats import PoolStats
 
 EXPANDABLE_KEYS = ("expandable_mapped_bytes", "expandable_virtual_bytes")
 """The device statistics' two keys beyond PyTorch's: bytes mapped in expandable segments
 (also counted in ``reserved_bytes``) and the address space they hold."""
+
+
+def zero_device_stats() -> dict[str, int]:
+    """A device's statistics before its first allocation: every key ``memory_stats()`` has, 0
+    (for a device with no allocator yet, without making one)."""
+    return dict.fromkeys(PoolStats().as_dict(), 0) | dict.fromkeys(EXPANDABLE_KEYS, 0)
 
 
 class Reports(Expandable):
