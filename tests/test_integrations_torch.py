@@ -120,10 +120,16 @@ def test_a_bad_free_is_reported_never_raised(lib: Any, monkeypatch: pytest.Monke
     lib.graphpool_torch_free(p, 512, 0, s.handle)  # twice
     assert len(seen) == 2 and type(seen[1].exc_value).__name__ == "DoubleFreeError"
     p = lib.graphpool_torch_malloc(512, 0, s.handle)
-    lib.graphpool_torch_free(p, 512, 0, s.handle)
-    lib.graphpool_torch_free(p, 512, 0, s.handle)  # the first still queued: found when carried out
-    with pytest.warns(RuntimeWarning, match="DoubleFreeError"):
-        gp.memory_stats()
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # parked (policy/heap.py, Note [Parking]) ...
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # ... so a second free is found at once
+    assert len(seen) == 3 and type(seen[2].exc_value).__name__ == "DoubleFreeError"
+    gp.check_invariants()  # the first free stands
+    assert gp.memory_allocated() == 0
+    a = gp.runtime.get().allocator(0)
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    a.drop(p)  # a free queued outside the lane (another thread held the lock, say) ...
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # ... then the same block freed again
+    assert len(seen) == 4 and type(seen[3].exc_value).__name__ == "DoubleFreeError"
     gp.check_invariants()
 
 
@@ -262,6 +268,9 @@ def test_pytorch_allocates_through_graphpool() -> None:
     assert out["torch_summary"] == "ok: True" and out["torch_peak_reset"]
     assert out["torch_empty_cache"] == "ok: None" and out["torch_empty_cache_released"] >= 64 << 20
     assert out["record_stream"] == "ok: None" and out["record_stream_block_held"]
+    # the shim's lane: the same block, handed out without Python, every one counted
+    assert out["lane_same_block"] and min(out["lane_hits"]) >= 199 and out["lane_counted"] >= 402
+    assert out["lane_capture_private"]
 
 
 def test_hooks_refuse_the_per_thread_default_stream(sim: Any) -> None:

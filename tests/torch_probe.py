@@ -160,6 +160,47 @@ def main() -> dict[str, Any]:
     side.synchronize()
     gc.collect()
     torch.cuda.synchronize()
+
+    # 7. the shim's lane (policy/heap.py, Note [Parking]): a tensor of one size made and dropped
+    # in turn gets the same block each time, handed out by the shim without Python; the
+    # statistics count every one; a capture on the parked block's stream is never served so
+    shim = gtorch._shim()
+    gp.memory_stats()  # settles the lane
+    stats0 = gp.memory_stats()
+    same, hits = True, []
+    for stream in (torch.cuda.default_stream(), torch.cuda.Stream()):
+        with torch.cuda.stream(stream):
+            first = torch.empty(1000, device="cuda")
+            ptr = first.data_ptr()
+            del first
+            for _ in range(200):
+                t = torch.empty(1000, device="cuda")
+                same = same and t.data_ptr() == ptr
+                del t
+            hits.append(int(shim.lane_state(0)["hits"]))
+        gp.memory_stats()
+    out["lane_same_block"] = same
+    out["lane_hits"] = hits
+    out["lane_counted"] = gp.memory_stats()["allocation.all.allocated"] - stats0["allocation.all.allocated"]
+    cs = torch.cuda.Stream()
+    with torch.cuda.stream(cs):
+        t = torch.empty(4096, device="cuda")
+        parked = t.data_ptr()
+        del t
+    g2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g2, stream=cs):
+        u = torch.empty(4096, device="cuda")
+        u.fill_(1.0)
+    private = {
+        b["address"]
+        for seg in gp.memory_snapshot()
+        if seg["segment_pool_id"] is not None
+        for b in seg["blocks"]
+    }
+    out["lane_capture_private"] = u.data_ptr() != parked and u.data_ptr() in private
+    del g2, u
+    gc.collect()
+    torch.cuda.synchronize()
     gp.check_invariants()
     out["invariants_ok"] = True
     return out

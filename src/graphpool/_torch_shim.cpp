@@ -18,18 +18,113 @@
  * No CUDA header is needed: cudaStream_t is an opaque pointer here. After close() (at
  * interpreter exit) malloc throws and free does nothing, so a tensor that PyTorch destroys
  * after Python is gone never calls into a finalized interpreter.
+ *
+ * The lane (one per device, Note [Parking] in graphpool/policy/heap.py): when the free hook
+ * returns a requested size, graphpool parked that block, and the lane keeps (address,
+ * requested size, PyTorch's stream). The next malloc of that size on that stream takes it
+ * back here, without the GIL, if the stream is not capturing (the device's capture query,
+ * a C function graphpool.device provides; the legacy stream never captures); a free of
+ * that block while it is out parks it here again. Anything else goes to the hooks. The
+ * lane only ever holds the one block graphpool parked, and graphpool takes it back
+ * (lane_take) before any other allocator call, counting the times it was handed out, so
+ * the Python policy stays the one that decides: this file only replays its decision.
+ * Every routing change (set_backend, graphpool.routing.invalidate) turns the lanes off
+ * until graphpool parks again (lanes_off).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
 static PyObject *g_malloc = nullptr; /* hook(size, device, stream) -> int */
-static PyObject *g_free = nullptr;   /* hook(ptr, size, device, stream) -> None */
+static PyObject *g_free = nullptr;   /* hook(ptr, size, device, stream) -> int (parked) or None */
 static volatile int g_closed = 0;    /* set by close(): the interpreter is going away */
+
+/* ------------------------------------------------------------------ the lane */
+
+/* graphpool.device's capture query: 0 on success, *id the capture's id (0: none). */
+typedef int (*capture_query_t)(void *stream, unsigned long long *id);
+
+enum LaneState { LANE_EMPTY = 0, LANE_PARKED = 1, LANE_LIVE = 2 };
+
+struct Lane {
+    std::mutex m;
+    void *ptr = nullptr;      /* the parked block */
+    size_t requested = 0;     /* the request it serves */
+    void *stream = nullptr;   /* PyTorch's stream it serves */
+    int state = LANE_EMPTY;
+    unsigned long long hits = 0; /* times handed out since graphpool last took it */
+    capture_query_t query = nullptr;
+    bool on = false;          /* off: every call goes to the hooks (routing changed) */
+};
+
+static const int kLanes = 64;
+static Lane g_lanes[kLanes];
+static std::atomic<bool> g_lanes_enabled{true}; /* set_lanes_enabled(False): the hooks only */
+
+static bool is_legacy(void *stream) { return (uintptr_t)stream <= 1; } /* 0, CU_STREAM_LEGACY */
+
+/* The parked block for this request, or nullptr (then the hooks decide). No GIL. */
+static void *lane_malloc(size_t size, int device, void *stream) {
+    if (device < 0 || device >= kLanes || size == 0 || !g_lanes_enabled.load(std::memory_order_relaxed)) {
+        return nullptr;
+    }
+    Lane &l = g_lanes[device];
+    capture_query_t query;
+    {
+        std::lock_guard<std::mutex> g(l.m);
+        if (!l.on || l.state != LANE_PARKED || l.requested != size || l.stream != stream) {
+            return nullptr;
+        }
+        query = l.query;
+    }
+    if (!is_legacy(stream)) { /* asked outside the lock: the query may take the GIL (simulator) */
+        unsigned long long id = 0;
+        if (query == nullptr || query(stream, &id) != 0 || id != 0) {
+            return nullptr;
+        }
+    }
+    std::lock_guard<std::mutex> g(l.m);
+    if (!l.on || l.state != LANE_PARKED || l.requested != size || l.stream != stream) {
+        return nullptr;
+    }
+    l.state = LANE_LIVE;
+    l.hits++;
+    return l.ptr;
+}
+
+/* Park the block the lane handed out, if ``ptr`` is it. No GIL. */
+static bool lane_free(void *ptr, int device) {
+    if (device < 0 || device >= kLanes || !g_lanes_enabled.load(std::memory_order_relaxed)) {
+        return false;
+    }
+    Lane &l = g_lanes[device];
+    std::lock_guard<std::mutex> g(l.m);
+    if (!l.on || l.state != LANE_LIVE || l.ptr != ptr) {
+        return false;
+    }
+    l.state = LANE_PARKED;
+    return true;
+}
+
+/* graphpool parked ``ptr`` (the free hook returned ``requested``): the lane keeps it. */
+static void lane_park(void *ptr, size_t requested, int device, void *stream) {
+    if (device < 0 || device >= kLanes) {
+        return;
+    }
+    Lane &l = g_lanes[device];
+    std::lock_guard<std::mutex> g(l.m);
+    l.ptr = ptr;
+    l.requested = requested;
+    l.stream = stream;
+    l.state = LANE_PARKED;
+    l.on = true;
+}
 
 /* The message of the current Python exception ("Type: text"), which is cleared. */
 static std::string take_error(void) {
@@ -103,7 +198,10 @@ GRAPHPOOL_EXPORT void *graphpool_torch_malloc(size_t size, int device, void *str
     if (g_closed || !Py_IsInitialized()) {
         throw std::runtime_error("graphpool.torch: allocation after the interpreter shut down");
     }
-    void *p = nullptr;
+    void *p = lane_malloc(size, device, stream);
+    if (p != nullptr) {
+        return p;
+    }
     std::string msg;
     PyGILState_STATE st = PyGILState_Ensure();
     bool ok = call_malloc(size, device, stream, &p, &msg);
@@ -115,7 +213,7 @@ GRAPHPOOL_EXPORT void *graphpool_torch_malloc(size_t size, int device, void *str
 }
 
 GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, void *stream) {
-    if (g_closed || !Py_IsInitialized() || ptr == nullptr) {
+    if (g_closed || !Py_IsInitialized() || ptr == nullptr || lane_free(ptr, device)) {
         return;
     }
     PyGILState_STATE st = PyGILState_Ensure();
@@ -134,6 +232,13 @@ GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, v
         }
         if (r == nullptr) {
             PyErr_WriteUnraisable(g_free);
+        } else if (PyLong_Check(r)) { /* parked: its requested size (0: queued, not parked) */
+            unsigned long long requested = PyLong_AsUnsignedLongLong(r);
+            if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear(); /* (a negative answer: not parked) */
+            } else if (requested != 0) {
+                lane_park(ptr, (size_t)requested, device, stream);
+            }
         }
         Py_XDECREF(r);
     }
@@ -183,6 +288,80 @@ static PyObject *try_malloc(PyObject *, PyObject *args) {
     return PyLong_FromVoidPtr(p);
 }
 
+static int device_arg(int device) {
+    if (device < 0 || device >= kLanes) {
+        PyErr_Format(PyExc_ValueError, "graphpool._torch_shim: device %d has no lane (0-%d)", device, kLanes - 1);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *lane_take(PyObject *, PyObject *arg) {
+    long device = PyLong_AsLong(arg);
+    if ((device == -1 && PyErr_Occurred()) || device_arg((int)device) < 0) {
+        return nullptr;
+    }
+    Lane &l = g_lanes[device];
+    unsigned long long hits;
+    bool live;
+    {
+        std::lock_guard<std::mutex> g(l.m);
+        hits = l.hits;
+        live = l.state == LANE_LIVE;
+        l.state = LANE_EMPTY;
+        l.hits = 0;
+        l.ptr = nullptr;
+    }
+    PyObject *n = PyLong_FromUnsignedLongLong(hits);
+    if (n == nullptr) {
+        return nullptr;
+    }
+    return Py_BuildValue("(NO)", n, live ? Py_True : Py_False);
+}
+
+static PyObject *lane_query(PyObject *, PyObject *args) {
+    int device;
+    unsigned long long address;
+    if (!PyArg_ParseTuple(args, "iK:lane_query", &device, &address) || device_arg(device) < 0) {
+        return nullptr;
+    }
+    Lane &l = g_lanes[device];
+    std::lock_guard<std::mutex> g(l.m);
+    l.query = (capture_query_t)(uintptr_t)address;
+    Py_RETURN_NONE;
+}
+
+static PyObject *lanes_off(PyObject *, PyObject *) {
+    for (Lane &l : g_lanes) {
+        std::lock_guard<std::mutex> g(l.m);
+        l.on = false;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *set_lanes_enabled(PyObject *, PyObject *arg) {
+    int on = PyObject_IsTrue(arg);
+    if (on < 0) {
+        return nullptr;
+    }
+    g_lanes_enabled.store(on != 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *lane_state(PyObject *, PyObject *arg) {
+    long device = PyLong_AsLong(arg);
+    if ((device == -1 && PyErr_Occurred()) || device_arg((int)device) < 0) {
+        return nullptr;
+    }
+    Lane &l = g_lanes[device];
+    std::lock_guard<std::mutex> g(l.m);
+    static const char *names[] = {"empty", "parked", "live"};
+    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:K,s:O}", "ptr", (unsigned long long)(uintptr_t)l.ptr,
+                         "requested", (unsigned long long)l.requested, "stream",
+                         (unsigned long long)(uintptr_t)l.stream, "state", names[l.state], "hits", l.hits,
+                         "on", l.on ? Py_True : Py_False);
+}
+
 static PyMethodDef methods[] = {
     {"set_hooks", set_hooks, METH_VARARGS,
      "set_hooks(malloc, free)\n--\n\nThe Python callables the exported C functions call."},
@@ -191,6 +370,17 @@ static PyMethodDef methods[] = {
     {"try_malloc", try_malloc, METH_VARARGS,
      "try_malloc(size, device, stream)\n--\n\nThe exported malloc's path, raising RuntimeError "
      "with the message the C++ exception would carry (for tests)."},
+    {"lane_take", lane_take, METH_O,
+     "lane_take(device) -> (hits, live)\n--\n\nTake the parked block back from the device's lane: "
+     "the times it was handed out since, and whether it is out now (graphpool's settle call)."},
+    {"lane_query", lane_query, METH_VARARGS,
+     "lane_query(device, address)\n--\n\nThe device's capture query, a C function "
+     "int(void *stream, unsigned long long *id) (0: none; the lane then serves the legacy stream only)."},
+    {"lanes_off", lanes_off, METH_NOARGS,
+     "lanes_off()\n--\n\nEvery call goes to the hooks until graphpool parks again (routing changed)."},
+    {"set_lanes_enabled", set_lanes_enabled, METH_O,
+     "set_lanes_enabled(on)\n--\n\nFalse: the lanes never answer (GRAPHPOOL_TORCH_LANE=0)."},
+    {"lane_state", lane_state, METH_O, "lane_state(device) -> dict\n--\n\nThe device's lane (for tests)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

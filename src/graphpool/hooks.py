@@ -109,15 +109,27 @@ class TorchHooks:
     """``malloc(size, device, stream)`` and ``free(ptr, size, device, stream)`` for the PyTorch
     shim, bound to one runtime for the process (PyTorch keeps its allocator): after
     ``set_backend`` ``find`` refuses new allocations, and frees still reach the bound runtime's
-    allocators."""
+    allocators.
 
-    __slots__ = ("_find", "_allocator", "_last", "_allocs")
+    ``free`` parks the block (heap.py, Note [Parking]) and returns its requested size when
+    the allocator parks it, so the shim's native lane may hand it out again; 0 otherwise.
+    ``bind(device, allocator)``, if given, is called once per allocator these hooks use (the
+    integration connects the allocator to the shim's lane there).
+    """
 
-    def __init__(self, find: Finder, allocator: Callable[[int], CachingAllocator]) -> None:
+    __slots__ = ("_find", "_allocator", "_last", "_allocs", "_bind")
+
+    def __init__(
+        self,
+        find: Finder,
+        allocator: Callable[[int], CachingAllocator],
+        bind: Callable[[int, CachingAllocator], object] | None = None,
+    ) -> None:
         self._find = find
         self._allocator = allocator
         self._last: Kept | None = None
         self._allocs: dict[int, CachingAllocator] = {}
+        self._bind = bind
 
     def malloc(self, size: int, device: int, stream: int) -> int:
         """``size`` bytes for PyTorch's stream handle ``stream`` of ``device``: the address."""
@@ -128,17 +140,31 @@ class TorchHooks:
                 return route.alloc.malloc(size, stream=route.handle)
         route = self._find(device, stream)  # raises for a refused stream or a replaced backend
         self._last = Kept(device, stream, route)
+        if self._allocs.get(device) is not route.alloc:
+            self._use(device, route.alloc)
         if size == 0:
             return 0
         return route.alloc.malloc(size, stream=route.handle)
 
-    def free(self, ptr: int, size: int, device: int, stream: int) -> None:
-        """Give back the block at ``ptr`` (PyTorch dropped its tensor): queued for the next call."""
+    def _use(self, device: int, a: CachingAllocator) -> None:
+        """From now on ``a`` is the allocator of ``device`` these hooks free into."""
+        self._allocs[device] = a
+        if self._bind is not None:
+            self._bind(device, a)
+
+    def free(self, ptr: int, size: int, device: int, stream: int) -> int:
+        """Give back the block at ``ptr`` (PyTorch dropped its tensor): parked or queued for the
+        next call. Parked only while the route last used is current (no ``set_backend`` or other
+        change since: the lane answers without asking ``find``). Returns what ``park`` does."""
         a = self._allocs.get(device)
         if a is None:
             a = self._allocator(device)
-            self._allocs[device] = a
+            self._use(device, a)
+        last = self._last
+        if last is not None and last.route.alloc is a and last.route.generation == _routes.generation:
+            return a.park(ptr)
         a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
+        return 0
 
 
 # Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded

@@ -158,6 +158,9 @@ class HostMemory:
             return 0
         return self.device.capture_id(_real(stream))
 
+    def capture_query_address(self) -> int:
+        return 0  # no native lane serves pinned memory
+
     def attach_release(self, stream: int, token: int) -> None:
         self.device.attach_host_release(_real(stream), token)  # never drained by the device pool
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Protocol
 
 if TYPE_CHECKING:
@@ -98,6 +99,17 @@ _lock = threading.RLock()
 Python); reentrant for a signal handler that changes streams. Made anew in a forked child."""
 
 
+_listeners: list[Callable[[], object]] = []
+"""Called by every ``invalidate()``: answers kept where no generation can be read (the
+PyTorch shim's native lane, graphpool.torch)."""
+
+
+def on_invalidate(listener: Callable[[], object]) -> None:
+    """Call ``listener()`` (no arguments, cheap, never raising) at every ``invalidate()``."""
+    with _lock:
+        _listeners.append(listener)
+
+
 def invalidate() -> None:
     """Make every kept route stale. Call after changing what routes are found from (the
     backend, a thread's current device or stream)."""
@@ -105,6 +117,8 @@ def invalidate() -> None:
         routes.generation += 1
         routes.cur = None
         routes.seen = None
+        for listener in _listeners:
+            listener()
 
 
 def thread_entry() -> Entry | None:

@@ -603,7 +603,38 @@ def corrupt_oversize_accumulated(st: State) -> None:
     st.a.stats.oversize["oversize_allocations"][2] += 1  # one handed out, never freed, not current
 
 
+def _park(st: State, block: Block) -> None:
+    """Park ``block`` as ``park`` would (heap.py, Note [Parking])."""
+    del st.a._active[block.ptr]
+    st.a._parked = block
+
+
+def corrupt_parked_filed(st: State) -> None:
+    st.a._parked = st.allocated  # parked, and still filed by address
+
+
+def corrupt_parked_private(st: State) -> None:
+    _park(st, st.private_small)
+
+
+def corrupt_parked_with_uses(st: State) -> None:
+    _park(st, st.allocated)
+    st.allocated.stream_uses = {S4}  # its free would wait for S4's work
+
+
+def corrupt_parked_while_capturing(st: State) -> None:
+    _park(st, st.allocated)
+
+
 CASES: dict[str, Case] = {
+    "parked filed": Case(corrupt_parked_filed, "parked block also filed, or gone"),
+    "parked private": Case(corrupt_parked_private, "a private pool's block parked"),
+    "parked with uses": Case(corrupt_parked_with_uses, "parked wrongly"),
+    "parked while capturing": Case(
+        corrupt_parked_while_capturing,
+        "a block parked while a capture, a use_mem_pool entry or the history is on",
+        capturing=True,
+    ),
     "half eager side": Case(corrupt_half_eager, "pool (7, 0) has half an eager side"),
     "list owner": Case(corrupt_list_owner, "a free list of pool (7, 0) names another pool"),
     "eager flag": Case(corrupt_eager_flag, "eager flag on the wrong list"),
@@ -764,6 +795,6 @@ def _check_messages() -> list[str]:
 def test_every_check_has_a_case() -> None:
     """A new ``_expect`` in check.py without a case here fails this test."""
     messages = _check_messages()
-    assert len(messages) == 78  # the checks today; update with a case for each new one
+    assert len(messages) == 82  # the checks today; update with a case for each new one
     covered = " | ".join(f"{c.message} | {c.note}" for c in CASES.values())
     assert [m for m in messages if m not in covered] == []

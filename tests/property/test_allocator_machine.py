@@ -46,6 +46,7 @@ inside, out-of-order exits, failing upstreams, drops, use counts), and pinned bu
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import os
@@ -130,6 +131,7 @@ def _machine_settings(ci: int, nightly: int, local: int, steps: int) -> settings
 # (pytest --hypothesis-show-statistics) and a module counter that test_risky_paths_reached reads.
 REACH: Counter[str] = Counter()
 RISKY = (
+    "parked block taken back",
     "joined-stream malloc",
     "other-thread free during capture",
     "OOM during capture",
@@ -629,7 +631,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(
         d=st.sampled_from((0, 0, 0, 1)),
         data=st.data(),
-        how=st.sampled_from(("main", "main", "thread", "queue")),
+        how=st.sampled_from(("main", "main", "thread", "queue", "park")),
     )
     def free(self, d: int, data: st.DataObject, how: str) -> None:
         side = self.sides[d]
@@ -646,6 +648,31 @@ class AllocatorMachine(RuleBasedStateMachine):
             v = side.live[ptr]
             if self._free(side, ptr, "main"):
                 self._malloc(side, v.nbytes, v.stream)
+
+    @rule(d=st.sampled_from((0, 0, 1)), data=st.data())
+    def park_and_malloc_again(self, d: int, data: st.DataObject) -> None:
+        """PyTorch's free (``park``) and the same request on the same stream right after: the
+        request takes the parked block back whole when nothing makes the free wait (no
+        capture registered, no stream use, no MemPool entered, a block of the ordinary pool)
+        and the stream is not capturing (policy/heap.py, Note [Parking]); else the park is a
+        queued free and the request is an ordinary one."""
+        side = self.sides[d]
+        ptr = self.pick(data, side)
+        if ptr is None:
+            return
+        v = side.live[ptr]
+        cid, _, _ = side.capture_of(v.stream)
+        if side.active or v.uses or v.pool is not None or side.stack or cid or v.nbytes == 0:
+            if self._free(side, ptr, "park"):
+                self._malloc(side, v.nbytes, v.stream)
+            return
+        a = side.a
+        assert a.park(ptr) == v.nbytes
+        assert a.lookup(ptr) is None  # parked: no live allocation until taken back
+        assert a.malloc(v.nbytes, stream=v.stream) == ptr
+        side.serial += 1
+        side.live[ptr] = dataclasses.replace(v, seq=side.serial)
+        reached("parked block taken back")
 
     @rule(
         d=st.sampled_from((0, 0, 1)),
@@ -883,6 +910,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             side.a.free(ptr)
         elif how == "thread":
             thread = self._free_in_thread(side.a, ptr)
+        elif how == "park":  # PyTorch's free: parked, or queued; the next call settles either
+            thread = 0  # unknown
+            side.a.park(ptr)
+            side.a.memory_stats()
+            assert side.a.lookup(ptr) is None
         else:
             thread = 0  # unknown
             side.a.defer_free(ptr)  # what a finalizer does: no lock, carried out later

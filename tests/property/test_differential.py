@@ -4,8 +4,9 @@ The install compiles the policy (``graphpool.compiled()``); the same ``.py`` fil
 uncompiled are the executable reference. This test loads a second, uncompiled copy of
 the package beside the compiled one (``_reference``), drives one random program of
 allocator calls through both (malloc with odd sizes and types, free of live, freed and
-foreign pointers, the owned calls a DeviceBuffer makes (``malloc_owned``, its Block freed,
-queued or freed twice), record_stream, stream completion, captures begun through graphpool and
+foreign pointers, PyTorch's parking free and the request that takes the parked block back,
+the owned calls a DeviceBuffer makes (``malloc_owned``, its Block freed, queued or freed
+twice), record_stream, stream completion, captures begun through graphpool and
 adopted by detection, ended, aborted and released, empty_cache, out-of-memory, peak and
 counter resets; MemPools: pools made for a registered spec, use_mem_pool's entries and exits
 in and out of order, captures into them, drops, and user upstreams that serve or fail), and
@@ -235,6 +236,18 @@ class Run:
             return a.record_stream(self.owned[op[1] % len(self.owned)] if self.owned else 7, op[2])
         if kind == "free":
             return a.free(self._take_live(op[1]))
+        if kind == "park":  # PyTorch's free (policy/heap.py, Note [Parking]), then maybe the
+            # parked block's request (op[2]: on its stream; else on another), before any other call
+            requested = a.park(self._take_live(op[1]))
+            parked = a._parked
+            if op[2] is None or parked is None:
+                return requested
+            ptr = a.malloc(parked.requested, stream=parked.stream if op[2] else parked.stream % 3 + 1)
+            self.ptrs.append(ptr)
+            self.live.append(ptr)
+            return requested, ptr
+        if kind == "park_any":  # live, parked, freed or queued already
+            return a.park(self._ptr(op[1]))
         if kind == "free_any":  # live, freed or queued already
             return a.free(self._ptr(op[1]))
         if kind == "free_foreign":
@@ -376,6 +389,9 @@ OPS = st.one_of(
     FREE,
     FREE,
     FREE,
+    st.tuples(st.just("park"), st.integers(0, 50), st.sampled_from((None, True, True, False))),
+    st.tuples(st.just("park"), st.integers(0, 50), st.sampled_from((None, True, True, False))),
+    st.tuples(st.just("park_any"), st.integers(0, 50)),
     FREE_OWNED,
     FREE_OWNED,
     st.tuples(st.just("defer_owned"), st.integers(0, 50), st.sampled_from((None, 4))),

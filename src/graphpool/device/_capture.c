@@ -17,6 +17,8 @@
  *                                (True); False, launching nothing, if it is not (the caller
  *                                then makes its device current and launches the slow way)
  *   current_context()            the thread's current context (cuCtxGetCurrent), 0 if none
+ *   query_address()              the address of a C function answering capture_id without
+ *                                the GIL (the PyTorch shim's lane calls it)
  *
  * The destructor may run on a driver thread, or at process exit after the interpreter is
  * gone: it touches no Python object, only a mutex-protected array of integers.
@@ -206,6 +208,29 @@ static PyObject *load(PyObject *self, PyObject *factory) {
     Py_RETURN_NONE;
 }
 
+/* capture_id for C callers without the GIL (the PyTorch shim's lane, _torch_shim.cpp):
+ * 0 and *id (0: not capturing), or nonzero when the query fails or the driver is not loaded. */
+static int query_capture(void *stream, unsigned long long *id) {
+    if (p_get_capture_info == NULL)
+        return -1;
+    *id = 0;
+    if (stream == NULL)
+        return 0;
+    int status = 0;
+    unsigned long long cid = 0;
+    CUresult rc = p_get_capture_info((CUstream)stream, &status, &cid, NULL, NULL, NULL);
+    if (rc != 0)
+        return (int)rc;
+    *id = status == CU_STREAM_CAPTURE_STATUS_NONE ? 0ULL : (cid != 0 ? cid : 1ULL);
+    return 0;
+}
+
+static PyObject *query_address(PyObject *self, PyObject *unused) {
+    if (not_loaded())
+        return NULL;
+    return PyLong_FromVoidPtr((void *)&query_capture);
+}
+
 static PyObject *capture_id(PyObject *self, PyObject *arg) {
     CUstream s;
     if (stream_arg(arg, &s) < 0 || not_loaded())
@@ -389,6 +414,9 @@ static PyMethodDef methods[] = {
     {"graph_launch", (PyCFunction)(void (*)(void))graph_launch, METH_FASTCALL,
      "graph_launch(exec, stream, ctx) -> bool: cuGraphLaunch if ctx is the current context; "
      "False (nothing launched) if it is not."},
+    {"query_address", query_address, METH_NOARGS,
+     "query_address() -> int: the address of int query(void *stream, unsigned long long *id), "
+     "capture_id for C callers without the GIL (0 on success; *id 0: not capturing)."},
     {"current_context", current_context, METH_NOARGS,
      "current_context() -> int: the thread's current CUDA context (0: none)."},
     {NULL, NULL, 0, NULL},

@@ -683,6 +683,11 @@ class CudaDevice:
         function when it is built; this fallback costs a Python binding call or two)."""
         return self.capture_info(stream)[1]
 
+    def capture_query_address(self) -> int:
+        """The C module's capture query for C callers without the GIL (the protocol's), 0
+        without the C module."""
+        return 0 if _native is None else int(_native.query_address())
+
     def attach_release(self, stream: int, token: int) -> None:
         """A CUDA user object moved into the graph being captured on ``stream`` (C module)."""
         if _native is None:

@@ -207,6 +207,13 @@ class Device(Protocol):
         """
         ...
 
+    def capture_query_address(self) -> int:
+        """The address of a C function ``int query(void *stream, unsigned long long *id)``
+        that answers ``capture_id`` (0 on success, ``*id`` 0 when not capturing; nonzero on
+        failure), callable from any thread without the GIL; 0 when the device has none. The
+        PyTorch shim's native lane asks it before it hands a parked block out."""
+        ...
+
     def attach_release(self, stream: int, token: int) -> None:
         """Tie ``token`` to the graph being captured on ``stream`` (a CUDA user object).
 

@@ -20,10 +20,11 @@ segments.Segments          device malloc and MemPools' upstreams, limits, garbag
                            collection, oversize release, use_on_oom, giving segments back,
                            the out-of-memory error
 expandable.Expandable      expandable segments: grow, shrink, stream takeover; the
-                           out-of-memory retry and the cache release (both kinds of segment)
+                           fallback chain, the out-of-memory retry and the cache release
+                           (both kinds of segment)
 reports.Reports            statistics, snapshots, the history, the invariant check
-CachingAllocator (here)    the lock protocol, the hand-written malloc and free, the fallback
-                           chain, every public method
+CachingAllocator (here)    the lock protocol, the hand-written malloc and free, every public
+                           method
 =========================  ====================================================================
 
 A layer calls only down, with three exceptions declared where they are needed: ``_drain``
@@ -190,7 +191,6 @@ class CachingAllocator(Reports):
         # shared list, tested after each section (a native attribute read, compiled).
         self._signals = interrupts.pending
         self._section = interrupts.section(self._lock)  # what the guard asks (interrupts.py)
-        self._serial = 0  # allocations so far: each block's ``serial`` tells allocations apart
         self._debug = os.environ.get("GRAPHPOOL_DEBUG", "") == "1"
         super().__init__(device, sizes, world, detect)
 
@@ -236,6 +236,8 @@ class CachingAllocator(Reports):
                     _reentered(name)
                 self._busy = True
                 try:
+                    if self._parked is not None:  # Note [Parking] (heap.py)
+                        self._unpark()
                     out = fn()
                 finally:
                     self._busy = False
@@ -317,111 +319,132 @@ class CachingAllocator(Reports):
                             rec = self._route(stream, key)
                         elif self._query(key):
                             rec = self._adopt_found(stream)
-                    if self._pending:
-                        # After the query: a release or free queued before this allocation finds
-                        # the capture it detected registered (events wait for it, frees are kept
-                        # for its graph: they may have been queued during it).
-                        self._drain()
-                        if rec is not None and not rec.active:  # the drain ended it
-                            rec = None
-                    if rec is None and (self._waiting or self._orphans) and not self._world.active:
-                        self._process_events()
-                    if rec is not None:
-                        fl = rec.pool.small if small else rec.pool.large
-                    elif self._entered and (entered := self._entered_pool()) is not None:
-                        fl = cast(FreeList, entered.eager_small if small else entered.eager_large)
+                    again: object = None  # the parked block, handed out again
+                    if self._parked is not None:  # Note [Parking] (heap.py): the one rule, here
+                        parked = self._settle_park()
+                        if parked is not None:
+                            if (
+                                rec is None
+                                and not self._capturing
+                                and not self._entered
+                                and not owned
+                                and parked.stream == stream
+                                and parked.requested == requested
+                            ):
+                                again = self._take_parked(parked)
+                            else:
+                                self._queue_parked(parked)
+                    owner: PrivatePool | None = None
+                    if again is not None:
+                        out = again
+                        ptr = cast(int, again)
                     else:
-                        fl = self._small if small else self._large
-                    fl.calls += 1  # the free blocks' clock (garbage_collection_threshold)
-                    # Best fit: the first block of this stream sorted by (size, address) with room
-                    # (freelist.py). Written out here: a call would cost more than the bisect.
-                    block: Block | None = None
-                    bins = fl.find(stream)
-                    hit: Bins | None = None  # the bins still holding ``block`` at ``i``
-                    i = 0
-                    if bins is not None:
-                        sizes = bins.sizes
-                        i = bisect_sizes(sizes, size)
-                        if i < len(sizes):
-                            block = bins.blocks[i]
-                            if block.next is None and fl.grows:  # a segment's growable end
-                                i = past_tails(bins, i, self._max_split)
-                                block = bins.blocks[i]
-                            hit = bins
-                    d_cnt = d_bytes = 0
-                    rest: Block | None = None
-                    if block is None:
-                        block = self._slow_block(fl, size, stream, requested, rec)
-                        fl = block.free_list  # (a MemPool's block, use_on_oom: its own list)
-                    elif block.size >= self._max_split and self._refuses(block.size, size):
-                        hit = None  # an oversize block this request may not take (max_split_size)
-                        block = self._slow_block(fl, size, stream, requested, rec)
-                        fl = block.free_list
-                    if block.prev is not None or block.next is not None:
-                        d_cnt = -1
-                        d_bytes = -block.size
-                    remaining = block.size - size
-                    if small:
-                        split = remaining >= m
-                    else:  # max_split_size: an oversize block is never split
-                        # A remainder up to small_size stays with the block (PyTorch's rule), but
-                        # in a growing segment any remainder splits off, oversize blocks too: it
-                        # merges back with its neighbours there, and splitting it lowers peak
-                        # reserved (PyTorch's should_split with expandable segments; Note
-                        # [Expandable segments and the wilderness rule] in expandable.py).
-                        if fl.grows:
-                            split = remaining >= m
-                        else:
-                            split = remaining > self._small_limit and size < self._max_split
-                    if split:
-                        # split: the front is handed out, the rest stays free (a recycled Block)
-                        rest = self._spare1
-                        if rest is not None:
-                            self._spare1 = None
-                        else:
-                            rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
-                        rest.ptr = block.ptr + size
-                        rest.size = remaining
-                        rest.stream = stream
-                        rest.free_list = fl
-                        nxt = rest.next = block.next
-                        if nxt is not None:
-                            nxt.prev = rest
-                        rest.prev = block
-                        block.next = rest
-                        block.size = size
-                        d_cnt += 1
-                        d_bytes += remaining
-                    if hit is not None:
-                        fl.place(hit, i, rest)  # the remainder usually takes the block's entry
-                    elif rest is not None:
-                        fl.insert(rest)
-                    block.allocated = True
-                    block.requested = requested
-                    ptr = block.ptr
-                    if owned:
-                        block.owned = True
-                        out = block
-                    else:
-                        # boxed once, declared object here: the dict's key and the return value
-                        # (assigned to a wider variable, mypyc would unbox and box it again)
-                        boxed: object = ptr
-                        cast("dict[object, Block]", self._active)[boxed] = block
-                        out = boxed
-                    serial = self._serial + 1  # allocation order: tells allocations apart (captures)
-                    self._serial = serial
-                    block.serial = serial
-                    self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
-                    owner = fl.private_pool
-                    if owner is not None:
-                        owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                        if self._pending:
+                            # After the query: a release or free queued before this allocation finds
+                            # the capture it detected registered (events wait for it, frees are kept
+                            # for its graph: they may have been queued during it).
+                            self._drain()
+                            if rec is not None and not rec.active:  # the drain ended it
+                                rec = None
+                        if rec is None and (self._waiting or self._orphans) and not self._world.active:
+                            self._process_events()
                         if rec is not None:
-                            if len(owner.returnable) != rec.returnable_count:  # another capture's segments
-                                self._touch(block, rec)
-                            block.allocated_in = rec
-                            w = rec.written
-                            if w is not None:  # the replay checker's footprint (gp.graph)
-                                w.add(ptr, block.size)
+                            fl = rec.pool.small if small else rec.pool.large
+                        elif self._entered and (entered := self._entered_pool()) is not None:
+                            fl = cast(FreeList, entered.eager_small if small else entered.eager_large)
+                        else:
+                            fl = self._small if small else self._large
+                        fl.calls += 1  # the free blocks' clock (garbage_collection_threshold)
+                        # Best fit: the first block of this stream sorted by (size, address) with room
+                        # (freelist.py). Written out here: a call would cost more than the bisect.
+                        block: Block | None = None
+                        bins = fl.find(stream)
+                        hit: Bins | None = None  # the bins still holding ``block`` at ``i``
+                        i = 0
+                        if bins is not None:
+                            sizes = bins.sizes
+                            i = bisect_sizes(sizes, size)
+                            if i < len(sizes):
+                                block = bins.blocks[i]
+                                if block.next is None and fl.grows:  # a segment's growable end
+                                    i = past_tails(bins, i, self._max_split)
+                                    block = bins.blocks[i]
+                                hit = bins
+                        d_cnt = d_bytes = 0
+                        rest: Block | None = None
+                        if block is None:
+                            block = self._slow_block(fl, size, stream, requested, rec)
+                            fl = block.free_list  # (a MemPool's block, use_on_oom: its own list)
+                        elif block.size >= self._max_split and self._refuses(block.size, size):
+                            hit = None  # an oversize block this request may not take (max_split_size)
+                            block = self._slow_block(fl, size, stream, requested, rec)
+                            fl = block.free_list
+                        if block.prev is not None or block.next is not None:
+                            d_cnt = -1
+                            d_bytes = -block.size
+                        remaining = block.size - size
+                        if small:
+                            split = remaining >= m
+                        else:  # max_split_size: an oversize block is never split
+                            # A remainder up to small_size stays with the block (PyTorch's rule), but
+                            # in a growing segment any remainder splits off, oversize blocks too: it
+                            # merges back with its neighbours there, and splitting it lowers peak
+                            # reserved (PyTorch's should_split with expandable segments; Note
+                            # [Expandable segments and the wilderness rule] in expandable.py).
+                            if fl.grows:
+                                split = remaining >= m
+                            else:
+                                split = remaining > self._small_limit and size < self._max_split
+                        if split:
+                            # split: the front is handed out, the rest stays free (a recycled Block)
+                            rest = self._spare1
+                            if rest is not None:
+                                self._spare1 = None
+                            else:
+                                rest = self._spare.pop() if self._spare else Block(0, 0, stream, fl)
+                            rest.ptr = block.ptr + size
+                            rest.size = remaining
+                            rest.stream = stream
+                            rest.free_list = fl
+                            nxt = rest.next = block.next
+                            if nxt is not None:
+                                nxt.prev = rest
+                            rest.prev = block
+                            block.next = rest
+                            block.size = size
+                            d_cnt += 1
+                            d_bytes += remaining
+                        if hit is not None:
+                            fl.place(hit, i, rest)  # the remainder usually takes the block's entry
+                        elif rest is not None:
+                            fl.insert(rest)
+                        block.allocated = True
+                        block.requested = requested
+                        ptr = block.ptr
+                        if owned:
+                            block.owned = True
+                            out = block
+                        else:
+                            # boxed once, declared object here: the dict's key and the return value
+                            # (assigned to a wider variable, mypyc would unbox and box it again)
+                            boxed: object = ptr
+                            cast("dict[object, Block]", self._active)[boxed] = block
+                            out = boxed
+                        serial = self._serial + 1  # allocation order: tells allocations apart (captures)
+                        self._serial = serial
+                        block.serial = serial
+                        self.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                        owner = fl.private_pool
+                        if owner is not None:
+                            owner.stats.on_malloc(small, block.size, requested, d_cnt, d_bytes)
+                            if rec is not None:
+                                # another capture's segments
+                                if len(owner.returnable) != rec.returnable_count:
+                                    self._touch(block, rec)
+                                block.allocated_in = rec
+                                w = rec.written
+                                if w is not None:  # the replay checker's footprint (gp.graph)
+                                    w.add(ptr, block.size)
                     if self._history is not None or self._debug:
                         self._after_malloc(out, ptr, requested, stream, owner)
                 finally:
@@ -526,75 +549,6 @@ class CachingAllocator(Reports):
             raise ValueError(f"cannot allocate a negative number of bytes ({nbytes})")
         self._run_locked("malloc", lambda: self._raise_too_large(nbytes, stream))
 
-    def _slow_block(
-        self, fl: FreeList, size: int, stream: int, nbytes: int, rec: CaptureRecord | None
-    ) -> Block:
-        """No cached block fits: the fallback chain, each step tried only when those before it
-        found nothing. The returned block is in no free list.
-
-        First, with no driver call: graphs the device reports destroyed are released, ended
-        captures begun outside are noticed, and with a garbage-collection threshold old free
-        segments go back (``_collect``). Then, as PyTorch's ``alloc_block ||
-        release_available_cached_blocks && alloc_block || release_cached_blocks && alloc_block``:
-
-        1. a new segment of the usual size (``_device_malloc``); with expandable segments,
-           ``_slow_expandable``'s chain instead (takeover, grow, retry);
-        2. out of memory with ``max_split_size`` set, in the ordinary pool: give back free
-           oversize segments of this stream, and ask again (``_release_oversize``);
-        3. out of memory: wait for pending stream uses and take a fitting block they freed,
-           else release every cached unsplit segment and ask again (``_before_retry``);
-        4. the smallest segment that holds the request (``SizeConfig.least_segment``);
-        5. out of memory (``_raise_oom``).
-
-        Steps 2 and 3 free or wait for device work, so they are skipped while any capture is
-        underway in the process.
-        """
-        self._limit_hit = None  # only a refusal during this request may be blamed on a limit
-        self._upstream_error = None  # (or on a MemPool's upstream: a refusal retried since is no cause)
-        if self._tokens:
-            self._poll_released()
-        if rec is None and self._foreign:
-            # A capture begun outside may have ended since _route last swept (SWEEP_EVERY):
-            # notice it before a retry or collection is refused for a capture that is over.
-            self._sweep()
-        if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
-            self._collect(self._gc_threshold)
-        if self._expandable and fl.private_pool is None:
-            return self._slow_expandable(fl, size, stream, nbytes)
-        owner = fl.private_pool
-        up = None if owner is None else owner.upstream
-        seg = self.sizes.segment_size(size)
-        ptr = self._device_malloc(seg, up, stream)
-        if (
-            ptr is None
-            and self._max_split <= self._total
-            and fl.private_pool is None
-            and not self._world.active
-        ):
-            if self._release_oversize(fl, size, stream):  # PyTorch's release_available_cached_blocks
-                ptr = self._device_malloc(seg)
-        if ptr is None and not self._world.active:
-            block = self._before_retry(fl, size, stream)
-            if block is not None:
-                return block
-            ptr = self._device_malloc(seg, up, stream)
-        if ptr is None:
-            least = self.sizes.least_segment(size)
-            if least < seg:
-                ptr = self._device_malloc(least, up, stream)
-                if ptr is not None:
-                    seg = least
-        if ptr is None:
-            block = self._oom_fallback(fl, size, stream)
-            if block is not None:
-                return block
-            self._raise_oom(nbytes, seg, fl, stream)
-        head = self._add_segment(ptr, seg, stream, fl)
-        if owner is not None and rec is not None:  # may go back with the capture if it fails
-            self._set_returns_with(head, rec)  # (see _touch)
-        self._segment_made(head, "allocated", owner)
-        return head
-
     def free(self, ptr: object) -> None:
         """Give back the allocation at ``ptr``. Raises DoubleFreeError or ForeignPointerError.
 
@@ -629,6 +583,41 @@ class CachingAllocator(Reports):
             if self._signals:
                 interrupts.run_pending()
 
+    def set_lane(self, lane: Callable[[], tuple[int, bool]] | None) -> None:
+        """Let a native lane serve the parked block (heap.py, Note [Parking]): ``lane()`` takes
+        the block back from it and says how often it was handed out meanwhile and whether it is
+        out now, ``(hits, live)``. None: no lane. The lane it replaces is settled first."""
+        self._run_locked("set_lane", lambda: self._set_lane(lane))
+
+    def park(self, ptr: object) -> int:
+        """``drop`` for a block the next malloc may take back whole (the PyTorch integration's
+        free; heap.py, Note [Parking]): parked when nothing makes its free more than a return
+        to its stream's cache, returning its requested size; else queued as ``drop`` queues
+        it (also when another call holds the lock), returning 0. Never waits."""
+        parked = self._parked  # (its block may be out again: the lane's, settled when locked)
+        if type(ptr) is not int or (ptr not in self._active and (parked is None or parked.ptr != ptr)):
+            self.drop(cast(int, ptr))  # raises: no live raw allocation
+            return 0
+        if not self._held.acquire(False):
+            self._pending.append(ptr)
+            return 0
+        try:  # (as free_owned's: a signal here waits, policy/interrupts.py)
+            if self._busy:  # re-entered mid-call on this thread
+                self._pending.append(ptr)
+                return 0
+            self._busy = True
+            try:
+                out = self._park(ptr)
+                if self._debug:
+                    self._check()
+                return out
+            finally:
+                self._busy = False
+        finally:
+            self._held.release()
+            if self._signals:
+                interrupts.run_pending()
+
     def _free_locked(self, ptr: object) -> None:
         """The body of ``free`` with the lock held."""
         if self._busy:  # re-entered mid-call on this thread: queue it like a finalizer's free
@@ -637,6 +626,8 @@ class CachingAllocator(Reports):
             return
         self._busy = True
         try:
+            if self._parked is not None:
+                self._unpark()
             if self._pending:
                 self._drain()
             self._free(ptr)
@@ -944,6 +935,7 @@ interrupts.handoff(
     CachingAllocator._signals_after_malloc,
     CachingAllocator._run_locked,
     CachingAllocator.free_owned,
+    CachingAllocator.park,
     CachingAllocator.defer_free,
     CachingAllocator.enter_pool,
     CachingAllocator.exit_pool,

@@ -174,8 +174,9 @@ def check_invariants(a: Reports) -> None:
     for b in all_blocks:
         is_free = not b.allocated and b.holds == 0
         _expect(is_free == (id(b) in in_fl), f"{b} free but not filed, or filed but not free")
-        if b.allocated:  # filed by address, or owned (a DeviceBuffer's): one or the other
-            _expect((a._active.get(b.ptr) is b) != b.owned, f"{b} allocated but not tracked")
+        if b.allocated:  # filed by address, parked, or owned (a DeviceBuffer's): one of them
+            tracked = a._active.get(b.ptr) is b or a._parked is b
+            _expect(tracked != b.owned, f"{b} allocated but not tracked")
         else:
             _expect(not b.owned, f"{b} free but still marked owned")
         _expect(b.holds >= 0, "negative hold count")
@@ -187,8 +188,19 @@ def check_invariants(a: Reports) -> None:
         )
         _expect(id(b) not in in_fl, f"spare {b} still filed as free")
     _expect(len({id(b) for b in spares}) == len(spares), "a spare block listed twice")
+    parked = a._parked
+    if parked is not None:  # heap.py, Note [Parking]: a free that waits for no one
+        _expect(parked.ptr not in a._active and id(parked) in live, "parked block also filed, or gone")
+        fl = parked.free_list
+        _expect(fl is a._small or fl is a._large, "a private pool's block parked")
+        ok = parked.allocated and not parked.stream_uses and parked.requested > 0
+        _expect(ok, f"{parked} parked wrongly")
+        _expect(
+            not a._capturing and not a._entered and a._history is None,
+            "a block parked while a capture, a use_mem_pool entry or the history is on",
+        )
     n_allocated = sum(1 for b in all_blocks if b.allocated and not b.owned)
-    _expect(len(a._active) == n_allocated, "tracked allocations != allocated blocks")
+    _expect(len(a._active) + (parked is not None) == n_allocated, "tracked allocations != allocated blocks")
 
     _check_expandable(a)
     exp = set(a._exp)

@@ -1,5 +1,7 @@
 """Expandable segments: one virtual range per stream and kind that grows and shrinks in place
-(CUDA virtual memory management; ``SizeConfig.expandable_segments``), and stream takeover.
+(CUDA virtual memory management; ``SizeConfig.expandable_segments``), and stream takeover;
+and the fallback chain of a request no cached block fits (``_slow_block``, either kind of
+segment).
 
 Ordinary pool only (private pools keep ordinary segments). A range is reserved the size of
 the device; ``_grow`` maps granules at its end (or makes the range on first use), ``_shrink``
@@ -49,6 +51,7 @@ from graphpool.policy.freelist import FreeList
 from graphpool.policy.heap import LEGACY
 from graphpool.policy.pools import SizeConfig
 from graphpool.policy.private_pools import (
+    CaptureRecord,
     CaptureWorld,
 )
 from graphpool.policy.segments import Segments
@@ -415,3 +418,72 @@ class Expandable(Segments):
         if block is None:
             self._raise_oom(nbytes, self._round_gran(size), fl, stream)
         return block
+
+    def _slow_block(
+        self, fl: FreeList, size: int, stream: int, nbytes: int, rec: CaptureRecord | None
+    ) -> Block:
+        """No cached block fits: the fallback chain, each step tried only when those before it
+        found nothing. The returned block is in no free list.
+
+        First, with no driver call: graphs the device reports destroyed are released, ended
+        captures begun outside are noticed, and with a garbage-collection threshold old free
+        segments go back (``_collect``). Then, as PyTorch's ``alloc_block ||
+        release_available_cached_blocks && alloc_block || release_cached_blocks && alloc_block``:
+
+        1. a new segment of the usual size (``_device_malloc``); with expandable segments,
+           ``_slow_expandable``'s chain instead (takeover, grow, retry);
+        2. out of memory with ``max_split_size`` set, in the ordinary pool: give back free
+           oversize segments of this stream, and ask again (``_release_oversize``);
+        3. out of memory: wait for pending stream uses and take a fitting block they freed,
+           else release every cached unsplit segment and ask again (``_before_retry``);
+        4. the smallest segment that holds the request (``SizeConfig.least_segment``);
+        5. out of memory (``_raise_oom``).
+
+        Steps 2 and 3 free or wait for device work, so they are skipped while any capture is
+        underway in the process.
+        """
+        self._limit_hit = None  # only a refusal during this request may be blamed on a limit
+        self._upstream_error = None  # (or on a MemPool's upstream: a refusal retried since is no cause)
+        if self._tokens:
+            self._poll_released()
+        if rec is None and self._foreign:
+            # A capture begun outside may have ended since _route last swept (SWEEP_EVERY):
+            # notice it before a retry or collection is refused for a capture that is over.
+            self._sweep()
+        if self._gc_threshold and self.limits.fraction is not None and not self._world.active:
+            self._collect(self._gc_threshold)
+        if self._expandable and fl.private_pool is None:
+            return self._slow_expandable(fl, size, stream, nbytes)
+        owner = fl.private_pool
+        up = None if owner is None else owner.upstream
+        seg = self.sizes.segment_size(size)
+        ptr = self._device_malloc(seg, up, stream)
+        if (
+            ptr is None
+            and self._max_split <= self._total
+            and fl.private_pool is None
+            and not self._world.active
+        ):
+            if self._release_oversize(fl, size, stream):  # PyTorch's release_available_cached_blocks
+                ptr = self._device_malloc(seg)
+        if ptr is None and not self._world.active:
+            block = self._before_retry(fl, size, stream)
+            if block is not None:
+                return block
+            ptr = self._device_malloc(seg, up, stream)
+        if ptr is None:
+            least = self.sizes.least_segment(size)
+            if least < seg:
+                ptr = self._device_malloc(least, up, stream)
+                if ptr is not None:
+                    seg = least
+        if ptr is None:
+            block = self._oom_fallback(fl, size, stream)
+            if block is not None:
+                return block
+            self._raise_oom(nbytes, seg, fl, stream)
+        head = self._add_segment(ptr, seg, stream, fl)
+        if owner is not None and rec is not None:  # may go back with the capture if it fails
+            self._set_returns_with(head, rec)  # (see _touch)
+        self._segment_made(head, "allocated", owner)
+        return head

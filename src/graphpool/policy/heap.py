@@ -16,13 +16,45 @@ resolve through one lookup, ``_live_block`` (the Block, or None), and every refu
 one error path, ``_bad_pointer`` (which error, and why): ``record_stream``, queued frees and
 ``_check_pointer`` (a re-entered free) use both; the cached free writes the lookup out
 (Note [The hand-written hot path] in allocator.py) and refuses through ``_bad_pointer``.
+
+Note [Parking]
+~~~~~~~~~~~~~~
+A framework that frees and allocates tensors of one size in turn on one stream (PyTorch's
+every training step) gives the same block back and asks for it again. ``park`` (the
+PyTorch integration's free) keeps such a block whole instead of freeing it: the *parked*
+block, at most one per allocator, stays counted as allocated, like a queued free, and is
+filed in ``_parked`` instead of ``_active``. The one rule, written in ``_malloc``:
+
+    the next malloc takes the parked block back whole if it is for the block's stream and
+    the same requested size, no capture is registered or found on that stream, and no
+    use_mem_pool entry is open; any other call first turns the parked block into an
+    ordinary queued free (``_unpark``: first in ``_pending``, as ``drop`` would have queued it).
+
+Taking it back counts as a free and a malloc of the block (``_recycled``: the accumulated
+statistics and the allocation order move; no level, so no peak). ``_park`` parks only a
+free that waits for no one: no capture registered, no history, no use_mem_pool entry, no
+stream uses, a block of the ordinary pool; else the free is queued as ``drop`` queues it.
+A free during a capture graphpool has not detected yet is parked like any other: the
+capture is found by the next malloc's query, which then does not take the block, and it
+becomes a queued free carried out under that capture's rules, as ``drop``'s would be.
+
+A *lane* (``set_lane``) may serve the parked block meanwhile without this allocator: the
+PyTorch shim's (graphpool/_torch_shim.cpp) hands it out to the next matching request
+without the GIL, after the device's capture query (``Device.capture_query_address``), and
+parks it again when that tensor dies, any number of times. It decides nothing else. Every
+locked call first settles with it (``_settle_park``: ``lane()`` returns how often it handed
+the block out, counted as so many recycles, and whether the block is out now, filed by
+address again then), so no call sees a state the rule would not have made.
+tests/property/test_parking_differential.py runs random programs through the lane and
+through this rule alone and compares addresses and statistics.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right, insort
 from collections import deque
-from typing import Any, Final, NoReturn
+from collections.abc import Callable
+from typing import Any, Final, NoReturn, cast
 
 from graphpool.device.protocol import (
     Device,
@@ -66,6 +98,7 @@ class Heap:
         self._apply_sizes(sizes)
         # Live raw allocations (``malloc``): address -> Block. ``malloc_owned``'s are not filed.
         self._active: dict[int, Block] = {}
+        self._serial = 0  # allocations so far: each block's ``serial`` tells allocations apart
         # Block objects absorbed by merges, reused by splits. The last one waits apart in
         # ``_spare1``: the steady cycle (split, merge) then never resizes the list.
         self._spare: list[Block] = []
@@ -83,6 +116,11 @@ class Heap:
         # The event history (policy/history.py), None while not recording: malloc and free
         # test it once each.
         self._history: History | None = None
+        # The parked block (Note [Parking]): a raw allocation its owner gave back, kept whole
+        # for the next malloc of its stream and requested size; still counted as allocated.
+        self._parked: Block | None = None
+        # The native lane that may serve the parked block meanwhile (``set_lane``), or None.
+        self._lane: Callable[[], tuple[int, bool]] | None = None
 
     def _drain(self) -> None:  # pragma: no cover - CachingAllocator defines it
         """Carry out the frees and releases finalizers queued (``_pending``). Every layer drains
@@ -270,10 +308,61 @@ class Heap:
         dropped during a capture graphpool has not seen yet is kept for that graph instead of
         going back to the cache at once. Lock-free and no device call; an address that is no
         live allocation is refused at once, with ``free``'s error."""
-        if type(ptr) is int and ptr in self._active:
+        parked = self._parked  # (a parked block may be out again, through the lane: Note [Parking])
+        if type(ptr) is int and (ptr in self._active or (parked is not None and parked.ptr == ptr)):
             self._pending.append(ptr)
         else:
             self.free_owned(ptr)  # raises: not a live allocation (or frees an owned block)
+
+    def _set_lane(self, lane: Callable[[], tuple[int, bool]] | None) -> None:
+        """``set_lane``'s body, the lock held and the park settled with the lane it had."""
+        self._lane = lane
+
+    def _settle_park(self) -> Block | None:
+        """What became of the parked block while the lane held it: the times it was handed out
+        are counted (``_recycled``); None if it is live now (filed again by address), else the
+        block, parked still and now held here alone. The lock is held."""
+        block = self._parked
+        assert block is not None
+        lane = self._lane
+        if lane is not None:
+            hits, live = lane()
+            if hits:
+                self._recycled(block, hits)
+            if live:
+                self._parked = None
+                self._active[block.ptr] = block
+                return None
+        return block
+
+    def _unpark(self) -> None:
+        """Settle the park; a block still parked becomes an ordinary queued free (``drop``'s),
+        first in the queue. The lock is held."""
+        block = self._settle_park()
+        if block is not None:
+            self._queue_parked(block)
+
+    def _queue_parked(self, block: Block) -> None:
+        """The parked ``block`` (settled) becomes an ordinary queued free, first in the queue."""
+        self._parked = None
+        key: object = block.ptr
+        cast("dict[object, Block]", self._active)[key] = block
+        self._pending.appendleft(key)
+
+    def _take_parked(self, block: Block) -> object:
+        """Hand the parked ``block`` (settled) out again for its request: its address, filed."""
+        self._parked = None
+        key: object = block.ptr
+        cast("dict[object, Block]", self._active)[key] = block
+        self._recycled(block, 1)
+        return key
+
+    def _recycled(self, block: Block, n: int) -> None:
+        """The parked ``block`` was handed out ``n`` more times for its request: the
+        allocation order and the statistics move as ``n`` frees and mallocs of it would."""
+        self._serial += n
+        block.serial = self._serial
+        self.stats.on_recycled(block.free_list is self._small, block.size, block.requested, n)
 
     def free_owned(self, ptr: object) -> None:  # pragma: no cover - CachingAllocator defines it
         """Free a live allocation now, under the lock (allocator.py defines it)."""

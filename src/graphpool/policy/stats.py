@@ -367,6 +367,22 @@ class PoolStats:
         if size >= self.oversize_at:
             self.move_oversize("oversize_allocations", -1)
 
+    def on_recycled(self, is_small: bool, size: int, requested: int, n: int) -> None:
+        """A block given back whole and handed out again ``n`` times for the same request (a
+        parked block, heap.py): ``n`` frees and ``n`` allocations at once. Every level ends
+        where it began, so no peak moves; only the accumulated counters grow."""
+        k = self.small if is_small else self.large
+        k.allocation_alloc += n
+        k.allocation_free += n
+        k.allocated_bytes_alloc += n * size
+        k.allocated_bytes_free += n * size
+        k.requested_bytes_alloc += n * requested
+        k.requested_bytes_free += n * requested
+        if size >= self.oversize_at:
+            s = self.oversize["oversize_allocations"]
+            s[2] += n
+            s[3] += n
+
     def hold(self, is_small: bool, size: int, amount: int) -> None:
         """``amount`` (+1 or -1) blocks of ``size`` start or stop being held back."""
         self.fold()

@@ -6,6 +6,8 @@ each extra user stream up to the free has completed: an event is recorded on eac
 stream and the block is *held* until every event has completed (``_insert_events``; queried
 at the next allocations, ``_process_events``). ``_free_held`` decides for every free that
 may wait: during a capture (captures.py keeps blocks for graphs) or with extra user streams.
+``_park`` decides, for a PyTorch tensor's free, whether it is a free that can wait for no
+one, and so may be parked (heap.py, Note [Parking]).
 
 No event ever goes into a capture: ``_insert_events`` is the one place the allocator records
 events, and it asks the device first (``_streams_capturing``). While a capture is
@@ -27,6 +29,7 @@ from graphpool.device.protocol import (
 )
 from graphpool.errors import (
     CaptureError,
+    DoubleFreeError,
     GraphpoolError,
 )
 from graphpool.policy.block import Block
@@ -52,6 +55,36 @@ class StreamUses(Captures):
         # in a capture that is not registered (their events wait until it ends; _insert_events)
         self._orphans: list[Block] = []
         self._queued = False  # the free being carried out was queued by a finalizer (_drain)
+
+    def _park(self, ptr: int) -> int:
+        """``park``'s body, the lock held: park the raw allocation at ``ptr`` if nothing makes its
+        free more than a return to its own stream's cache (a capture registered, the history,
+        a use_mem_pool entry, stream uses, a private pool's block), returning its requested
+        size; else queue its free as ``drop`` does and return 0."""
+        if self._parked is not None:
+            prev = self._settle_park()
+            if prev is not None:
+                self._queue_parked(prev)
+                if prev.ptr == ptr:  # the first free stands (queued); this one is refused
+                    raise DoubleFreeError(f"free: 0x{ptr:x} was freed already (its block is parked)")
+        if self._pending:  # a queued free of this same block is found out below
+            self._drain()
+        block = self._active.get(ptr)
+        if block is None:
+            self._bad_pointer(ptr, "free")
+        fl = block.free_list
+        if (
+            self._history is not None
+            or self._capturing
+            or self._entered
+            or block.stream_uses
+            or not (fl is self._small or fl is self._large)
+        ):
+            self._pending.append(ptr)
+            return 0
+        del self._active[ptr]
+        self._parked = block
+        return block.requested
 
     def _record_stream(self, ptr: object, stream: int) -> None:
         if self._pending:

@@ -21,6 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -121,6 +122,7 @@ class SimDevice(MemoryCalls):
         self.index = index
         self.name = f"graphpool simulated device {index}"
         self._lock = threading.RLock()
+        self._query_fn: Any = None  # capture_query_address's ctypes callback, kept alive
         self._init_memory(index, memory_bytes, host_memory_bytes)  # sets memory_bytes
         self._streams: dict[int, _Stream] = {LEGACY_STREAM: _Stream(LEGACY_STREAM)}
         self._made: set[int] = set()  # streams create_stream made, not destroyed
@@ -412,6 +414,24 @@ class SimDevice(MemoryCalls):
             if cap is None:
                 return CAPTURE_STATUS_NONE, 0
             return cap.status, cap.id
+
+    def capture_query_address(self) -> int:
+        """``capture_id`` as a C function (the protocol's), through ctypes: the callback takes
+        the GIL itself. Made once and kept alive with the device; any error answers -1."""
+        import ctypes
+
+        if self._query_fn is None:
+
+            def query(stream: int | None, out: Any) -> int:
+                try:
+                    out[0] = self.capture_id(stream or 0)
+                    return 0
+                except BaseException:  # (a callback must not raise into C)
+                    return -1
+
+            proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))
+            self._query_fn = proto(query)
+        return int(ctypes.cast(self._query_fn, ctypes.c_void_p).value or 0)
 
     def capture_id(self, stream: int) -> int:
         with self._lock:

@@ -1,0 +1,257 @@
+"""The PyTorch shim's lane (graphpool/_torch_shim.cpp; policy/heap.py, Note [Parking]), on the
+simulator through ctypes: the C entry points PyTorch calls hand a parked block out again
+without Python, and only when graphpool's rule would.
+
+Each test counts the calls that reach graphpool's Python hooks: a lane that answers when it
+should not, or stops answering when it should, changes those counts or the addresses.
+tests/property/test_parking_differential.py compares whole random programs with the rule
+run in Python alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import graphpool as gp
+from graphpool import routing, runtime
+from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
+
+
+class Counted:
+    """graphpool's hooks, counting the calls that reach Python."""
+
+    def __init__(self, malloc: Any, free: Any) -> None:
+        self._malloc, self._free = malloc, free
+        self.mallocs = self.frees = 0
+
+    def malloc(self, size: int, device: int, stream: int) -> int:
+        self.mallocs += 1
+        return int(self._malloc(size, device, stream))
+
+    def free(self, ptr: int, size: int, device: int, stream: int) -> int:
+        self.frees += 1
+        return int(self._free(ptr, size, device, stream))
+
+
+@pytest.fixture
+def shim() -> Iterator[Any]:
+    import graphpool.torch as gtorch
+
+    try:
+        mod = gtorch._shim()
+    except RuntimeError as e:
+        if gp.compiled():
+            raise
+        pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
+    gp.set_backend("sim")
+    try:
+        yield mod
+    finally:
+        mod.set_lanes_enabled(True)
+        mod.close()
+        gp.check_invariants()
+
+
+@pytest.fixture
+def counted(shim: Any) -> Counted:
+    import graphpool.torch as gtorch
+
+    hooks = Counted(*gtorch.hooks())
+    shim.set_hooks(hooks.malloc, hooks.free)
+    return hooks
+
+
+@pytest.fixture
+def lib(shim: Any) -> Any:
+    import graphpool.torch as gtorch
+
+    dll = ctypes.CDLL(gtorch.library_path())  # releases the GIL around each call, as PyTorch runs
+    dll.graphpool_torch_malloc.restype = ctypes.c_void_p
+    dll.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    dll.graphpool_torch_free.restype = None
+    dll.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return dll
+
+
+def test_a_repeated_request_is_served_without_python(shim: Any, counted: Counted, lib: Any) -> None:
+    s = gp.Stream()
+    stats0 = gp.memory_stats()
+    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked: the lane keeps it
+    assert (counted.mallocs, counted.frees) == (1, 1)
+    assert shim.lane_state(0)["state"] == "parked" and shim.lane_state(0)["requested"] == 1000
+    for _ in range(50):
+        assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)
+    assert (counted.mallocs, counted.frees) == (1, 1)  # no call reached Python
+    assert shim.lane_state(0)["hits"] == 50
+    stats = gp.memory_stats()  # settles: the lane's 50 hand-outs are counted
+    assert shim.lane_state(0)["state"] == "empty"
+    assert stats["allocation.all.allocated"] - stats0["allocation.all.allocated"] == 51
+    assert stats["allocated_bytes.all.freed"] - stats0["allocated_bytes.all.freed"] == 51 * 1024
+    assert stats["requested_bytes.all.allocated"] - stats0["requested_bytes.all.allocated"] == 51 * 1000
+    assert stats["allocated_bytes.all.peak"] - stats0["allocated_bytes.all.peak"] == 1024
+    assert gp.memory_allocated() == stats0["allocated_bytes.all.current"]  # the free was carried out
+
+
+def test_only_the_same_size_and_stream_take_it(shim: Any, counted: Counted, lib: Any) -> None:
+    s, t = gp.Stream(), gp.Stream()
+    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)
+    q = lib.graphpool_torch_malloc(1024, 0, s.handle)  # another request of the same block size
+    assert counted.mallocs == 2 and q == p  # graphpool's best fit: the free was carried out first
+    lib.graphpool_torch_free(q, 1024, 0, s.handle)
+    r = lib.graphpool_torch_malloc(1024, 0, t.handle)  # another stream: never the parked block
+    assert counted.mallocs == 3 and r != q
+    assert gp.memory_allocated() == 1024
+    lib.graphpool_torch_free(r, 1024, 0, t.handle)
+
+
+def test_a_capturing_stream_is_never_served_by_the_lane(shim: Any, counted: Counted, lib: Any) -> None:
+    """A capture begun outside graphpool on the parked block's stream: the lane asks the
+    device, finds it capturing and leaves the request to graphpool, which serves it from the
+    capture's private pool; the parked block is freed under the capture's rules."""
+    s = gp.Stream()
+    dev = runtime.get().device(0)
+    p = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    dev.begin_capture(s.handle, CAPTURE_MODE_GLOBAL)
+    try:
+        q = lib.graphpool_torch_malloc(4096, 0, s.handle)
+        assert counted.mallocs == 2 and q != p
+        owner = {b["address"]: seg["segment_pool_id"] for seg in gp.memory_snapshot() for b in seg["blocks"]}
+        assert owner[q] is not None  # a private pool's
+        lib.graphpool_torch_free(q, 4096, 0, s.handle)
+    finally:
+        graph = dev.end_capture(s.handle)
+    dev.destroy_graph(graph)
+    gp.empty_cache()  # notices the capture ended and its graph is gone
+    gp.check_invariants()
+    assert runtime.allocator(0)._capturing == 0 and gp.memory_allocated() == 0
+
+
+def test_the_legacy_stream_needs_no_query(shim: Any, counted: Counted, lib: Any) -> None:
+    s = gp.Stream()
+    lib.graphpool_torch_free(lib.graphpool_torch_malloc(512, 0, 0), 512, 0, 0)  # (binds the lane)
+    shim.lane_query(0, 0)  # no capture query: only the legacy stream (which never captures) is served
+    for stream in (0, s.handle):
+        p = lib.graphpool_torch_malloc(512, 0, stream)
+        lib.graphpool_torch_free(p, 512, 0, stream)
+        before = counted.mallocs
+        assert lib.graphpool_torch_malloc(512, 0, stream) == p
+        assert counted.mallocs == before + (stream != 0)
+        lib.graphpool_torch_free(p, 512, 0, stream)
+
+
+def test_a_routing_change_turns_the_lane_off(shim: Any, counted: Counted, lib: Any) -> None:
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    routing.invalidate()  # what set_backend, gp.stream and a fork do
+    assert shim.lane_state(0)["on"] is False
+    assert lib.graphpool_torch_malloc(512, 0, s.handle) == p  # graphpool's rule, in Python
+    assert counted.mallocs == 2
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # parked again: the lane is on
+    assert shim.lane_state(0)["on"] is True
+    assert lib.graphpool_torch_malloc(512, 0, s.handle) == p and counted.mallocs == 2
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+
+
+def test_a_replaced_backend_is_never_served(shim: Any, counted: Counted, lib: Any) -> None:
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    old = runtime.get()
+    gp.set_backend("sim")
+    with pytest.raises(RuntimeError, match="backend was replaced"):
+        shim.try_malloc(512, 0, s.handle)
+    assert lib.graphpool_torch_free is not None and shim.lane_state(0)["on"] is False
+    old.allocator(0).check_invariants()  # settled: the parked block is an ordinary queued free
+    assert old.allocator(0).memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_block_with_stream_uses_is_not_parked(shim: Any, counted: Counted, lib: Any) -> None:
+    s, t = gp.Stream(), gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    runtime.allocator(0).record_stream(p, t.handle)  # Tensor.record_stream (graphpool.torch)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    assert shim.lane_state(0)["state"] == "empty"  # its free waits for t's work: queued
+    lib.graphpool_torch_malloc(512, 0, s.handle)
+    assert counted.mallocs == 2
+
+
+def test_freeing_the_parked_block_again_is_refused(
+    shim: Any, counted: Counted, lib: Any, monkeypatch: Any
+) -> None:
+    import sys
+
+    seen: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # the lane holds it parked: not the lane's to take
+    assert len(seen) == 1 and type(seen[0].exc_value).__name__ == "DoubleFreeError"
+    assert gp.memory_allocated() == 0
+
+
+def test_graphpool_torch_lane_0_leaves_every_call_to_python(
+    shim: Any, lib: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import graphpool.torch as gtorch
+
+    monkeypatch.setenv("GRAPHPOOL_TORCH_LANE", "0")
+    hooks = Counted(*gtorch.hooks())
+    shim.set_hooks(hooks.malloc, hooks.free)
+    s = gp.Stream()
+    for _ in range(3):
+        p = lib.graphpool_torch_malloc(512, 0, s.handle)
+        lib.graphpool_torch_free(p, 512, 0, s.handle)
+    assert (hooks.mallocs, hooks.frees) == (3, 3)
+
+
+def test_threads_race_the_lane_and_graphpool(shim: Any, counted: Counted, lib: Any) -> None:
+    """Two threads allocate and free in turn through the C entry points (the GIL released, as
+    in PyTorch) while a third asks graphpool for statistics, which settles the lane each time:
+    every address handed out is live once, and the invariants hold at the end."""
+    streams = [gp.Stream(), gp.Stream()]
+    errors: list[BaseException] = []
+    live: set[int] = set()
+    guard = threading.Lock()
+    stop = threading.Event()
+
+    def worker(k: int) -> None:
+        try:
+            for i in range(300):
+                size = 512 * (1 + (i % 3 == 0))
+                p = lib.graphpool_torch_malloc(size, 0, streams[k].handle)
+                with guard:
+                    assert p not in live, "an address handed out twice"
+                    live.add(p)
+                with guard:
+                    live.discard(p)
+                lib.graphpool_torch_free(p, size, 0, streams[k].handle)
+        except BaseException as e:  # reported in the test's thread
+            errors.append(e)
+
+    def poll() -> None:
+        while not stop.is_set():
+            gp.memory_stats()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+    poller = threading.Thread(target=poll)
+    poller.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    poller.join()
+    assert errors == []
+    gp.check_invariants()
+    assert gp.memory_allocated() == 0
