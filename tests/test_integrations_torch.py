@@ -128,8 +128,9 @@ def test_a_bad_free_is_reported_never_raised(lib: Any, monkeypatch: pytest.Monke
     a = gp.runtime.get().allocator(0)
     p = lib.graphpool_torch_malloc(512, 0, s.handle)
     a.drop(p)  # a free queued outside the lane (another thread held the lock, say) ...
-    lib.graphpool_torch_free(p, 512, 0, s.handle)  # ... then the same block freed again
-    assert len(seen) == 4 and type(seen[3].exc_value).__name__ == "DoubleFreeError"
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # ... then the same block freed again: queued too
+    with pytest.warns(RuntimeWarning, match="DoubleFreeError"):  # found when carried out
+        gp.memory_stats()
     gp.check_invariants()
 
 

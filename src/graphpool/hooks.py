@@ -161,10 +161,8 @@ class TorchHooks:
             a = self._allocator(device)
             self._use(device, a)
         last = self._last
-        if last is not None and last.route.alloc is a and last.route.generation == _routes.generation:
-            return a.park(ptr)
-        a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
-        return 0
+        current = last is not None and last.route.alloc is a and last.route.generation == _routes.generation
+        return a.park(ptr, current)  # (a stale route: queued, as a dropped DeviceBuffer's free)
 
 
 # Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded

@@ -589,11 +589,12 @@ class CachingAllocator(Reports):
         out now, ``(hits, live)``. None: no lane. The lane it replaces is settled first."""
         self._run_locked("set_lane", lambda: self._set_lane(lane))
 
-    def park(self, ptr: object) -> int:
+    def park(self, ptr: object, parkable: bool = True) -> int:
         """``drop`` for a block the next malloc may take back whole (the PyTorch integration's
         free; heap.py, Note [Parking]): parked when nothing makes its free more than a return
         to its stream's cache, returning its requested size; else queued as ``drop`` queues
-        it (also when another call holds the lock), returning 0. Never waits."""
+        it (also when another call holds the lock), returning 0. Never waits.
+        ``parkable=False``: queued, after the parked block (the PyTorch hooks' route is stale)."""
         parked = self._parked  # (its block may be out again: the lane's, settled when locked)
         if type(ptr) is not int or (ptr not in self._active and (parked is None or parked.ptr != ptr)):
             self.drop(cast(int, ptr))  # raises: no live raw allocation
@@ -607,7 +608,7 @@ class CachingAllocator(Reports):
                 return 0
             self._busy = True
             try:
-                out = self._park(ptr)
+                out = self._park(ptr, parkable)
                 if self._debug:
                     self._check()
                 return out

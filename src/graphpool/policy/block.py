@@ -77,6 +77,17 @@ class Block:
         return f"Block(0x{self.ptr:x}, {self.size}, stream={self.stream}, {state})"
 
 
+def merges(neighbour: Block | None, stream: int) -> bool:
+    """The one merge rule: a block of ``stream`` given back merges with ``neighbour`` when that
+    is free, nothing holds it, and it is of the same stream (blocks are cached per stream)."""
+    return (
+        neighbour is not None
+        and not neighbour.allocated
+        and neighbour.holds == 0
+        and neighbour.stream == stream
+    )
+
+
 def iter_segment(head: Block) -> list[Block]:
     """All blocks of the segment that starts at ``head``, in address order."""
     out = []

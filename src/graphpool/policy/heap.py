@@ -20,9 +20,9 @@ one error path, ``_bad_pointer`` (which error, and why): ``record_stream``, queu
 Note [Parking]
 ~~~~~~~~~~~~~~
 A framework that frees and allocates tensors of one size in turn on one stream (PyTorch's
-every training step) gives the same block back and asks for it again. ``park`` (the
-PyTorch integration's free) keeps such a block whole instead of freeing it: the *parked*
-block, at most one per allocator, stays counted as allocated, like a queued free, and is
+loops) gives a block back and asks for the same block again. ``park`` (the PyTorch
+integration's free) may keep such a block whole instead of queuing its free: the *parked*
+block, at most one per allocator, stays counted as allocated, as a queued free is, and is
 filed in ``_parked`` instead of ``_active``. The one rule, written in ``_malloc``:
 
     the next malloc takes the parked block back whole if it is for the block's stream and
@@ -30,23 +30,29 @@ filed in ``_parked`` instead of ``_active``. The one rule, written in ``_malloc`
     use_mem_pool entry is open; any other call first turns the parked block into an
     ordinary queued free (``_unpark``: first in ``_pending``, as ``drop`` would have queued it).
 
-Taking it back counts as a free and a malloc of the block (``_recycled``: the accumulated
-statistics and the allocation order move; no level, so no peak). ``_park`` parks only a
-free that waits for no one: no capture registered, no history, no use_mem_pool entry, no
-stream uses, a block of the ordinary pool; else the free is queued as ``drop`` queues it.
-A free during a capture graphpool has not detected yet is parked like any other: the
-capture is found by the next malloc's query, which then does not take the block, and it
-becomes a queued free carried out under that capture's rules, as ``drop``'s would be.
+``_park`` (stream_uses.py) parks only a free that waits for no one (no capture registered,
+no history, no use_mem_pool entry, no stream uses, no frees queued or waiting for events, a
+block of the ordinary pool) and only where the next request of its size and stream would
+get this very block back anyway, were it freed and queued (``_takes_back``: the merge rule,
+best fit, the split rule). So parking changes no address: it skips a merge and a split that
+would undo each other. Taking the block back counts as one free and one allocation of it
+(``_recycled``: the accumulated allocation counters and the allocation order move; no level,
+so no peak; the skipped merge and split are not counted as inactive-split churn). A free
+during a capture graphpool has not found yet is parked like any other: the next malloc on
+that stream finds the capture and does not take the block back, which then becomes a
+queued free carried out under that capture's rules, as ``drop``'s would be; a free of
+another block queues the parked one without carrying it out (no capture query is made at
+a free).
 
 A *lane* (``set_lane``) may serve the parked block meanwhile without this allocator: the
-PyTorch shim's (graphpool/_torch_shim.cpp) hands it out to the next matching request
-without the GIL, after the device's capture query (``Device.capture_query_address``), and
-parks it again when that tensor dies, any number of times. It decides nothing else. Every
-locked call first settles with it (``_settle_park``: ``lane()`` returns how often it handed
-the block out, counted as so many recycles, and whether the block is out now, filed by
-address again then), so no call sees a state the rule would not have made.
-tests/property/test_parking_differential.py runs random programs through the lane and
-through this rule alone and compares addresses and statistics.
+PyTorch shim's (graphpool/_torch_shim.cpp) hands it to the next matching request without
+the GIL, after the device's capture query (``Device.capture_query_address``; the legacy
+stream never captures), and parks it again when that tensor dies, any number of times. It
+decides nothing else. Every locked call first settles with it (``_settle_park``: ``lane()``
+returns how often it handed the block out, counted as so many recycles, and whether the
+block is out now, filed by address again then), so no call sees a state the rule would not
+have made. tests/property/test_parking_differential.py runs random programs through the
+lane, through this rule alone and with every free queued, and compares them.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from graphpool.errors import (
     ForeignPointerError,
 )
 from graphpool.policy import interrupts
-from graphpool.policy.block import Block, ExpandableSegment, iter_segment
+from graphpool.policy.block import Block, ExpandableSegment, iter_segment, merges
 from graphpool.policy.freelist import FreeList
 from graphpool.policy.history import History
 from graphpool.policy.pools import SizeConfig
@@ -150,9 +156,10 @@ class Heap:
 
     def _free_block(self, block: Block, freed: bool, counted: bool = False) -> Block:
         """Return a block with no holds to its free list, merged with its free neighbours; return
-        the merged block. The one merge rule: a neighbour merges when it is free, nothing holds
-        it, and it is of the block's stream (blocks are cached per stream; expandable.py's
-        stream takeover gives blocks a new stream, and they merge with that stream's only).
+        the merged block, by the one merge rule (block.py's ``merges``): a neighbour merges
+        when it is free, nothing holds it, and it is of the block's stream (blocks are cached
+        per stream; expandable.py's stream takeover gives blocks a new stream, and they merge
+        with that stream's only).
 
         ``freed``: the user is freeing it now (not a hold ending), for the statistics.
         ``counted``: the block is free already and counted as an inactive split block if it
@@ -173,7 +180,7 @@ class Heap:
         old: Block | None = None
         old_size = 0
         nxt = block.next
-        if nxt is not None and not nxt.allocated and nxt.holds == 0 and nxt.stream == block.stream:
+        if nxt is not None and merges(nxt, block.stream):
             # absorb the free block after this one; keep its object for a later split
             old = nxt
             old_size = nxt.size
@@ -186,7 +193,7 @@ class Heap:
             nxt.prev = nxt.next = None
             self._keep_spare(nxt)
         prev = block.prev
-        if prev is not None and not prev.allocated and prev.holds == 0 and prev.stream == block.stream:
+        if prev is not None and merges(prev, block.stream):
             # the free block before absorbs this one
             if old is not None:
                 fl.remove(old)

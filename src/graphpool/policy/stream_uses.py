@@ -32,8 +32,9 @@ from graphpool.errors import (
     DoubleFreeError,
     GraphpoolError,
 )
-from graphpool.policy.block import Block
+from graphpool.policy.block import Block, merges
 from graphpool.policy.captures import Captures
+from graphpool.policy.freelist import FreeList, bisect_sizes
 from graphpool.policy.pools import SizeConfig
 from graphpool.policy.private_pools import (
     CaptureRecord,
@@ -56,35 +57,76 @@ class StreamUses(Captures):
         self._orphans: list[Block] = []
         self._queued = False  # the free being carried out was queued by a finalizer (_drain)
 
-    def _park(self, ptr: int) -> int:
+    def _park(self, ptr: int, parkable: bool = True) -> int:
         """``park``'s body, the lock held: park the raw allocation at ``ptr`` if nothing makes its
         free more than a return to its own stream's cache (a capture registered, the history,
-        a use_mem_pool entry, stream uses, a private pool's block), returning its requested
-        size; else queue its free as ``drop`` does and return 0."""
+        a use_mem_pool entry, stream uses, frees waiting for events, a private pool's block)
+        and the next request of its size and stream would get it back anyway
+        (``_takes_back``), returning its requested size; else queue its free as ``drop``
+        does and return 0."""
         if self._parked is not None:
             prev = self._settle_park()
             if prev is not None:
                 self._queue_parked(prev)
                 if prev.ptr == ptr:  # the first free stands (queued); this one is refused
                     raise DoubleFreeError(f"free: 0x{ptr:x} was freed already (its block is parked)")
-        if self._pending:  # a queued free of this same block is found out below
-            self._drain()
+        # Nothing queued is carried out here: a free queued before a capture graphpool has not
+        # found yet is carried out after the next malloc's capture query, as drop's are.
         block = self._active.get(ptr)
         if block is None:
             self._bad_pointer(ptr, "free")
         fl = block.free_list
         if (
-            self._history is not None
+            not parkable
+            or self._pending  # (the next malloc carries them out first: a better fit may appear)
+            or self._history is not None
             or self._capturing
             or self._entered
             or block.stream_uses
+            or self._waiting  # (the next malloc would ask its events first: a better fit may appear)
+            or self._orphans
             or not (fl is self._small or fl is self._large)
+            or not self._takes_back(block, fl)
         ):
             self._pending.append(ptr)
             return 0
         del self._active[ptr]
         self._parked = block
         return block.requested
+
+    def _takes_back(self, block: Block, fl: FreeList) -> bool:
+        """Whether, were ``block`` freed now, the next request of its size on its stream would be
+        handed this very block at this size (the merge rule, then best fit over the merged
+        block and the stream's other free blocks, then the split rule): parking it then
+        changes no address (heap.py, Note [Parking])."""
+        if fl.grows:  # an expandable segment: its growable tail answers to the wilderness rule
+            return False
+        requested = block.requested
+        m = self.sizes.min_block
+        size = m if requested < m else (requested + m - 1) & -m
+        if self._divisions:
+            size = self.sizes.round_divisions(requested)
+        stream = block.stream
+        if block.size != size or merges(block.prev, stream):
+            return False
+        nxt = block.next
+        merged = size + nxt.size if nxt is not None and merges(nxt, stream) else size
+        if merged >= self._max_split:  # oversize blocks follow max_split_size's rules
+            return False
+        rest = merged - size
+        if rest and (rest < m if size <= self._small_limit else rest <= self._small_limit):
+            return False  # the merged block would be handed out whole
+        bins = fl.find(stream)
+        if bins is not None:
+            i = bisect_sizes(bins.sizes, size)
+            n = len(bins.blocks)
+            if i < n and bins.blocks[i] is nxt:  # absorbed by the merge
+                i += 1
+            if i < n:
+                other = bins.blocks[i]
+                if other.size < merged or (other.size == merged and other.ptr < block.ptr):
+                    return False  # best fit would hand out another block
+        return True
 
     def _record_stream(self, ptr: object, stream: int) -> None:
         if self._pending:
