@@ -667,7 +667,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self._malloc(side, v.nbytes, v.stream)
             return
         a = side.a
-        assert a.park(ptr) == v.nbytes
+        requested = a.park(ptr)
+        if requested == 0:  # queued instead (best fit would not hand it back, or a free is queued)
+            if self._free(side, ptr, "parked"):
+                self._malloc(side, v.nbytes, v.stream)
+            return
+        assert requested == v.nbytes
         assert a.lookup(ptr) is None  # parked: no live allocation until taken back
         assert a.malloc(v.nbytes, stream=v.stream) == ptr
         side.serial += 1
@@ -910,9 +915,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             side.a.free(ptr)
         elif how == "thread":
             thread = self._free_in_thread(side.a, ptr)
-        elif how == "park":  # PyTorch's free: parked, or queued; the next call settles either
-            thread = 0  # unknown
-            side.a.park(ptr)
+        elif how in ("park", "parked"):  # PyTorch's free ("parked": made already): parked or
+            thread = 0  # unknown                       # queued; the next call settles either
+            if how == "park":
+                side.a.park(ptr)
             side.a.memory_stats()
             assert side.a.lookup(ptr) is None
         else:
