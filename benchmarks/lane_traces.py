@@ -11,6 +11,12 @@ points, as PyTorch calls them (ctypes: the GIL released around each call), and r
 
     python benchmarks/lane_traces.py --tree lane=src --tree before=/path/to/older/src
 
+Instructions per call (callgrind, as benchmarks/frameworks_cpu.py counts them): run one
+worker under valgrind with ``--rounds 1`` and ``--rounds 3`` and divide the difference by
+twice the trace's calls, e.g.
+``valgrind --tool=callgrind --callgrind-out-file=/dev/null python benchmarks/lane_traces.py
+--worker torch-transformer-train --rounds 3``.
+
 Each tree runs in its own process (``PYTHONPATH``). Stream index 0 is the legacy stream;
 others are simulated streams, whose capture query is a Python callback here (a C function
 on CUDA), so only the counts, not the times, carry over to a GPU.
@@ -29,7 +35,7 @@ from typing import Any
 TRACES = ("torch-transformer-train", "torch-transformer-infer", "torch-resnet-train")
 
 
-def worker(name: str) -> dict[str, Any]:
+def worker(name: str, rounds: int = 1) -> dict[str, Any]:
     import graphpool as gp
     import graphpool.torch as gtorch
     from graphpool import runtime
@@ -59,15 +65,16 @@ def worker(name: str) -> dict[str, Any]:
     streams = [0] + [dev.create_stream() for _ in range(max(trace.streams - 1, 0))]
     live: dict[int, tuple[int, int, int]] = {}
     calls = 0
-    for e in trace.events:
-        calls += 1
-        if e[0] == ALLOC:
-            _, ident, nbytes, si = e
-            ptr = lib.graphpool_torch_malloc(nbytes, 0, streams[si]) or 0
-            live[ident] = (ptr, nbytes, streams[si])
-        else:
-            ptr, nbytes, s = live.pop(e[1])
-            lib.graphpool_torch_free(ptr, nbytes, 0, s)
+    for _ in range(rounds):  # (the trace frees all it allocates: each round starts empty)
+        for e in trace.events:
+            calls += 1
+            if e[0] == ALLOC:
+                _, ident, nbytes, si = e
+                ptr = lib.graphpool_torch_malloc(nbytes, 0, streams[si]) or 0
+                live[ident] = (ptr, nbytes, streams[si])
+            else:
+                ptr, nbytes, s = live.pop(e[1])
+                lib.graphpool_torch_free(ptr, nbytes, 0, s)
     hits = shim.lane_state(0)["hits"] if hasattr(shim, "lane_state") else 0
     stats = gp.memory_stats()
     gp.check_invariants()
@@ -86,16 +93,17 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", action="append", default=[], help="NAME=SRC")
     ap.add_argument("--worker")
+    ap.add_argument("--rounds", type=int, default=1, help="replay each trace this many times")
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker)))
+        print(json.dumps(worker(args.worker, args.rounds)))
         return 0
     trees = [t.split("=", 1) for t in args.tree] or [["this", "src"]]
     for name in TRACES:
         for tree, src in trees:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
             r = subprocess.run(
-                [sys.executable, __file__, "--worker", name],
+                [sys.executable, __file__, "--worker", name, "--rounds", str(args.rounds)],
                 capture_output=True,
                 text=True,
                 env=env,

@@ -111,13 +111,16 @@ class TorchHooks:
     ``set_backend`` ``find`` refuses new allocations, and frees still reach the bound runtime's
     allocators.
 
-    ``free`` parks the block (heap.py, Note [Parking]) and returns its requested size when
-    the allocator parks it, so the shim's native lane may hand it out again; 0 otherwise.
+    ``free`` offers the allocator to park the block (heap.py, Note [Parking]) when it is the
+    one ``malloc`` handed out last (a temporary dropped before the next request: where the
+    next request may be the same), and returns its requested size when the allocator parks
+    it, so the shim's native lane may hand it out again; 0 otherwise. Other frees are
+    queued without the lock (``drop``), behind a parked block if there is one.
     ``bind(device, allocator)``, if given, is called once per allocator these hooks use (the
     integration connects the allocator to the shim's lane there).
     """
 
-    __slots__ = ("_find", "_allocator", "_last", "_allocs", "_bind")
+    __slots__ = ("_find", "_allocator", "_last", "_allocs", "_bind", "_recent")
 
     def __init__(
         self,
@@ -130,6 +133,7 @@ class TorchHooks:
         self._last: Kept | None = None
         self._allocs: dict[int, CachingAllocator] = {}
         self._bind = bind
+        self._recent = 0  # the address malloc handed out last
 
     def malloc(self, size: int, device: int, stream: int) -> int:
         """``size`` bytes for PyTorch's stream handle ``stream`` of ``device``: the address."""
@@ -137,14 +141,18 @@ class TorchHooks:
         if last is not None and last.raw == stream and last.device == device and size != 0:
             route = last.route
             if route.generation == _routes.generation:
-                return route.alloc.malloc(size, stream=route.handle)
+                ptr = route.alloc.malloc(size, stream=route.handle)
+                self._recent = ptr
+                return ptr
         route = self._find(device, stream)  # raises for a refused stream or a replaced backend
         self._last = Kept(device, stream, route)
         if self._allocs.get(device) is not route.alloc:
             self._use(device, route.alloc)
         if size == 0:
             return 0
-        return route.alloc.malloc(size, stream=route.handle)
+        ptr = route.alloc.malloc(size, stream=route.handle)
+        self._recent = ptr
+        return ptr
 
     def _use(self, device: int, a: CachingAllocator) -> None:
         """From now on ``a`` is the allocator of ``device`` these hooks free into."""
@@ -154,15 +162,21 @@ class TorchHooks:
 
     def free(self, ptr: int, size: int, device: int, stream: int) -> int:
         """Give back the block at ``ptr`` (PyTorch dropped its tensor): parked or queued for the
-        next call. Parked only while the route last used is current (no ``set_backend`` or other
-        change since: the lane answers without asking ``find``). Returns what ``park`` does."""
+        next call. Offered for parking only if it is the block malloc handed out last and the
+        route last used is current (no ``set_backend`` or other change since: the lane answers
+        without asking ``find``). Returns what ``park`` does, or 0."""
         a = self._allocs.get(device)
         if a is None:
             a = self._allocator(device)
             self._use(device, a)
-        last = self._last
-        current = last is not None and last.route.alloc is a and last.route.generation == _routes.generation
-        return a.park(ptr, current)  # (a stale route: queued, as a dropped DeviceBuffer's free)
+        if ptr == self._recent:  # (kept: the lane may hand this block out again, as malloc would)
+            last = self._last
+            if last is not None and last.route.alloc is a and last.route.generation == _routes.generation:
+                return a.park(ptr)
+        if a.parking():
+            return a.park(ptr, False)  # queued behind the parked block (it is queued first)
+        a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
+        return 0
 
 
 # Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded

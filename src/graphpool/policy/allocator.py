@@ -599,8 +599,8 @@ class CachingAllocator(Reports):
         if type(ptr) is not int or (ptr not in self._active and (parked is None or parked.ptr != ptr)):
             self.drop(cast(int, ptr))  # raises: no live raw allocation
             return 0
-        if not self._held.acquire(False):
-            self._pending.append(ptr)
+        if (parked is None and self._pending) or not self._held.acquire(False):
+            self._pending.append(ptr)  # (``_park`` would queue it: a queued free comes first)
             return 0
         try:  # (as free_owned's: a signal here waits, policy/interrupts.py)
             if self._busy:  # re-entered mid-call on this thread

@@ -321,6 +321,11 @@ class Heap:
         else:
             self.free_owned(ptr)  # raises: not a live allocation (or frees an owned block)
 
+    def parking(self) -> bool:
+        """Whether a block is parked (Note [Parking]): a free then goes through ``park`` (with
+        ``parkable=False``), so that it is queued behind it. Lock-free: a hint, checked again."""
+        return self._parked is not None
+
     def _set_lane(self, lane: Callable[[], tuple[int, bool]] | None) -> None:
         """``set_lane``'s body, the lock held and the park settled with the lane it had."""
         self._lane = lane
