@@ -12,8 +12,9 @@ points, as PyTorch calls them (ctypes: the GIL released around each call), and r
     python benchmarks/lane_traces.py --tree lane=src --tree before=/path/to/older/src
 
 Instructions per call (callgrind, as benchmarks/frameworks_cpu.py counts them): run one
-worker under valgrind with ``--rounds 1`` and ``--rounds 3`` and divide the difference by
-twice the trace's calls, e.g.
+worker under valgrind with ``--rounds 1`` and ``--rounds 3`` (``PYTHONHASHSEED=0``) and
+divide the difference by twice the trace's calls (each round frees what the trace left live,
+so rounds 2 and 3 start from the same state), e.g.
 ``valgrind --tool=callgrind --callgrind-out-file=/dev/null python benchmarks/lane_traces.py
 --worker torch-transformer-train --rounds 3``.
 
@@ -65,7 +66,7 @@ def worker(name: str, rounds: int = 1) -> dict[str, Any]:
     streams = [0] + [dev.create_stream() for _ in range(max(trace.streams - 1, 0))]
     live: dict[int, tuple[int, int, int]] = {}
     calls = 0
-    for _ in range(rounds):  # (the trace frees all it allocates: each round starts empty)
+    for _ in range(rounds):
         for e in trace.events:
             calls += 1
             if e[0] == ALLOC:
@@ -75,6 +76,10 @@ def worker(name: str, rounds: int = 1) -> dict[str, Any]:
             else:
                 ptr, nbytes, s = live.pop(e[1])
                 lib.graphpool_torch_free(ptr, nbytes, 0, s)
+        for ptr, nbytes, s in live.values():  # what the trace left live: each round starts empty
+            calls += 1
+            lib.graphpool_torch_free(ptr, nbytes, 0, s)
+        live.clear()
     hits = shim.lane_state(0)["hits"] if hasattr(shim, "lane_state") else 0
     stats = gp.memory_stats()
     gp.check_invariants()

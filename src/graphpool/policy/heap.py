@@ -21,7 +21,8 @@ Note [Parking]
 ~~~~~~~~~~~~~~
 A framework that frees and allocates tensors of one size in turn on one stream (PyTorch's
 loops) gives a block back and asks for the same block again. ``park`` (the PyTorch
-integration's free) may keep such a block whole instead of queuing its free: the *parked*
+integration's free of the block it handed out last) may keep such a block whole instead of
+queuing its free: the *parked*
 block, at most one per allocator, stays counted as allocated, as a queued free is, and is
 filed in ``_parked`` instead of ``_active``. The one rule, written in ``_malloc``:
 
