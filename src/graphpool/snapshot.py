@@ -12,6 +12,7 @@ from typing import Any
 
 from graphpool import runtime
 from graphpool.policy.limits import AllocConf
+from graphpool.policy.stats import SCALAR_NAMES
 from graphpool.policy.units import fmt_bytes
 
 ROWS = (
@@ -46,7 +47,7 @@ def summary(device: int, stats: dict[str, int]) -> str:
                 cells.append(fmt_bytes(v) if is_bytes else str(v))
             lines.append(f"{label:<28}" + "".join(f"{c:>14}" for c in cells))
         lines.append("-" * width)
-    for key in ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"):
+    for key in SCALAR_NAMES:
         lines.append(f"{key:<28}{stats.get(key, 0):>14}")
     lines.append("=" * width)
     return "\n".join(lines)

@@ -74,7 +74,7 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
         )
         for pool in ("all", "small_pool", "large_pool")
         for counter in ("current", "peak", "allocated", "freed")
-    } | {"num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free"}
+    } | {"num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams"}
     expected |= {"expandable_mapped_bytes", "expandable_virtual_bytes"}  # graphpool's own two
     expected |= {  # PyTorch's two of max_split_size, for "all" only (as PyTorch keeps them)
         f"{name}.{counter}"
@@ -95,7 +95,13 @@ def test_memory_stats_has_every_flattened_key_and_starts_at_zero() -> None:
         "inactive_split_bytes",
     )
     assert POOL_NAMES == ("all", "small_pool", "large_pool")
-    assert SCALAR_NAMES == ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+    assert SCALAR_NAMES == (
+        "num_alloc_retries",
+        "num_ooms",
+        "num_device_alloc",
+        "num_device_free",
+        "num_sync_all_streams",
+    )
     assert {k.split(".")[0] for k in st if "." in k} == set(STAT_NAMES) | set(OVERSIZE_NAMES)
     assert [k for k in st if "." not in k] == [
         *SCALAR_NAMES,
@@ -706,8 +712,9 @@ def test_oom_releases_cached_segments_and_retries_once() -> None:
     after = a.memory_stats()
     assert after["num_ooms"] == 1
     assert after["num_alloc_retries"] == 2
+    assert after["num_sync_all_streams"] == before["num_sync_all_streams"] + 1  # the retry's one wait
     changed = {k for k in after if after[k] != before[k]}
-    assert changed == {"num_ooms", "num_alloc_retries"}
+    assert changed == {"num_ooms", "num_alloc_retries", "num_sync_all_streams"}
     msg = str(info.value)
     assert "19.53 KiB" in msg or "20000" in msg  # the request
     assert "8.00 KiB" in msg or "8192" in msg  # allocated

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 from fakedevice import SHRUNK, FakeDevice
 
+from graphpool.errors import OutOfMemoryError
 from graphpool.policy.allocator import CachingAllocator
 
 S1, S2, S3 = 1, 2, 3
@@ -169,6 +170,27 @@ def test_out_of_memory_waits_for_the_events_before_it_releases_the_cache() -> No
     st = a.memory_stats()
     assert st["num_alloc_retries"] == 0 and st["num_ooms"] == 0 and st["num_device_free"] == 0
     assert dev.calls.count("sync") == 1  # the one event waited for
+    assert st["num_sync_all_streams"] == 1  # PyTorch's name for that wait
     a.free(y)
     a.free(keep)
+    a.check_invariants()
+
+
+def test_each_wait_for_every_stream_use_is_counted_once() -> None:
+    """``num_sync_all_streams`` counts the waits for every pending stream use, as PyTorch
+    counts its synchronize_and_free_events: one per empty_cache and one per out-of-memory
+    retry (which then releases the cache without waiting again); reset with the accumulated
+    counters."""
+    dev = FakeDevice(total=40960, streams=True)
+    a = CachingAllocator(dev, sizes=SHRUNK)
+    a.empty_cache()
+    assert a.memory_stats()["num_sync_all_streams"] == 1
+    x = a.malloc(30000, stream=S1)
+    with pytest.raises(OutOfMemoryError):
+        a.malloc(30000, stream=S2)  # the retry: one wait, then the cache release, then refused
+    st = a.memory_stats()
+    assert st["num_alloc_retries"] == 1 and st["num_sync_all_streams"] == 2
+    a.reset_accumulated()
+    assert a.memory_stats()["num_sync_all_streams"] == 0
+    a.free(x)
     a.check_invariants()

@@ -336,12 +336,14 @@ class Expandable(Segments):
 
     # -- the out-of-memory retry and the cache release (steps of CachingAllocator._slow_block
     # and empty_cache): here, above both kinds of segment they give back
-    def _release_cached(self, retry: bool = False) -> None:
+    def _release_cached(self, retry: bool = False, synced: bool = False) -> None:
         """Synchronize pending stream uses, then give back every segment no graph may use and no
         live MemPool keeps. ``retry`` (the out-of-memory retry): live MemPools' free eager
         segments go back too. ``empty_cache`` (and ``gp.graph``'s, before a capture) leaves a
-        live MemPool its cache, as PyTorch does: an upstream may be costly to call again."""
-        self._synchronize_events()
+        live MemPool its cache, as PyTorch does: an upstream may be costly to call again.
+        ``synced``: the caller has just synchronized them."""
+        if not synced:
+            self._synchronize_events()
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
             if self._exp:
@@ -382,7 +384,7 @@ class Expandable(Segments):
         block = self._cached_fit(fl, size, stream)  # a stream use that just completed freed one
         if block is not None:
             return block
-        self._release_cached(True)
+        self._release_cached(True, synced=True)
         self.stats.num_alloc_retries += 1
         if fl.private_pool is not None:
             fl.private_pool.stats.num_alloc_retries += 1

@@ -32,7 +32,13 @@ STAT_NAMES = (
     "inactive_split_bytes",  # sum of their sizes
 )
 POOL_NAMES = ("all", "small_pool", "large_pool")
-SCALAR_NAMES = ("num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free")
+SCALAR_NAMES = (
+    "num_alloc_retries",
+    "num_ooms",
+    "num_device_alloc",
+    "num_device_free",
+    "num_sync_all_streams",
+)
 OVERSIZE_NAMES = (
     "oversize_allocations",  # count of handed-out blocks of max_split_size or more
     "oversize_segments",  # count of driver allocations of max_split_size or more (not expandable)
@@ -201,6 +207,7 @@ class PoolStats:
         self.num_ooms = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
+        self.num_sync_all_streams = 0  # waits for every pending stream use (PyTorch's name)
         self.oversize_at = oversize_at  # max_split_size: blocks this big or bigger are oversize
         # per OVERSIZE_NAMES entry: [current, peak, allocated, freed]
         self.oversize: dict[str, list[int]] = {name: [0, 0, 0, 0] for name in OVERSIZE_NAMES}

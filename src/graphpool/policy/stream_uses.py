@@ -265,9 +265,11 @@ class StreamUses(Captures):
             self._orphans.extend(orphans)
 
     def _synchronize_events(self) -> None:
-        """Wait for every pending event and free its block (empty_cache and OOM only)."""
+        """Wait for every pending event and free its block (empty_cache and OOM only); counted
+        as PyTorch counts its ``synchronize_and_free_events`` (``num_sync_all_streams``)."""
         if self._world.active or not self._ask_orphans():
             raise CaptureError("graphpool: no event is synchronized while a capture is underway")
+        self.stats.num_sync_all_streams += 1
         # In place, one event at a time: an exception out of a device call (a signal handler's)
         # leaves every event not yet synchronized waiting, and its block held.
         waiting = self._waiting
