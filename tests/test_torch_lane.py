@@ -255,3 +255,26 @@ def test_threads_race_the_lane_and_graphpool(shim: Any, counted: Counted, lib: A
     assert errors == []
     gp.check_invariants()
     assert gp.memory_allocated() == 0
+
+
+def test_record_stream_reaches_a_block_the_lane_handed_out(shim: Any, counted: Counted, lib: Any) -> None:
+    """Tensor.record_stream (graphpool.torch.forward_calls) of a tensor the lane served: the
+    block is graphpool's parked one, out again; graphpool finds it, holds it for the other
+    stream, and neither the lane nor graphpool hands it out while that stream's work runs."""
+    import graphpool.torch as gtorch
+    from test_integrations_torch import _tensor, _torch_for_forwarding
+
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch)
+    s, side = gp.Stream(), gp.Stream()
+    p = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)  # parked
+    assert lib.graphpool_torch_malloc(4096, 0, s.handle) == p and counted.mallocs == 1  # the lane's
+    runtime.get().device(0).launch_sleep(side.handle, rounds=50)  # type: ignore[attr-defined]
+    _tensor(torch, p).record_stream(type("S", (), {"cuda_stream": side.handle})())
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    q = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    assert q != p  # side still runs: p waits for it
+    side.synchronize()
+    lib.graphpool_torch_free(q, 4096, 0, s.handle)
+    gp.synchronize()

@@ -304,9 +304,15 @@ class Heap:
         return (self.stats,) if fl.private_pool is None else (self.stats, fl.private_pool.stats)
 
     def lookup(self, ptr: int) -> Block | None:
-        """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too)."""
+        """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too; the parked
+        block, which the lane may have handed out again: Note [Parking])."""
         block = self._active.get(ptr)
-        return block if block is not None else self._owned_at(ptr)
+        if block is not None:
+            return block
+        parked = self._parked
+        if parked is not None and parked.ptr == ptr:
+            return parked
+        return self._owned_at(ptr)
 
     def drop(self, ptr: int) -> None:
         """Queue the free of the raw allocation at ``ptr`` whose owner was collected (a CuPy
