@@ -278,3 +278,31 @@ def test_record_stream_reaches_a_block_the_lane_handed_out(shim: Any, counted: C
     side.synchronize()
     lib.graphpool_torch_free(q, 4096, 0, s.handle)
     gp.synchronize()
+
+
+def test_a_block_taken_before_the_shim_parks_it_is_not_served_again(shim: Any, lib: Any) -> None:
+    """Between graphpool parking a block and the shim's lane keeping it (the free hook has
+    returned to Python's caller but not yet to C), other Python code may run (a signal
+    handler, another thread): here it takes the parked block back for a new tensor. The
+    lane must then not keep the block: it is live, and serving it would hand it out twice."""
+    import graphpool.torch as gtorch
+
+    malloc, free = gtorch.hooks()
+    s = gp.Stream()
+    taken: list[int] = []
+
+    def racing_free(ptr: int, size: int, device: int, stream: int) -> int:
+        out = int(free(ptr, size, device, stream))  # parked
+        taken.append(malloc(size, device, stream))  # meanwhile: the next tensor takes it back
+        return out
+
+    shim.set_hooks(malloc, racing_free)
+    p = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    assert taken == [p]  # graphpool's rule handed the parked block to the new tensor
+    q = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    assert q != p, "the lane handed out a live block"
+    shim.set_hooks(malloc, free)
+    lib.graphpool_torch_free(q, 4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    assert gp.memory_allocated() == 0

@@ -48,10 +48,14 @@ A *lane* (``set_lane``) may serve the parked block meanwhile without this alloca
 PyTorch shim's (graphpool/_torch_shim.cpp) hands it to the next matching request without
 the GIL, after the device's capture query (``Device.capture_query_address``; the legacy
 stream never captures), and parks it again when that tensor dies, any number of times. It
-decides nothing else. Every locked call first settles with it (``_settle_park``: ``lane()``
-returns how often it handed the block out, counted as so many recycles, and whether the
+decides nothing else. Every locked call first settles with it (``_settle_park``: ``lane(0,
+0)`` returns how often it handed the block out, counted as so many recycles, and whether the
 block is out now, filed by address again then), so no call sees a state the rule would not
-have made. tests/property/test_parking_differential.py runs random programs through the
+have made. The lane keeps a block only while graphpool has it *armed* for that block:
+``_park`` arms it (``lane(ptr, requested)``), under the lock, and every settle disarms it. The
+shim's park comes after the free hook returned, with the lock released: code that ran
+meanwhile (another thread, a signal handler) may have settled and handed the block out
+again, and the lane then refuses it rather than hand it out a second time. tests/property/test_parking_differential.py runs random programs through the
 lane, through this rule alone and with every free queued, and compares them.
 """
 
@@ -126,7 +130,7 @@ class Heap:
         # for the next malloc of its stream and requested size; still counted as allocated.
         self._parked: Block | None = None
         # The native lane that may serve the parked block meanwhile (``set_lane``), or None.
-        self._lane: Callable[[], tuple[int, bool]] | None = None
+        self._lane: Callable[[int, int], tuple[int, bool]] | None = None
 
     def _drain(self) -> None:  # pragma: no cover - CachingAllocator defines it
         """Carry out the frees and releases finalizers queued (``_pending``). Every layer drains
@@ -327,7 +331,7 @@ class Heap:
         else:
             self.free_owned(ptr)  # raises: not a live allocation (or frees an owned block)
 
-    def _set_lane(self, lane: Callable[[], tuple[int, bool]] | None) -> None:
+    def _set_lane(self, lane: Callable[[int, int], tuple[int, bool]] | None) -> None:
         """``set_lane``'s body, the lock held and the park settled with the lane it had."""
         self._lane = lane
 
@@ -339,7 +343,7 @@ class Heap:
         assert block is not None
         lane = self._lane
         if lane is not None:
-            hits, live = lane()
+            hits, live = lane(0, 0)
             if hits:
                 self._recycled(block, hits)
             if live:
