@@ -306,3 +306,58 @@ def test_a_block_taken_before_the_shim_parks_it_is_not_served_again(shim: Any, l
     lib.graphpool_torch_free(q, 4096, 0, s.handle)
     lib.graphpool_torch_free(p, 4096, 0, s.handle)
     assert gp.memory_allocated() == 0
+
+
+def test_a_free_queued_after_the_park_is_carried_out_before_the_take_back(sim: Any) -> None:
+    """Parking changes no address: a free queued after the park (a CuPy array's, say, through
+    ``drop``) comes before the next request, as it would were the parked free queued too.
+    Here the two freed neighbours merge, and best fit hands out the lower one."""
+    a = runtime.allocator(0)
+    s = gp.Stream()
+    x = a.malloc(1024, stream=s.handle)
+    p = a.malloc(1024, stream=s.handle)
+    assert p == x + 1024
+    assert a.park(p) == 1024  # parked
+    a.drop(x)
+    assert a.malloc(1024, stream=s.handle) == x  # (both frees queued: x's block, merged with p's)
+    a.check_invariants()
+
+
+def test_a_device_number_past_c_int_is_refused(shim: Any) -> None:
+    """The shim's Python functions refuse a device number with no lane, 2**32 too (taken as a
+    C int it would wrap to device 0's lane, and read far past the lanes): in a child, since a
+    wrong read there would end the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import graphpool.torch as g\n"
+        "s = g._shim()\n"
+        "for f in (s.lane_state, s.lane_take):\n"
+        "    for d in (2**32, 2**32 + 1, -1, 64):\n"
+        "        try:\n"
+        "            f(d)\n"
+        "        except (ValueError, OverflowError):\n"
+        "            continue\n"
+        "        raise SystemExit(f'{f.__name__}({d}) accepted')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+
+
+def test_a_take_back_ticks_the_free_blocks_clock(sim: Any) -> None:
+    """Each malloc ticks its free list's clock (the ages garbage_collection_threshold compares);
+    a parked block taken back is a malloc too, through graphpool or through the lane, so the
+    clock reads as if every free had been queued."""
+    a = runtime.allocator(0)
+    s = gp.Stream()
+    size = 2 << 20  # a large block
+    p = a.malloc(size, stream=s.handle)
+    before = a._large.calls
+    for _ in range(3):
+        assert a.park(p) == size
+        assert a.malloc(size, stream=s.handle) == p
+    assert a._large.calls - before == 3
+    a.free(p)

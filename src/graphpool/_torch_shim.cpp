@@ -298,9 +298,9 @@ static PyObject *try_malloc(PyObject *, PyObject *args) {
     return PyLong_FromVoidPtr(p);
 }
 
-static int device_arg(int device) {
+static int device_arg(long device) { /* (a long: a cast to int first would wrap 2**32 to 0) */
     if (device < 0 || device >= kLanes) {
-        PyErr_Format(PyExc_ValueError, "graphpool._torch_shim: device %d has no lane (0-%d)", device, kLanes - 1);
+        PyErr_Format(PyExc_ValueError, "graphpool._torch_shim: device %ld has no lane (0-%d)", device, kLanes - 1);
         return -1;
     }
     return 0;
@@ -364,7 +364,7 @@ static PyObject *set_lanes_enabled(PyObject *, PyObject *arg) {
 
 static PyObject *lane_state(PyObject *, PyObject *arg) {
     long device = PyLong_AsLong(arg);
-    if ((device == -1 && PyErr_Occurred()) || device_arg((int)device) < 0) {
+    if ((device == -1 && PyErr_Occurred()) || device_arg(device) < 0) {
         return nullptr;
     }
     Lane &l = g_lanes[device];

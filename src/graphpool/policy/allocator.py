@@ -327,6 +327,7 @@ class CachingAllocator(Reports):
                                 rec is None
                                 and not self._capturing
                                 and not self._entered
+                                and not self._pending  # (queued since the park: carried out first)
                                 and not owned
                                 and parked.stream == stream
                                 and parked.requested == requested

@@ -26,9 +26,10 @@ block, at most one per allocator, stays counted as allocated, as a queued free i
 filed in ``_parked`` instead of ``_active``. The one rule, written in ``_malloc``:
 
     the next malloc takes the parked block back whole if it is for the block's stream and
-    the same requested size, no capture is registered or found on that stream, and no
-    use_mem_pool entry is open; any other call first turns the parked block into an
-    ordinary queued free (``_unpark``: first in ``_pending``, as ``drop`` would have queued it).
+    the same requested size, no capture is registered or found on that stream, no
+    use_mem_pool entry is open and no free was queued since (``drop``, lock-free); any other
+    call first turns the parked block into an ordinary queued free (``_unpark``: first in
+    ``_pending``, as ``drop`` would have queued it).
 
 ``_park`` (stream_uses.py) parks only a free that waits for no one (no capture registered,
 no history, no use_mem_pool entry, no stream uses, no frees queued or waiting for events, a
@@ -36,8 +37,8 @@ block of the ordinary pool) and only where the next request of its size and stre
 get this very block back anyway, were it freed and queued (``_takes_back``: the merge rule,
 best fit, the split rule). So parking changes no address: it skips a merge and a split that
 would undo each other. Taking the block back counts as one free and one allocation of it
-(``_recycled``: the accumulated allocation counters and the allocation order move; no level,
-so no peak; the skipped merge and split are not counted as inactive-split churn). A free
+(``_recycled``: the accumulated allocation counters, the allocation order and the free
+blocks' clock move; no level, so no peak; the skipped merge and split are not counted as inactive-split churn). A free
 during a capture graphpool has not found yet is parked like any other: the next malloc on
 that stream finds the capture and does not take the block back, which then becomes a
 queued free carried out under that capture's rules, as ``drop``'s would be; a free of
@@ -55,7 +56,10 @@ have made. The lane keeps a block only while graphpool has it *armed* for that b
 ``_park`` arms it (``lane(ptr, requested)``), under the lock, and every settle disarms it. The
 shim's park comes after the free hook returned, with the lock released: code that ran
 meanwhile (another thread, a signal handler) may have settled and handed the block out
-again, and the lane then refuses it rather than hand it out a second time. tests/property/test_parking_differential.py runs random programs through the
+again, and the lane then refuses it rather than hand it out a second time. One thing the
+lane cannot see: frees queued lock-free meanwhile (``drop``, ``defer_free``: another
+library's); the rule carries them out before a take-back, the lane may serve the block
+before them (the same memory safety, maybe another address than the rule's). tests/property/test_parking_differential.py runs random programs through the
 lane, through this rule alone and with every free queued, and compares them.
 """
 
@@ -376,7 +380,10 @@ class Heap:
 
     def _recycled(self, block: Block, n: int) -> None:
         """The parked ``block`` was handed out ``n`` more times for its request: the
-        allocation order and the statistics move as ``n`` frees and mallocs of it would."""
+        allocation order, the free blocks' clock (``FreeList.calls``: the ages that
+        garbage_collection_threshold compares) and the statistics move as ``n`` frees and
+        mallocs of it would."""
+        block.free_list.calls += n
         self._serial += n
         block.serial = self._serial
         self.stats.on_recycled(block.free_list is self._small, block.size, block.requested, n)
