@@ -38,12 +38,12 @@ get this very block back anyway, were it freed and queued (``_takes_back``: the 
 best fit, the split rule). So parking changes no address: it skips a merge and a split that
 would undo each other. Taking the block back counts as one free and one allocation of it
 (``_recycled``: the accumulated allocation counters, the allocation order and the free
-blocks' clock move; no level, so no peak; the skipped merge and split are not counted as inactive-split churn). A free
-during a capture graphpool has not found yet is parked like any other: the next malloc on
-that stream finds the capture and does not take the block back, which then becomes a
-queued free carried out under that capture's rules, as ``drop``'s would be; a free of
-another block queues the parked one without carrying it out (no capture query is made at
-a free).
+blocks' clock move; no level, so no peak; the skipped merge and split are not counted as
+inactive-split churn). A free during a capture graphpool has not found yet is parked like
+any other: the next malloc on that stream finds the capture and does not take the block
+back, which then becomes a queued free carried out under that capture's rules, as
+``drop``'s would be; a free of another block queues the parked one without carrying it out
+(no capture query is made at a free).
 
 A *lane* (``set_lane``) may serve the parked block meanwhile without this allocator: the
 PyTorch shim's (graphpool/_torch_shim.cpp) hands it to the next matching request without
@@ -59,8 +59,9 @@ meanwhile (another thread, a signal handler) may have settled and handed the blo
 again, and the lane then refuses it rather than hand it out a second time. One thing the
 lane cannot see: frees queued lock-free meanwhile (``drop``, ``defer_free``: another
 library's); the rule carries them out before a take-back, the lane may serve the block
-before them (the same memory safety, maybe another address than the rule's). tests/property/test_parking_differential.py runs random programs through the
-lane, through this rule alone and with every free queued, and compares them.
+before them (the same memory safety, maybe another address than the rule's).
+tests/property/test_parking_differential.py runs random programs through the lane, through
+this rule alone and with every free queued, and compares them.
 """
 
 from __future__ import annotations
