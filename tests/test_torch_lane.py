@@ -255,3 +255,109 @@ def test_threads_race_the_lane_and_graphpool(shim: Any, counted: Counted, lib: A
     assert errors == []
     gp.check_invariants()
     assert gp.memory_allocated() == 0
+
+
+def test_record_stream_reaches_a_block_the_lane_handed_out(shim: Any, counted: Counted, lib: Any) -> None:
+    """Tensor.record_stream (graphpool.torch.forward_calls) of a tensor the lane served: the
+    block is graphpool's parked one, out again; graphpool finds it, holds it for the other
+    stream, and neither the lane nor graphpool hands it out while that stream's work runs."""
+    import graphpool.torch as gtorch
+    from test_integrations_torch import _tensor, _torch_for_forwarding
+
+    torch = _torch_for_forwarding()
+    gtorch.forward_calls(torch)
+    s, side = gp.Stream(), gp.Stream()
+    p = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)  # parked
+    assert lib.graphpool_torch_malloc(4096, 0, s.handle) == p and counted.mallocs == 1  # the lane's
+    runtime.get().device(0).launch_sleep(side.handle, rounds=50)  # type: ignore[attr-defined]
+    _tensor(torch, p).record_stream(type("S", (), {"cuda_stream": side.handle})())
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    q = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    assert q != p  # side still runs: p waits for it
+    side.synchronize()
+    lib.graphpool_torch_free(q, 4096, 0, s.handle)
+    gp.synchronize()
+
+
+def test_a_block_taken_before_the_shim_parks_it_is_not_served_again(shim: Any, lib: Any) -> None:
+    """Between graphpool parking a block and the shim's lane keeping it (the free hook has
+    returned to Python's caller but not yet to C), other Python code may run (a signal
+    handler, another thread): here it takes the parked block back for a new tensor. The
+    lane must then not keep the block: it is live, and serving it would hand it out twice."""
+    import graphpool.torch as gtorch
+
+    malloc, free = gtorch.hooks()
+    s = gp.Stream()
+    taken: list[int] = []
+
+    def racing_free(ptr: int, size: int, device: int, stream: int) -> int:
+        out = int(free(ptr, size, device, stream))  # parked
+        taken.append(malloc(size, device, stream))  # meanwhile: the next tensor takes it back
+        return out
+
+    shim.set_hooks(malloc, racing_free)
+    p = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    assert taken == [p]  # graphpool's rule handed the parked block to the new tensor
+    q = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    assert q != p, "the lane handed out a live block"
+    shim.set_hooks(malloc, free)
+    lib.graphpool_torch_free(q, 4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 4096, 0, s.handle)
+    assert gp.memory_allocated() == 0
+
+
+def test_a_free_queued_after_the_park_is_carried_out_before_the_take_back(sim: Any) -> None:
+    """Parking changes no address: a free queued after the park (a CuPy array's, say, through
+    ``drop``) comes before the next request, as it would were the parked free queued too.
+    Here the two freed neighbours merge, and best fit hands out the lower one."""
+    a = runtime.allocator(0)
+    s = gp.Stream()
+    x = a.malloc(1024, stream=s.handle)
+    p = a.malloc(1024, stream=s.handle)
+    assert p == x + 1024
+    assert a.park(p) == 1024  # parked
+    a.drop(x)
+    assert a.malloc(1024, stream=s.handle) == x  # (both frees queued: x's block, merged with p's)
+    a.check_invariants()
+
+
+def test_a_device_number_past_c_int_is_refused(shim: Any) -> None:
+    """The shim's Python functions refuse a device number with no lane, 2**32 too (taken as a
+    C int it would wrap to device 0's lane, and read far past the lanes): in a child, since a
+    wrong read there would end the interpreter."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import graphpool.torch as g\n"
+        "s = g._shim()\n"
+        "for f in (s.lane_state, s.lane_take):\n"
+        "    for d in (2**32, 2**32 + 1, -1, 64):\n"
+        "        try:\n"
+        "            f(d)\n"
+        "        except (ValueError, OverflowError):\n"
+        "            continue\n"
+        "        raise SystemExit(f'{f.__name__}({d}) accepted')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stdout, r.stderr)
+
+
+def test_a_take_back_ticks_the_free_blocks_clock(sim: Any) -> None:
+    """Each malloc ticks its free list's clock (the ages garbage_collection_threshold compares);
+    a parked block taken back is a malloc too, through graphpool or through the lane, so the
+    clock reads as if every free had been queued."""
+    a = runtime.allocator(0)
+    s = gp.Stream()
+    size = 2 << 20  # a large block
+    p = a.malloc(size, stream=s.handle)
+    before = a._large.calls
+    for _ in range(3):
+        assert a.park(p) == size
+        assert a.malloc(size, stream=s.handle) == p
+    assert a._large.calls - before == 3
+    a.free(p)

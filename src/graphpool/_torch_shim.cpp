@@ -28,6 +28,10 @@
  * lane only ever holds the one block graphpool parked, and graphpool takes it back
  * (lane_take) before any other allocator call, counting the times it was handed out, so
  * the Python policy stays the one that decides: this file only replays its decision.
+ * graphpool arms the lane for the block it parks, under its lock (lane_take(device, ptr,
+ * requested)); the free hook's answer parks a block here only while the lane is still armed
+ * for it: a take since (another thread or a signal handler ran graphpool between the park and
+ * this file's lane_park) disarms it, and the block, maybe out again, is never kept here.
  * Every routing change (set_backend, graphpool.routing.invalidate) turns the lanes off
  * until graphpool parks again (lanes_off).
  */
@@ -61,6 +65,8 @@ struct Lane {
     unsigned long long hits = 0; /* times handed out since graphpool last took it */
     capture_query_t query = nullptr;
     bool on = false;          /* off: every call goes to the hooks (routing changed) */
+    void *armed = nullptr;    /* the block graphpool parked last, until its next take */
+    size_t armed_requested = 0;
 };
 
 static const int kLanes = 64;
@@ -119,6 +125,10 @@ static void lane_park(void *ptr, size_t requested, int device, void *stream) {
     }
     Lane &l = g_lanes[device];
     std::lock_guard<std::mutex> g(l.m);
+    if (ptr == nullptr || l.armed != ptr || l.armed_requested != requested) {
+        return; /* graphpool took it back since it parked it (or never parked it for this lane) */
+    }
+    l.armed = nullptr;
     l.ptr = ptr;
     l.requested = requested;
     l.stream = stream;
@@ -288,17 +298,18 @@ static PyObject *try_malloc(PyObject *, PyObject *args) {
     return PyLong_FromVoidPtr(p);
 }
 
-static int device_arg(int device) {
+static int device_arg(long device) { /* (a long: a cast to int first would wrap 2**32 to 0) */
     if (device < 0 || device >= kLanes) {
-        PyErr_Format(PyExc_ValueError, "graphpool._torch_shim: device %d has no lane (0-%d)", device, kLanes - 1);
+        PyErr_Format(PyExc_ValueError, "graphpool._torch_shim: device %ld has no lane (0-%d)", device, kLanes - 1);
         return -1;
     }
     return 0;
 }
 
-static PyObject *lane_take(PyObject *, PyObject *arg) {
-    long device = PyLong_AsLong(arg);
-    if ((device == -1 && PyErr_Occurred()) || device_arg((int)device) < 0) {
+static PyObject *lane_take(PyObject *, PyObject *args) {
+    int device;
+    unsigned long long arm = 0, arm_requested = 0;
+    if (!PyArg_ParseTuple(args, "i|KK:lane_take", &device, &arm, &arm_requested) || device_arg(device) < 0) {
         return nullptr;
     }
     Lane &l = g_lanes[device];
@@ -311,6 +322,8 @@ static PyObject *lane_take(PyObject *, PyObject *arg) {
         l.state = LANE_EMPTY;
         l.hits = 0;
         l.ptr = nullptr;
+        l.armed = (void *)(uintptr_t)arm;
+        l.armed_requested = (size_t)arm_requested;
     }
     PyObject *n = PyLong_FromUnsignedLongLong(hits);
     if (n == nullptr) {
@@ -335,6 +348,7 @@ static PyObject *lanes_off(PyObject *, PyObject *) {
     for (Lane &l : g_lanes) {
         std::lock_guard<std::mutex> g(l.m);
         l.on = false;
+        l.armed = nullptr; /* (a park answered after the change keeps the lane off) */
     }
     Py_RETURN_NONE;
 }
@@ -350,7 +364,7 @@ static PyObject *set_lanes_enabled(PyObject *, PyObject *arg) {
 
 static PyObject *lane_state(PyObject *, PyObject *arg) {
     long device = PyLong_AsLong(arg);
-    if ((device == -1 && PyErr_Occurred()) || device_arg((int)device) < 0) {
+    if ((device == -1 && PyErr_Occurred()) || device_arg(device) < 0) {
         return nullptr;
     }
     Lane &l = g_lanes[device];
@@ -370,9 +384,11 @@ static PyMethodDef methods[] = {
     {"try_malloc", try_malloc, METH_VARARGS,
      "try_malloc(size, device, stream)\n--\n\nThe exported malloc's path, raising RuntimeError "
      "with the message the C++ exception would carry (for tests)."},
-    {"lane_take", lane_take, METH_O,
-     "lane_take(device) -> (hits, live)\n--\n\nTake the parked block back from the device's lane: "
-     "the times it was handed out since, and whether it is out now (graphpool's settle call)."},
+    {"lane_take", lane_take, METH_VARARGS,
+     "lane_take(device, ptr=0, requested=0) -> (hits, live)\n--\n\nTake the parked block back from "
+     "the device's lane: the times it was handed out since, and whether it is out now (graphpool's "
+     "settle call); then arm the lane for the block graphpool parked at ptr (0: none), the only one "
+     "the free hook's answer may park there until the next take."},
     {"lane_query", lane_query, METH_VARARGS,
      "lane_query(device, address)\n--\n\nThe device's capture query, a C function "
      "int(void *stream, unsigned long long *id) (0: none; the lane then serves the legacy stream only)."},

@@ -673,7 +673,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self._malloc(side, v.nbytes, v.stream)
             return
         assert requested == v.nbytes
-        assert a.lookup(ptr) is None  # parked: no live allocation until taken back
+        assert a.lookup(ptr) is not None  # parked: still found (a lane may have handed it out)
         assert a.malloc(v.nbytes, stream=v.stream) == ptr
         side.serial += 1
         side.live[ptr] = dataclasses.replace(v, seq=side.serial)

@@ -327,6 +327,7 @@ class CachingAllocator(Reports):
                                 rec is None
                                 and not self._capturing
                                 and not self._entered
+                                and not self._pending  # (queued since the park: carried out first)
                                 and not owned
                                 and parked.stream == stream
                                 and parked.requested == requested
@@ -583,10 +584,12 @@ class CachingAllocator(Reports):
             if self._signals:
                 interrupts.run_pending()
 
-    def set_lane(self, lane: Callable[[], tuple[int, bool]] | None) -> None:
-        """Let a native lane serve the parked block (heap.py, Note [Parking]): ``lane()`` takes
-        the block back from it and says how often it was handed out meanwhile and whether it is
-        out now, ``(hits, live)``. None: no lane. The lane it replaces is settled first."""
+    def set_lane(self, lane: Callable[[int, int], tuple[int, bool]] | None) -> None:
+        """Let a native lane serve the parked block (heap.py, Note [Parking]): ``lane(0, 0)``
+        takes the block back from it and says how often it was handed out meanwhile and whether
+        it is out now, ``(hits, live)``; ``lane(ptr, requested)`` does the same and then arms it
+        for the block just parked at ``ptr`` (the only block it may keep until the next take).
+        None: no lane. The lane it replaces is settled first."""
         self._run_locked("set_lane", lambda: self._set_lane(lane))
 
     def park(self, ptr: object, parkable: bool = True) -> int:

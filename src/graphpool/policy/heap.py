@@ -27,9 +27,10 @@ block, at most one per allocator, stays counted as allocated, as a queued free i
 filed in ``_parked`` instead of ``_active``. The one rule, written in ``_malloc``:
 
     the next malloc takes the parked block back whole if it is for the block's stream and
-    the same requested size, no capture is registered or found on that stream, and no
-    use_mem_pool entry is open; any other call first turns the parked block into an
-    ordinary queued free (``_unpark``: first in ``_pending``, as ``drop`` would have queued it).
+    the same requested size, no capture is registered or found on that stream, no
+    use_mem_pool entry is open and no free was queued since (``drop``, lock-free); any other
+    call first turns the parked block into an ordinary queued free (``_unpark``: first in
+    ``_pending``, as ``drop`` would have queued it).
 
 ``_park`` (stream_uses.py) parks only a free that waits for no one (no capture registered,
 no history, no use_mem_pool entry, no stream uses, no frees queued or waiting for events, a
@@ -37,23 +38,31 @@ block of the ordinary pool) and only where the next request of its size and stre
 get this very block back anyway, were it freed and queued (``_takes_back``: the merge rule,
 best fit, the split rule). So parking changes no address: it skips a merge and a split that
 would undo each other. Taking the block back counts as one free and one allocation of it
-(``_recycled``: the accumulated allocation counters and the allocation order move; no level,
-so no peak; the skipped merge and split are not counted as inactive-split churn). A free
-during a capture graphpool has not found yet is parked like any other: the next malloc on
-that stream finds the capture and does not take the block back, which then becomes a
-queued free carried out under that capture's rules, as ``drop``'s would be; a free of
-another block queues the parked one without carrying it out (no capture query is made at
-a free).
+(``_recycled``: the accumulated allocation counters, the allocation order and the free
+blocks' clock move; no level, so no peak; the skipped merge and split are not counted as
+inactive-split churn). A free during a capture graphpool has not found yet is parked like
+any other: the next malloc on that stream finds the capture and does not take the block
+back, which then becomes a queued free carried out under that capture's rules, as
+``drop``'s would be; a free of another block queues the parked one without carrying it out
+(no capture query is made at a free).
 
 A *lane* (``set_lane``) may serve the parked block meanwhile without this allocator: the
 PyTorch shim's (graphpool/_torch_shim.cpp) hands it to the next matching request without
 the GIL, after the device's capture query (``Device.capture_query_address``; the legacy
 stream never captures), and parks it again when that tensor dies, any number of times. It
-decides nothing else. Every locked call first settles with it (``_settle_park``: ``lane()``
-returns how often it handed the block out, counted as so many recycles, and whether the
+decides nothing else. Every locked call first settles with it (``_settle_park``: ``lane(0,
+0)`` returns how often it handed the block out, counted as so many recycles, and whether the
 block is out now, filed by address again then), so no call sees a state the rule would not
-have made. tests/property/test_parking_differential.py runs random programs through the
-lane, through this rule alone and with every free queued, and compares them.
+have made. The lane keeps a block only while graphpool has it *armed* for that block:
+``_park`` arms it (``lane(ptr, requested)``), under the lock, and every settle disarms it. The
+shim's park comes after the free hook returned, with the lock released: code that ran
+meanwhile (another thread, a signal handler) may have settled and handed the block out
+again, and the lane then refuses it rather than hand it out a second time. One thing the
+lane cannot see: frees queued lock-free meanwhile (``drop``, ``defer_free``: another
+library's); the rule carries them out before a take-back, the lane may serve the block
+before them (the same memory safety, maybe another address than the rule's).
+tests/property/test_parking_differential.py runs random programs through the lane, through
+this rule alone and with every free queued, and compares them.
 """
 
 from __future__ import annotations
@@ -127,7 +136,7 @@ class Heap:
         # for the next malloc of its stream and requested size; still counted as allocated.
         self._parked: Block | None = None
         # The native lane that may serve the parked block meanwhile (``set_lane``), or None.
-        self._lane: Callable[[], tuple[int, bool]] | None = None
+        self._lane: Callable[[int, int], tuple[int, bool]] | None = None
 
     def _drain(self) -> None:  # pragma: no cover - CachingAllocator defines it
         """Carry out the frees and releases finalizers queued (``_pending``). Every layer drains
@@ -305,9 +314,15 @@ class Heap:
         return (self.stats,) if fl.private_pool is None else (self.stats, fl.private_pool.stats)
 
     def lookup(self, ptr: int) -> Block | None:
-        """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too)."""
+        """The live allocation that starts at ``ptr``, if any (a DeviceBuffer's too; the parked
+        block, which the lane may have handed out again: Note [Parking])."""
         block = self._active.get(ptr)
-        return block if block is not None else self._owned_at(ptr)
+        if block is not None:
+            return block
+        parked = self._parked
+        if parked is not None and parked.ptr == ptr:
+            return parked
+        return self._owned_at(ptr)
 
     def drop(self, ptr: int) -> None:
         """Queue the free of the raw allocation at ``ptr`` whose owner was collected (a CuPy
@@ -327,7 +342,7 @@ class Heap:
         ``parkable=False``), so that it is queued behind it. Lock-free: a hint, checked again."""
         return self._parked is not None
 
-    def _set_lane(self, lane: Callable[[], tuple[int, bool]] | None) -> None:
+    def _set_lane(self, lane: Callable[[int, int], tuple[int, bool]] | None) -> None:
         """``set_lane``'s body, the lock held and the park settled with the lane it had."""
         self._lane = lane
 
@@ -339,7 +354,7 @@ class Heap:
         assert block is not None
         lane = self._lane
         if lane is not None:
-            hits, live = lane()
+            hits, live = lane(0, 0)
             if hits:
                 self._recycled(block, hits)
             if live:
@@ -372,7 +387,10 @@ class Heap:
 
     def _recycled(self, block: Block, n: int) -> None:
         """The parked ``block`` was handed out ``n`` more times for its request: the
-        allocation order and the statistics move as ``n`` frees and mallocs of it would."""
+        allocation order, the free blocks' clock (``FreeList.calls``: the ages that
+        garbage_collection_threshold compares) and the statistics move as ``n`` frees and
+        mallocs of it would."""
+        block.free_list.calls += n
         self._serial += n
         block.serial = self._serial
         self.stats.on_recycled(block.free_list is self._small, block.size, block.requested, n)

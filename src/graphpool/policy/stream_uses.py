@@ -92,6 +92,9 @@ class StreamUses(Captures):
             return 0
         del self._active[ptr]
         self._parked = block
+        lane = self._lane
+        if lane is not None:  # the shim may keep this block, and only this one (Note [Parking])
+            lane(ptr, block.requested)
         return block.requested
 
     def _takes_back(self, block: Block, fl: FreeList) -> bool:
