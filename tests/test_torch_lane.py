@@ -250,6 +250,44 @@ def test_the_lane_takes_back_only_its_own_block_and_only_while_enabled_and_on(
         assert gp.memory_allocated() == 0
 
 
+def test_a_first_free_before_any_malloc_binds_the_allocator(shim: Any) -> None:
+    """A block allocated before these hooks served anything (another integration's, say):
+    its free finds the allocator itself, binds it to the lane and queues the free (no route
+    was used, so none is current)."""
+    import graphpool.torch as gtorch
+
+    s = gp.Stream()
+    a = runtime.allocator(0)
+    p = a.malloc(512, stream=s.handle)
+    _, free = gtorch.hooks()
+    assert free(p, 512, 0, s.handle) == 0
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_null_free_and_a_device_without_a_lane(shim: Any, counted: Counted, lib: Any) -> None:
+    """PyTorch frees the null pointer of a 0-byte tensor: nothing reaches graphpool. The lanes
+    are the first 64 devices': asking another's is refused."""
+    lib.graphpool_torch_free(None, 0, 0, 0)
+    assert counted.frees == 0
+    for device in (-1, 64):
+        with pytest.raises(ValueError, match="has no lane"):
+            shim.lane_take(device)
+        with pytest.raises(ValueError, match="has no lane"):
+            shim.lane_query(device, 0)
+
+
+def test_a_free_hook_answering_a_negative_size_parks_nothing(shim: Any, lib: Any) -> None:
+    import graphpool.torch as gtorch
+
+    malloc, free = gtorch.hooks()
+    shim.set_hooks(malloc, lambda *args: (free(*args), -1)[1])  # (not a size: ignored)
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    assert shim.lane_state(0)["state"] == "empty"
+    assert gp.memory_allocated() == 0
+
+
 def test_a_routing_change_turns_the_lane_off(shim: Any, counted: Counted, lib: Any) -> None:
     s = gp.Stream()
     p = lib.graphpool_torch_malloc(512, 0, s.handle)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import threading
 
 import pytest
 from fakedevice import FakeDevice
@@ -52,6 +53,7 @@ def test_a_block_the_lane_handed_out_again_is_dropped_as_a_live_one() -> None:
     a.set_lane(lane)
     assert a.park(p) == 512
     a.drop(p)  # not refused: the lane's tensor owns it
+    assert list(a._pending) == [p] and calls == []  # queued, as drop queues: no lock taken
     before = a.memory_stats()  # settles: the block is live again, then the queued free runs
     assert calls == [1]
     assert before["allocated_bytes.all.current"] == 0
@@ -223,4 +225,43 @@ def test_park_refuses_what_is_no_live_raw_allocation() -> None:
     with pytest.raises(GraphpoolError, match="freed already"):
         a.park(p)  # the first free stands: queued
     a.check_invariants()
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_drop_queues_a_live_allocations_free_for_the_next_call() -> None:
+    a = make()
+    p = a.malloc(512, stream=S1)
+    a.drop(p)
+    assert list(a._pending) == [p] and a.lookup(p) is not None  # not carried out yet
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
+    assert a.lookup(p) is None
+
+
+def test_park_never_waits_while_the_lock_is_held_or_a_call_is_under_way() -> None:
+    """Another thread holds the lock, or a call of this thread is under way (a finalizer
+    run inside it): the free is queued, as drop's, and 0 says nothing was parked."""
+    a = make()
+    p = a.malloc(512, stream=S1)
+    q = a.malloc(512, stream=S1)
+    held, done = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with a._held:
+            held.set()
+            done.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(10)
+    try:
+        assert a.park(p) == 0
+    finally:
+        done.set()
+        t.join()
+    a._busy = True
+    try:
+        assert a.park(q) == 0
+    finally:
+        a._busy = False
+    assert list(a._pending) == [p, q] and a._parked is None
     assert a.memory_stats()["allocated_bytes.all.current"] == 0
