@@ -288,6 +288,38 @@ def test_a_free_hook_answering_a_negative_size_parks_nothing(shim: Any, lib: Any
     assert gp.memory_allocated() == 0
 
 
+def test_a_lane_bound_to_a_new_runtime_is_no_longer_the_old_allocators(shim: Any, lib: Any) -> None:
+    """set_backend, then the new runtime's hooks bind the device's lane to their allocator:
+    the old allocator is let go of it first, so its later calls never take the new one's."""
+    import graphpool.torch as gtorch
+
+    old = runtime.get().allocator(0)
+    shim.set_hooks(*gtorch.hooks())
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # parked in the old allocator
+    gp.set_backend("sim")
+    shim.set_hooks(*gtorch.hooks())
+    t = gp.Stream()
+    q = lib.graphpool_torch_malloc(512, 0, t.handle)  # binds the lane to the new allocator
+    lib.graphpool_torch_free(q, 512, 0, t.handle)
+    assert lib.graphpool_torch_malloc(512, 0, t.handle) == q  # the lane's: out now
+    assert old.memory_stats()["allocated_bytes.all.current"] == 0  # its park: a free
+    assert shim.lane_state(0)["state"] == "live"  # still the new allocator's
+    lib.graphpool_torch_free(q, 512, 0, t.handle)
+    assert gp.memory_allocated() == 0
+
+
+def test_the_lanes_listen_for_routing_changes_once(shim: Any) -> None:
+    import graphpool.torch as gtorch
+
+    gtorch.hooks()
+    n = len(routing._listeners)
+    gtorch.hooks()
+    gtorch.hooks()
+    assert len(routing._listeners) == n  # (one shim.lanes_off for the process)
+
+
 def test_a_routing_change_turns_the_lane_off(shim: Any, counted: Counted, lib: Any) -> None:
     s = gp.Stream()
     p = lib.graphpool_torch_malloc(512, 0, s.handle)

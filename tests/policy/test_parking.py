@@ -16,6 +16,7 @@ from fakedevice import FakeDevice
 from graphpool.errors import GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import SizeConfig
+from graphpool.policy.private_pools import PoolId, PoolSpec, mempools
 
 S1, S2 = 1, 2  # stream handles (any ints but 0 work for the policy)
 
@@ -265,3 +266,24 @@ def test_park_never_waits_while_the_lock_is_held_or_a_call_is_under_way() -> Non
         a._busy = False
     assert list(a._pending) == [p, q] and a._parked is None
     assert a.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_no_park_while_a_use_mem_pool_entry_is_open_nor_of_an_owned_block() -> None:
+    a = make()
+    pid = PoolId(0, 918)
+    mempools[pid] = PoolSpec(None, False)
+    try:
+        a.ensure_pool(pid)
+        p = a.malloc(512, stream=S1)  # the ordinary pool's (before the entry)
+        a.enter_pool(pid)
+        try:
+            assert a.park(p) == 0  # queued: an entry is open (no capture)
+        finally:
+            a.exit_pool(pid)
+        blk = a.malloc_owned(512, stream=S1)
+        assert a.park(blk) == 0  # a DeviceBuffer's block: freed, never parked
+        assert a._parked is None
+        a.check_invariants()
+        assert a.memory_stats()["allocated_bytes.all.current"] == 0
+    finally:
+        mempools.pop(pid, None)
