@@ -287,3 +287,17 @@ def test_no_park_while_a_use_mem_pool_entry_is_open_nor_of_an_owned_block() -> N
         assert a.memory_stats()["allocated_bytes.all.current"] == 0
     finally:
         mempools.pop(pid, None)
+
+
+def test_a_lane_that_calls_back_into_the_allocator_is_refused_by_name() -> None:
+    a = make()
+    p = a.malloc(512, stream=S1)
+
+    def lane() -> tuple[int, bool]:
+        a.set_lane(None)  # re-enters: the lock is held for the settling
+        return 0, False
+
+    a.set_lane(lane)
+    assert a.park(p) == 512
+    with pytest.raises(GraphpoolError, match="^graphpool: set_lane re-entered the allocator"):
+        a.memory_stats()
