@@ -280,6 +280,12 @@ def test_no_park_while_a_use_mem_pool_entry_is_open_nor_of_an_owned_block() -> N
             assert a.park(p) == 0  # queued: an entry is open (no capture)
         finally:
             a.exit_pool(pid)
+        a.enter_pool(pid)
+        try:
+            q = a.malloc(512, stream=S1)  # the MemPool's
+        finally:
+            a.exit_pool(pid)
+        assert a.park(q) == 0  # a private pool's block: queued, even with the entry closed
         blk = a.malloc_owned(512, stream=S1)
         assert a.park(blk) == 0  # a DeviceBuffer's block: freed, never parked
         assert a._parked is None
@@ -299,5 +305,20 @@ def test_a_lane_that_calls_back_into_the_allocator_is_refused_by_name() -> None:
 
     a.set_lane(lane)
     assert a.park(p) == 512
-    with pytest.raises(GraphpoolError, match="^graphpool: set_lane re-entered the allocator"):
+    with pytest.raises(GraphpoolError, match=r"^graphpool: set_lane re-entered the allocator"):
         a.memory_stats()
+
+
+def test_best_fit_past_the_merged_neighbour_is_what_decides() -> None:
+    """The block given back would merge with its free neighbour (the smallest fit, skipped as
+    part of it); the next fit, a 512-byte block above, is smaller than the merged block: best
+    fit would hand that out, so the block is not parked."""
+    a = make()
+    p, n, m, o, z = (a.malloc(512, stream=S1) for _ in range(5))
+    a.free(n)
+    a.free(o)
+    assert a.park(p) == 0
+    assert a.malloc(512, stream=S1) == o
+    for x in (m, z):
+        a.free(x)
+    a.check_invariants()
