@@ -326,3 +326,13 @@ def test_best_fit_past_the_merged_neighbour_is_what_decides() -> None:
     for x in (m, z):
         a.free(x)
     a.check_invariants()
+
+
+def test_no_park_while_the_history_records() -> None:
+    """The history records every free as it happens: a recorded free is never parked."""
+    a = make()
+    p = a.malloc(512, stream=S1)
+    a.record_history(100, stacks=False)
+    assert a.park(p) == 0
+    a.record_history(None)
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
