@@ -13,7 +13,7 @@ import threading
 import pytest
 from fakedevice import FakeDevice
 
-from graphpool.errors import GraphpoolError
+from graphpool.errors import DoubleFreeError, GraphpoolError
 from graphpool.policy.allocator import CachingAllocator
 from graphpool.policy.pools import SizeConfig
 from graphpool.policy.private_pools import PoolId, PoolSpec, mempools
@@ -336,3 +336,13 @@ def test_no_park_while_the_history_records() -> None:
     assert a.park(p) == 0
     a.record_history(None)
     assert a.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_block_gone_before_park_took_the_lock_is_refused_as_a_free() -> None:
+    """park looks the address up before it takes the lock; were the block freed meanwhile (by
+    another thread), its body refuses it as ``free`` would."""
+    a = make()
+    p = a.malloc(512, stream=S1)
+    a.free(p)
+    with pytest.raises(DoubleFreeError, match=r"^free: 0x[0-9a-f]+ is not allocated on device 0"):
+        a._park(p)
