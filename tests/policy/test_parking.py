@@ -163,6 +163,8 @@ def test_only_the_same_request_on_the_same_stream_takes_the_parked_block_back() 
 
 def test_taking_the_parked_block_back_counts_a_free_and_an_allocation() -> None:
     a = make()
+    for n in (1000, 3 << 20):  # (counters that do not start at 0)
+        a.free(a.malloc(n, stream=S2))
     small = a.malloc(1000, stream=S1)
     large = a.malloc(3 << 20, stream=S1)
     for p, n, pool in ((small, 1000, "small_pool"), (large, 3 << 20, "large_pool")):
@@ -346,3 +348,15 @@ def test_a_block_gone_before_park_took_the_lock_is_refused_as_a_free() -> None:
     a.free(p)
     with pytest.raises(DoubleFreeError, match=r"^free: 0x[0-9a-f]+ is not allocated on device 0"):
         a._park(p)
+
+
+def test_no_park_for_a_stale_route_nor_while_a_free_is_queued() -> None:
+    """``parkable=False`` (the PyTorch hooks' route went stale) queues; so does a free queued
+    before (the next malloc carries it out first: a better fit may appear)."""
+    a = make()
+    p = a.malloc(512, stream=S1)
+    q = a.malloc(512, stream=S1)
+    assert a.park(p, False) == 0
+    assert list(a._pending) == [p]
+    assert a.park(q) == 0  # p's free is still queued
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
