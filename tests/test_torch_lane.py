@@ -139,13 +139,185 @@ def test_the_legacy_stream_needs_no_query(shim: Any, counted: Counted, lib: Any)
     s = gp.Stream()
     lib.graphpool_torch_free(lib.graphpool_torch_malloc(512, 0, 0), 512, 0, 0)  # (binds the lane)
     shim.lane_query(0, 0)  # no capture query: only the legacy stream (which never captures) is served
-    for stream in (0, s.handle):
+    for stream in (0, 1, s.handle):  # (1: CUDA's handle of the legacy stream, CU_STREAM_LEGACY)
         p = lib.graphpool_torch_malloc(512, 0, stream)
         lib.graphpool_torch_free(p, 512, 0, stream)
         before = counted.mallocs
         assert lib.graphpool_torch_malloc(512, 0, stream) == p
-        assert counted.mallocs == before + (stream != 0)
+        assert counted.mallocs == before + (stream > 1)
         lib.graphpool_torch_free(p, 512, 0, stream)
+
+
+def test_a_lane_settled_or_turned_off_during_its_capture_query_is_not_used(
+    shim: Any, counted: Counted, lib: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lane asks the capture query without its lock (the query may take the GIL); another
+    thread may settle the lane or turn it off meanwhile: the lane looks again afterwards. A
+    query that fails leaves the request to graphpool too."""
+    s = gp.Stream()
+    dev = runtime.get().device(0)
+    query = dev.capture_id
+    allocated0 = gp.memory_stats()["allocation.all.allocated"]
+    failed: list[int] = []
+
+    def fail_once() -> None:  # the query fails (-1): the lane must not guess
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("capture query failed")
+
+    for meanwhile in (gp.memory_stats, routing.invalidate, fail_once):  # (settles; lanes_off)
+
+        def capture_id(stream: int, meanwhile: Any = meanwhile) -> int:
+            meanwhile()
+            return query(stream)
+
+        p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked: the lane holds it
+        before = counted.mallocs
+        monkeypatch.setattr(dev, "capture_id", capture_id)
+        assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p
+        monkeypatch.setattr(dev, "capture_id", query)
+        assert counted.mallocs == before + 1  # the hooks decided (graphpool took it back)
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)
+    stats = gp.memory_stats()  # three mallocs, three take-backs: no hand-out counted that was not
+    assert stats["allocation.all.allocated"] - allocated0 == 6
+    assert gp.memory_allocated() == 0
+
+
+def test_the_lane_asks_the_capture_query_only_for_a_request_it_could_serve(
+    shim: Any, counted: Counted, lib: Any
+) -> None:
+    """The query costs a driver call (the simulator's: the GIL): the lane asks it only when
+    its block is parked, for this size and stream, and the lane is on."""
+    s, t = gp.Stream(), gp.Stream()
+    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)  # (binds the lane) parked
+    asked: list[int] = []
+
+    def query(stream: int | None, out: Any) -> int:
+        asked.append(stream or 0)
+        out[0] = 0
+        return 0
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
+    shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
+    q = lib.graphpool_torch_malloc(2048, 0, s.handle)  # another size
+    lib.graphpool_torch_free(q, 2048, 0, s.handle)
+    q = lib.graphpool_torch_malloc(1000, 0, t.handle)  # another stream
+    lib.graphpool_torch_free(q, 1000, 0, t.handle)
+    assert asked == []
+    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked on s again
+    assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p and asked == [s.handle]  # the lane's
+    q = lib.graphpool_torch_malloc(1000, 0, s.handle)  # its block is out: nothing to serve
+    assert asked == [s.handle]
+    lib.graphpool_torch_free(q, 1000, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)
+    gp.memory_stats()  # (carries out the queued frees)
+    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked
+    assert shim.lane_state(0)["state"] == "parked"
+    routing.invalidate()  # the lane is off
+    r = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    assert asked == [s.handle]
+    lib.graphpool_torch_free(r, 1000, 0, s.handle)
+    gp.memory_stats()  # settled while fn lives
+    shim.lane_query(0, 0)
+
+
+def test_the_lane_takes_back_only_its_own_block_and_only_while_enabled_and_on(
+    shim: Any, counted: Counted, lib: Any
+) -> None:
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+    q = lib.graphpool_torch_malloc(4096, 0, s.handle)
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)
+    assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p  # the lane's: out now
+    frees = counted.frees
+    lib.graphpool_torch_free(q, 4096, 0, s.handle)  # not the lane's block: the hooks'
+    assert counted.frees == frees + 1
+    lib.graphpool_torch_free(p, 1000, 0, s.handle)
+    assert gp.memory_allocated() == 0
+    for turn_off in (lambda: shim.set_lanes_enabled(False), routing.invalidate):
+        p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)
+        assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p  # out again, through the lane
+        frees = counted.frees
+        turn_off()
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)  # the hooks only, now
+        assert counted.frees == frees + 1
+        shim.set_lanes_enabled(True)
+        assert gp.memory_allocated() == 0
+
+
+def test_a_first_free_before_any_malloc_binds_the_allocator(shim: Any) -> None:
+    """A block allocated before these hooks served anything (another integration's, say):
+    its free finds the allocator itself, binds it to the lane and queues the free (no route
+    was used, so none is current)."""
+    import graphpool.torch as gtorch
+
+    s = gp.Stream()
+    a = runtime.allocator(0)
+    p = a.malloc(512, stream=s.handle)
+    _, free = gtorch.hooks()
+    assert free(p, 512, 0, s.handle) == 0
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0
+
+
+def test_a_null_free_and_a_device_without_a_lane(shim: Any, counted: Counted, lib: Any) -> None:
+    """PyTorch frees the null pointer of a 0-byte tensor: nothing reaches graphpool. The lanes
+    are the first 64 devices': asking another's is refused."""
+    lib.graphpool_torch_free(None, 0, 0, 0)
+    assert counted.frees == 0
+    for device in (-1, 64):
+        with pytest.raises(ValueError, match="has no lane"):
+            shim.lane_take(device)
+        with pytest.raises(ValueError, match="has no lane"):
+            shim.lane_query(device, 0)
+
+
+def test_a_free_hook_answering_a_negative_size_parks_nothing(shim: Any, lib: Any) -> None:
+    import graphpool.torch as gtorch
+
+    malloc, free = gtorch.hooks()
+    shim.set_hooks(malloc, lambda *args: (free(*args), -1)[1])  # (not a size: ignored)
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)
+    assert shim.lane_state(0)["state"] == "empty"
+    assert gp.memory_allocated() == 0
+
+
+def test_a_lane_bound_to_a_new_runtime_is_no_longer_the_old_allocators(shim: Any, lib: Any) -> None:
+    """set_backend, then the new runtime's hooks bind the device's lane to their allocator:
+    the old allocator is let go of it first, so its later calls never take the new one's."""
+    import graphpool.torch as gtorch
+
+    old = runtime.get().allocator(0)
+    shim.set_hooks(*gtorch.hooks())
+    s = gp.Stream()
+    p = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, s.handle)  # parked in the old allocator
+    gp.set_backend("sim")
+    shim.set_hooks(*gtorch.hooks())
+    t = gp.Stream()
+    q = lib.graphpool_torch_malloc(512, 0, t.handle)  # binds the lane to the new allocator
+    lib.graphpool_torch_free(q, 512, 0, t.handle)
+    assert lib.graphpool_torch_malloc(512, 0, t.handle) == q  # the lane's: out now
+    assert old.memory_stats()["allocated_bytes.all.current"] == 0  # its park: a free
+    assert shim.lane_state(0)["state"] == "live"  # still the new allocator's
+    lib.graphpool_torch_free(q, 512, 0, t.handle)
+    assert gp.memory_allocated() == 0
+
+
+def test_the_lanes_listen_for_routing_changes_once(shim: Any) -> None:
+    import graphpool.torch as gtorch
+
+    gtorch.hooks()
+    n = len(routing._listeners)
+    gtorch.hooks()
+    gtorch.hooks()
+    assert len(routing._listeners) == n  # (one shim.lanes_off for the process)
 
 
 def test_a_routing_change_turns_the_lane_off(shim: Any, counted: Counted, lib: Any) -> None:
@@ -209,10 +381,11 @@ def test_graphpool_torch_lane_0_leaves_every_call_to_python(
     hooks = Counted(*gtorch.hooks())
     shim.set_hooks(hooks.malloc, hooks.free)
     s = gp.Stream()
-    for _ in range(3):
-        p = lib.graphpool_torch_malloc(512, 0, s.handle)
-        lib.graphpool_torch_free(p, 512, 0, s.handle)
-    assert (hooks.mallocs, hooks.frees) == (3, 3)
+    for stream in (s.handle, 0):  # (the legacy stream: the lane would serve it with no capture query)
+        for _ in range(3):
+            p = lib.graphpool_torch_malloc(512, 0, stream)
+            lib.graphpool_torch_free(p, 512, 0, stream)
+    assert (hooks.mallocs, hooks.frees) == (6, 6)
 
 
 def test_threads_race_the_lane_and_graphpool(shim: Any, counted: Counted, lib: Any) -> None:

@@ -626,10 +626,16 @@ def corrupt_parked_while_capturing(st: State) -> None:
     _park(st, st.allocated)
 
 
+def corrupt_parked_unrequested(st: State) -> None:
+    _park(st, st.allocated)
+    st.allocated.requested = 0  # (every parked block answers a request of at least a byte)
+
+
 CASES: dict[str, Case] = {
     "parked filed": Case(corrupt_parked_filed, "parked block also filed, or gone"),
     "parked private": Case(corrupt_parked_private, "a private pool's block parked"),
     "parked with uses": Case(corrupt_parked_with_uses, "parked wrongly"),
+    "parked unrequested": Case(corrupt_parked_unrequested, "parked wrongly"),
     "parked while capturing": Case(
         corrupt_parked_while_capturing,
         "a block parked while a capture, a use_mem_pool entry or the history is on",
