@@ -47,7 +47,9 @@ def test_a_block_the_lane_handed_out_again_is_dropped_as_a_live_one() -> None:
     p = a.malloc(512, stream=S1)
     calls: list[int] = []
 
-    def lane() -> tuple[int, bool]:
+    def lane(ptr: int, requested: int) -> tuple[int, bool]:
+        if ptr:  # armed for the block just parked (the answer is not read)
+            return 0, False
         calls.append(1)
         return 3, True  # handed out three times, out now
 
@@ -194,7 +196,7 @@ def test_a_lane_that_handed_the_block_out_and_back_is_counted_then_the_park_is_a
     p = a.malloc(1000, stream=S1)
     q = a.malloc(1000, stream=S1)
     answers = [(2, False)]
-    a.set_lane(lambda: answers.pop())  # twice out and back since, parked now
+    a.set_lane(lambda ptr, requested: (0, False) if ptr else answers.pop())  # twice out and back
     assert a.park(p) == 1000
     st = a.memory_stats()  # settles: 2 hand-outs counted; any other call frees a parked block
     assert a._parked is None and a.lookup(p) is None and answers == []
@@ -212,7 +214,7 @@ def test_a_lane_that_handed_the_block_out_and_back_is_counted_then_the_park_is_a
 def test_set_lane_settles_with_the_lane_it_replaces() -> None:
     a = make()
     p = a.malloc(1000, stream=S1)
-    a.set_lane(lambda: (1, True))  # the lane handed it out: live now
+    a.set_lane(lambda ptr, requested: (1, True))  # the lane handed it out: live now
     assert a.park(p) == 1000
     a.set_lane(None)
     assert a._parked is None and a.lookup(p) is not None  # filed by address again
@@ -305,14 +307,13 @@ def test_a_lane_that_calls_back_into_the_allocator_is_refused_by_name() -> None:
     a = make()
     p = a.malloc(512, stream=S1)
 
-    def lane() -> tuple[int, bool]:
-        a.set_lane(None)  # re-enters: the lock is held for the settling
+    def lane(ptr: int, requested: int) -> tuple[int, bool]:
+        a.set_lane(None)  # re-enters: the lock is held for the arming and the settling
         return 0, False
 
     a.set_lane(lane)
-    assert a.park(p) == 512
     with pytest.raises(GraphpoolError, match=r"^graphpool: set_lane re-entered the allocator"):
-        a.memory_stats()
+        a.park(p)  # parked, then the lane armed: refused by name
 
 
 def test_best_fit_past_the_merged_neighbour_is_what_decides() -> None:

@@ -599,8 +599,11 @@ class CachingAllocator(Reports):
         it (also when another call holds the lock), returning 0. Never waits.
         ``parkable=False``: queued, after the parked block (the PyTorch hooks' route is stale)."""
         parked = self._parked  # (its block may be out again: the lane's, settled when locked)
-        if type(ptr) is not int or (ptr not in self._active and (parked is None or parked.ptr != ptr)):
-            self.drop(cast(int, ptr))  # raises: no live raw allocation
+        if type(ptr) is not int:
+            self.free_owned(ptr)  # as drop: an owned Block is freed, anything else refused
+            return 0
+        if ptr not in self._active and (parked is None or parked.ptr != ptr):
+            self.drop(ptr)  # raises: no live raw allocation
             return 0
         if (parked is None and self._pending) or not self._held.acquire(False):
             self._pending.append(ptr)  # (``_park`` would queue it: a queued free comes first)
