@@ -1,5 +1,12 @@
+"""Replays the allocator machine's example that fails with the tree before stop 18 too (NOTES 50):
+``PYTHONPATH=<a graphpool src> python benchmarks/results/2026-12-05-local-lane/machine_replay.py``
+prints FAILED (the model's "memory handed out while kept or awaiting events") or PASSED."""
 import sys
-sys.path.insert(0, "/work/main/tests/property"); sys.path.insert(0, "/work/main/tests/policy"); sys.path.insert(0, "/work/main/tests")
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parents[3] / "tests"
+for sub in ("property", "policy", ""):
+    sys.path.insert(0, str(TESTS / sub))
 import graphpool as gp
 print("graphpool", gp.__file__, gp.compiled())
 import test_allocator_machine as M
@@ -19,9 +26,6 @@ m = M.AllocatorMachine()
 def inv():
     for f in (m.accounting, m.allocator_invariants, m.capture_rules, m.peaks, m.use_counts):
         f()
-# initialize rules?
-for name in dir(m):
-    pass
 inv()
 m.mempool_session(d=0, data=D(['managed', False, 3, 17592186044416]), free_one='yes', sizes=[0, 4097], stay=False); inv()
 m.mempool_op(d=0, data=D([None, PoolId(0, 3029)]), what='enter'); inv()
