@@ -815,7 +815,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if cap is None and not self.world_active():
             side.process()  # Events are polled at the next malloc (never during capture)
         after = a.memory_stats()
-        if dev.refused > refused and not self.world_active():
+        refused_now = dev.refused > refused or getattr(dev, "managed_refused", 0) > m_refused
+        if refused_now and not self.world_active():
             side.sync_all()  # the out-of-memory retry waited for every pending event first
             if fits_after_sync:
                 reached("OOM retry found a block its synchronization freed")
