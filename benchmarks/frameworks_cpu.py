@@ -26,7 +26,6 @@ over all runs.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
@@ -67,6 +66,7 @@ def cases(with_cupy: bool) -> dict[str, Callable[[], None]]:
     import graphpool as gp
     from graphpool import runtime
     from graphpool.sim import SimBackend
+    from graphpool.tools.benchkit import torch_entry_points
 
     class SimAsCuda(SimBackend):  # type: ignore[misc]
         name = "cuda"
@@ -128,11 +128,7 @@ def cases(with_cupy: bool) -> dict[str, Callable[[], None]]:
         shim = None
     if shim is not None:
         shim.set_hooks(*gtorch.hooks())
-        lib = ctypes.CDLL(gtorch.library_path())
-        lib.graphpool_torch_malloc.restype = ctypes.c_void_p
-        lib.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        lib.graphpool_torch_free.restype = None
-        lib.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib = torch_entry_points()
         tm, tf = lib.graphpool_torch_malloc, lib.graphpool_torch_free
 
         def torch_pair() -> None:

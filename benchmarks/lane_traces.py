@@ -26,7 +26,6 @@ on CUDA), so only the counts, not the times, carry over to a GPU.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import subprocess
@@ -40,6 +39,7 @@ def worker(name: str, rounds: int = 1) -> dict[str, Any]:
     import graphpool as gp
     import graphpool.torch as gtorch
     from graphpool import runtime
+    from graphpool.tools.benchkit import torch_entry_points
     from graphpool.traces import ALLOC, load
 
     gp.set_backend("sim")
@@ -56,11 +56,7 @@ def worker(name: str, rounds: int = 1) -> dict[str, Any]:
         return free(ptr, size, device, stream)
 
     shim.set_hooks(m, f)
-    lib = ctypes.CDLL(gtorch.library_path())
-    lib.graphpool_torch_malloc.restype = ctypes.c_void_p
-    lib.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    lib.graphpool_torch_free.restype = None
-    lib.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib = torch_entry_points()
     trace = load(name)
     dev = runtime.get().device(0)
     streams = [0] + [dev.create_stream() for _ in range(max(trace.streams - 1, 0))]

@@ -3,7 +3,6 @@ PyTorch itself with graphpool as its allocator on a GPU (tests/torch_probe.py)."
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import subprocess
@@ -17,6 +16,8 @@ import pytest
 import graphpool as gp
 from gpu_guard import cuda_unusable
 from graphpool import runtime
+from graphpool.tools.benchkit import torch_entry_points
+from twins import torch_shim_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,12 +27,7 @@ def shim() -> Iterator[Any]:
     """The compiled shim with graphpool's hooks set, on the simulator; closed afterwards."""
     import graphpool.torch as gtorch
 
-    try:
-        mod = gtorch._shim()
-    except RuntimeError as e:
-        if gp.compiled():  # the compiled install builds the shim with the policy
-            raise
-        pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
+    mod = torch_shim_or_skip()
     gp.set_backend("sim")
     mod.set_hooks(*gtorch.hooks())
     try:
@@ -44,13 +40,8 @@ def shim() -> Iterator[Any]:
 @pytest.fixture
 def lib(shim: Any) -> Any:
     """The shim as PyTorch sees it: a shared library with two C functions."""
-    import graphpool.torch as gtorch
 
-    dll = ctypes.CDLL(gtorch.library_path())
-    dll.graphpool_torch_malloc.restype = ctypes.c_void_p
-    dll.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    dll.graphpool_torch_free.restype = None
-    dll.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    dll = torch_entry_points()
     return dll
 
 

@@ -20,6 +20,8 @@ import pytest
 import graphpool as gp
 from graphpool import routing, runtime
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
+from graphpool.tools.benchkit import torch_entry_points
+from twins import torch_shim_or_skip
 
 
 class Counted:
@@ -40,14 +42,8 @@ class Counted:
 
 @pytest.fixture
 def shim() -> Iterator[Any]:
-    import graphpool.torch as gtorch
 
-    try:
-        mod = gtorch._shim()
-    except RuntimeError as e:
-        if gp.compiled():
-            raise
-        pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
+    mod = torch_shim_or_skip()
     gp.set_backend("sim")
     try:
         yield mod
@@ -68,13 +64,8 @@ def counted(shim: Any) -> Counted:
 
 @pytest.fixture
 def lib(shim: Any) -> Any:
-    import graphpool.torch as gtorch
 
-    dll = ctypes.CDLL(gtorch.library_path())  # releases the GIL around each call, as PyTorch runs
-    dll.graphpool_torch_malloc.restype = ctypes.c_void_p
-    dll.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    dll.graphpool_torch_free.restype = None
-    dll.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    dll = torch_entry_points()
     return dll
 
 
@@ -534,3 +525,23 @@ def test_a_take_back_ticks_the_free_blocks_clock(sim: Any) -> None:
         assert a.malloc(size, stream=s.handle) == p
     assert a._large.calls - before == 3
     a.free(p)
+
+
+def test_only_the_block_handed_out_last_is_offered_for_parking(shim: Any, counted: Counted, lib: Any) -> None:
+    """A free of an older block is queued without the lock, as drop queues it (the hooks offer
+    parking only for the block they handed out last, where the next request may be the same);
+    with a block parked, it is queued behind it."""
+    s, t = gp.Stream(), gp.Stream()
+    a = runtime.allocator(0)
+    p = lib.graphpool_torch_malloc(512, 0, t.handle)
+    q = lib.graphpool_torch_malloc(512, 0, s.handle)
+    lib.graphpool_torch_free(p, 512, 0, t.handle)  # not the last handed out: queued
+    assert a._parked is None and list(a._pending) == [p]
+    assert shim.lane_state(0)["state"] == "empty"
+    gp.memory_stats()  # carries it out
+    lib.graphpool_torch_free(q, 512, 0, s.handle)  # the last handed out: parked
+    assert a._parked is not None and a._parked.ptr == q
+    r = lib.graphpool_torch_malloc(1024, 0, s.handle)  # another request: q's free is queued first
+    assert a._parked is None and counted.mallocs == 3
+    lib.graphpool_torch_free(r, 1024, 0, s.handle)
+    gp.check_invariants()

@@ -59,6 +59,20 @@ class SimAsCuda(SimBackend):
     name = "cuda"
 
 
+def torch_shim_or_skip() -> Any:
+    """graphpool's compiled PyTorch shim module; the test is skipped on the plain-Python
+    install (which has none), and fails on the compiled one if the shim is missing."""
+    import graphpool as gp
+    import graphpool.torch as gtorch
+
+    try:
+        return gtorch._shim()
+    except RuntimeError as e:
+        if gp.compiled():  # the compiled install builds the shim with the policy
+            raise
+        pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
+
+
 def use_sim_as_cuda() -> None:
     runtime.set_backend("cuda", backend=SimAsCuda())
 

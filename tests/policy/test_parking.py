@@ -211,6 +211,27 @@ def test_a_lane_that_handed_the_block_out_and_back_is_counted_then_the_park_is_a
     assert a.memory_stats()["allocated_bytes.all.current"] == 0
 
 
+def test_set_lane_refuses_what_cannot_be_called_and_changes_nothing() -> None:
+    a = make()
+    p = a.malloc(1000, stream=S1)
+    with pytest.raises(TypeError, match="set_lane: a lane is a callable"):
+        a.set_lane(5)  # type: ignore[arg-type]
+    assert a.park(p) == 1000 and a.memory_stats()["allocated_bytes.all.current"] == 0
+    a.check_invariants()
+
+
+def test_a_lane_that_fails_to_arm_leaves_the_free_queued_and_the_allocator_usable() -> None:
+    a = make()
+    p = a.malloc(1000, stream=S1)
+    a.set_lane(lambda: (0, False))  # type: ignore[arg-type,misc]  # cannot take (ptr, requested)
+    with pytest.raises(TypeError):
+        a.park(p)
+    assert a._parked is None and list(a._pending) == [p]
+    a.set_lane(None)
+    assert a.memory_stats()["allocated_bytes.all.current"] == 0  # the free was carried out
+    a.check_invariants()
+
+
 def test_set_lane_settles_with_the_lane_it_replaces() -> None:
     a = make()
     p = a.malloc(1000, stream=S1)

@@ -15,7 +15,6 @@ statistics, the same snapshot of segments and blocks, and sound invariants.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 from collections.abc import Iterator
@@ -31,6 +30,8 @@ from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
 from graphpool.hooks import TorchHooks
 from graphpool.routing import Route
 from graphpool.streams import resolve_handle
+from graphpool.tools.benchkit import torch_entry_points
+from twins import torch_shim_or_skip
 
 SIZES = (512, 1000, 1024, 4096, 70_000, 3 << 20)
 
@@ -156,14 +157,8 @@ def _reference_hooks(rt: runtime.Runtime, park: bool = True) -> tuple[Any, Any]:
 
 @pytest.fixture
 def shim() -> Iterator[Any]:
-    import graphpool.torch as gtorch
 
-    try:
-        mod = gtorch._shim()
-    except RuntimeError as e:
-        if gp.compiled():
-            raise
-        pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
+    mod = torch_shim_or_skip()
     yield mod
     mod.close()
 
@@ -175,11 +170,7 @@ def _lane_side(shim: Any) -> Side:
     gp.set_backend("sim")
     rt = runtime.get()
     shim.set_hooks(*gtorch.hooks(rt))
-    dll = ctypes.CDLL(gtorch.library_path())
-    dll.graphpool_torch_malloc.restype = ctypes.c_void_p
-    dll.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    dll.graphpool_torch_free.restype = None
-    dll.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    dll = torch_entry_points()
 
     def malloc(size: int, device: int, stream: int) -> int:
         # A failed allocation throws through C (PyTorch then raises RuntimeError); through

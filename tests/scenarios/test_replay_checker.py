@@ -204,6 +204,23 @@ def _lone_graph_with_a_temporary(xp: Any) -> tuple[Any, ...]:
     return pool, s, s0, s1, a, g0, g1
 
 
+def _g1_joins_and_waits_for_g0(pool: Any, s: Any, s0: Any, s1: Any, a: Any, g1: Any) -> None:
+    """g1 captures ``a + 2`` on s into g0's pool and replays on s1: reported while g0 may still
+    run on s0, accepted once s1 waits for s0; the result is right."""
+    with gp.stream(s):
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s1.wait_stream(s)
+    with gp.stream(s1):
+        with pytest.raises(gp.ReplayHazardError, match="may still run"):
+            g1.replay()
+        s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+
+
 def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: Any) -> None:
     """A graph alone in its pool replays with the checker on without recording when it is
     done (no mate can ask). g0 replays on a busy stream while alone; g1 then captures into its
@@ -217,19 +234,8 @@ def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: An
     with gp.stream(s0):
         backend.spin(s0)
         g0.replay()  # alone: nothing asks when it is done
-    with gp.stream(s):
-        g1.capture_begin(pool)
-        c = a + 2
-        g1.capture_end()
-    s1.wait_stream(s)
-    with gp.stream(s1):
-        with pytest.raises(gp.ReplayHazardError, match="may still run"):
-            g1.replay()
-        s1.wait_stream(s0)
-        g1.replay()
-    gp.synchronize()
-    assert float(c.sum().item()) == 3.0 * N
-    del a, c, g0, g1
+    _g1_joins_and_waits_for_g0(pool, s, s0, s1, a, g1)
+    del a, g0, g1
     settle()
 
 
@@ -586,19 +592,8 @@ def test_a_lone_graphs_fast_replays_count_in_the_checkers_order(backend: Any) ->
     with gp.stream(s0):
         backend.spin(s0)
         g0.replay()  # ... not after this one (the fast path: g0 is alone)
-    with gp.stream(s):
-        g1.capture_begin(pool)
-        c = a + 2
-        g1.capture_end()
-    s1.wait_stream(s)
-    with gp.stream(s1):
-        with pytest.raises(gp.ReplayHazardError, match="may still run"):
-            g1.replay()
-        s1.wait_stream(s0)
-        g1.replay()
-    gp.synchronize()
-    assert float(c.sum().item()) == 3.0 * N
-    del a, c, g0, g1
+    _g1_joins_and_waits_for_g0(pool, s, s0, s1, a, g1)
+    del a, g0, g1
     settle()
 
 

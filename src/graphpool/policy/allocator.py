@@ -38,13 +38,12 @@ Note [The hand-written hot path]
 what the layers below would otherwise do in calls: the rounding (``SizeConfig.round_size``),
 the capture test and routing (captures.py is called only while a capture is registered or
 the stream is not the legacy one), the best fit (``FreeList.best_fit`` written as one
-bisect), the split rule (written only there: a small block splits when the rest holds a
-``min_block``; a large one when the rest is more than ``small_size`` and the block is under
-``max_split_size``; in a growing expandable segment whenever the rest holds a
-``min_block``), the lookup of a raw address (heap.py's ``_live_block``) and the statistics.
-Compiled, each call saved is tens of instructions of a pair of about 4,000; callgrind counts
-them (benchmarks/pair_instructions.py). What they write out must agree with the layers' own
-methods: the property machines and the differential test (tests/property) check both. Other
+bisect), the split rule (``SizeConfig.splits``), the lookup of a raw address (heap.py's
+``_live_block``) and the statistics. Compiled, each call saved is tens of instructions of a
+pair of about 4,000; callgrind counts them (benchmarks/pair_instructions.py). What they write
+out must agree with the layers' own methods: the property machines and the differential test
+(tests/property) check both, and tests/policy/test_parking.py checks parking's use of them
+(``_takes_back``) against real frees and requests. Other
 details of the pair: the address is returned as the int object filed in ``_active``, so a
 free given that same object finds the block without boxing a new int; ``malloc_owned``'s
 Block is returned itself and never filed, saving the dictionary insert and lookup.
@@ -589,7 +588,9 @@ class CachingAllocator(Reports):
         takes the block back from it and says how often it was handed out meanwhile and whether
         it is out now, ``(hits, live)``; ``lane(ptr, requested)`` does the same and then arms it
         for the block just parked at ``ptr`` (the only block it may keep until the next take).
-        None: no lane. The lane it replaces is settled first."""
+        None: no lane. The lane it replaces is settled first. TypeError for a non-callable."""
+        if lane is not None and not callable(lane):
+            raise TypeError(f"set_lane: a lane is a callable lane(ptr, requested) or None, not {lane!r}")
         self._run_locked("set_lane", lambda: self._set_lane(lane))
 
     def park(self, ptr: object, parkable: bool = True) -> int:

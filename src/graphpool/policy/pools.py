@@ -99,6 +99,17 @@ class SizeConfig:
             return self.min_block
         return (nbytes + self.min_block - 1) & -self.min_block
 
+    def splits(self, size: int, remaining: int, grows: bool) -> bool:
+        """Whether a block handed out for a rounded ``size`` with ``remaining`` bytes over is
+        split, the rest staying free: the rule ``CachingAllocator._malloc`` writes out. A small
+        block splits when the rest holds a ``min_block``; a large one when the rest is more than
+        ``small_size`` and the block is under ``max_split_size`` (an oversize block is never
+        split); in a growing (expandable) segment whenever the rest holds a ``min_block``."""
+        if size <= self.small_size or grows:
+            return remaining >= self.min_block
+        limit = self.max_split_size
+        return remaining > self.small_size and (limit is None or size < limit)
+
     def is_small(self, size: int) -> bool:
         """True when a rounded size belongs to the small pool."""
         return size <= self.small_size

@@ -94,7 +94,13 @@ class StreamUses(Captures):
         self._parked = block
         lane = self._lane
         if lane is not None:  # the shim may keep this block, and only this one (Note [Parking])
-            lane(ptr, block.requested)
+            try:
+                lane(ptr, block.requested)
+            except BaseException:  # not armed, so not parked: its free is queued, as drop's
+                self._parked = None
+                self._active[ptr] = block
+                self._pending.append(ptr)
+                raise
         return block.requested
 
     def _takes_back(self, block: Block, fl: FreeList) -> bool:
@@ -105,10 +111,8 @@ class StreamUses(Captures):
         if fl.grows:  # an expandable segment: its growable tail answers to the wilderness rule
             return False
         requested = block.requested
-        m = self.sizes.min_block
-        size = m if requested < m else (requested + m - 1) & -m
-        if self._divisions:
-            size = self.sizes.round_divisions(requested)
+        sizes = self.sizes
+        size = sizes.round_divisions(requested) if self._divisions else sizes.round_size(requested)
         stream = block.stream
         if block.size != size or merges(block.prev, stream):
             return False
@@ -117,7 +121,7 @@ class StreamUses(Captures):
         if merged >= self._max_split:  # oversize blocks follow max_split_size's rules
             return False
         rest = merged - size
-        if rest and (rest < m if size <= self._small_limit else rest <= self._small_limit):
+        if rest and not sizes.splits(size, rest, False):
             return False  # the merged block would be handed out whole
         bins = fl.find(stream)
         if bins is not None:

@@ -8,6 +8,7 @@ comparison it cannot run with ``skip``, and reports progress with ``note_progres
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import sys
 import time
@@ -50,6 +51,23 @@ class Progress:
 
 
 _reporter = Progress(enabled=False)
+
+
+def torch_entry_points() -> Any:
+    """The PyTorch shim's two C functions as PyTorch calls them, through ctypes, which releases
+    the GIL around each call: ``graphpool_torch_malloc(size, device, stream) -> address``
+    (None for 0) and ``graphpool_torch_free(ptr, size, device, stream)``. For tests and
+    benchmarks without PyTorch (the hooks must be set: ``graphpool.torch.hooks()``). A failed
+    malloc throws a C++ exception, which ctypes cannot catch (the shim's ``try_malloc`` raises
+    it as a RuntimeError instead)."""
+    import graphpool.torch as gtorch
+
+    lib = ctypes.CDLL(gtorch.library_path())
+    lib.graphpool_torch_malloc.restype = ctypes.c_void_p
+    lib.graphpool_torch_malloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    lib.graphpool_torch_free.restype = None
+    lib.graphpool_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return lib
 
 
 def start_progress(enabled: bool) -> None:
