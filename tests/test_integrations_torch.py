@@ -398,9 +398,9 @@ def test_without_the_compiled_shim_the_message_says_how_to_get_it(monkeypatch: p
     with pytest.raises(RuntimeError) as info:
         gtorch.library_path()
     assert str(info.value) == (
-        "graphpool.torch needs graphpool's compiled PyTorch shim (graphpool/_torch_shim, C++), "
-        "which this install lacks: reinstall graphpool on a machine with a C++ compiler and "
-        "without GRAPHPOOL_COMPILE=0"
+        "graphpool.torch needs graphpool's compiled shim (graphpool/_torch_shim, C++), which this "
+        "install lacks: reinstall graphpool on a machine with a C++ compiler and without "
+        "GRAPHPOOL_COMPILE=0"
     )
     monkeypatch.setattr(gtorch, "_shim", _FakeShim)
     assert gtorch.library_path() == "/the/shim.so"

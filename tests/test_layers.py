@@ -65,6 +65,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "integrations",
         (
             "graphpool.framework_captures",
+            "graphpool.lanes",
             "graphpool.cupy",
             "graphpool.numba",
             "graphpool.cuda_core",

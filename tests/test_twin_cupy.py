@@ -17,6 +17,7 @@ import graphpool as gp
 import graphpool.cupy as gcupy
 import twins
 from graphpool import routing, runtime
+from graphpool.device.protocol import CAPTURE_MODE_RELAXED
 from graphpool.errors import DoubleFreeError
 from graphpool.tools import scenarios
 
@@ -27,16 +28,22 @@ def _settle() -> None:
     gp.empty_cache()
 
 
-@pytest.fixture(params=["native", "function"])
+@pytest.fixture(params=["c", "native", "function"])
 def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """The CuPy twin with graphpool installed: through CuPy's ``PythonFunctionAllocator`` and
-    the compiled hooks ("native", CuPy 9 and later), or through ``graphpool.cupy.malloc``
-    ("function": a CuPy without that class)."""
-    fake = twins.make_cupy(python_function_allocator=request.param == "native")
+    """The CuPy twin with graphpool installed: through CuPy's ``CFunctionAllocator`` and the
+    compiled shim's C entry points ("c", where the shim is built), through CuPy's
+    ``PythonFunctionAllocator`` and the compiled hooks ("native", CuPy 9 and later), or
+    through ``graphpool.cupy.malloc`` ("function": a CuPy without either class)."""
+    if request.param == "c":
+        twins.torch_shim_or_skip()  # (the compiled install has it; the plain one skips)
+    fake = twins.make_cupy(
+        python_function_allocator=request.param != "function", c_function_allocator=request.param == "c"
+    )
     monkeypatch.setitem(__import__("sys").modules, "cupy", fake)
     for name, value in (("_cp", None), ("_installed", False), ("_previous", None), ("_allocator", None)):
         monkeypatch.setattr(gcupy, name, value)
     monkeypatch.setattr(gcupy, "_hooks", None)
+    monkeypatch.setattr(gcupy, "_c_hooks", None)  # (the shim's hooks: made again for this twin)
     monkeypatch.setattr(gcupy, "_gp_streams", {})
     monkeypatch.setattr(gcupy, "_cp_streams", {})
     twins.use_sim_as_cuda()
@@ -52,8 +59,14 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
 
 
 def native(cp: Any) -> bool:
-    """Whether graphpool serves this CuPy through its ``PythonFunctionAllocator``."""
+    """Whether graphpool serves this CuPy through the compiled hooks (``CFunctionAllocator``
+    or ``PythonFunctionAllocator``)."""
     return gcupy._hooks is not None
+
+
+def c_path(cp: Any) -> bool:
+    """Whether graphpool serves this CuPy through its ``CFunctionAllocator`` (the shim)."""
+    return gcupy._hooks is not None and gcupy._hooks is gcupy._c_hooks and hasattr(cp.cuda, "stream")
 
 
 def _segment_of(ptr: int) -> dict[str, Any]:
@@ -78,7 +91,8 @@ def test_arrays_allocate_through_graphpool(cp: Any) -> None:
     a = cp.ones(1 << 20, dtype=cp.float32)
     assert gp.memory_allocated() == base + 4 * (1 << 20)
     if native(cp):  # CuPy's memory object frees the address through the hooks
-        assert type(a.data.mem).__name__ == "PythonFunctionAllocatorMemory"
+        kind = "CFunctionAllocatorMemory" if c_path(cp) else "PythonFunctionAllocatorMemory"
+        assert type(a.data.mem).__name__ == kind
         assert cp.cuda.get_allocator() is gcupy._allocator is not gcupy.malloc
     else:
         assert isinstance(a.data.mem, cp.cuda.UnownedMemory)
@@ -405,10 +419,18 @@ def test_a_bad_free_is_reported_never_raised(cp: Any, monkeypatch: pytest.Monkey
     m = gcupy._allocator(512)
     ptr = m.ptr
     del m
-    gc.collect()
-    gcupy._hooks.free(ptr, 0)  # the first free still queued: the second is found when carried out
+    gc.collect()  # the block handed out last: parked (heap.py, Note [Parking]), so ...
+    with pytest.raises(DoubleFreeError, match="parked"):
+        gcupy._hooks.free(ptr, 0)  # ... a second free is found at once
+    gp.check_invariants()
+    first, last = gcupy._allocator(512), gcupy._allocator(512)
+    ptr = first.ptr
+    del first
+    gc.collect()  # not the block handed out last: queued ...
+    gcupy._hooks.free(ptr, 0)  # ... and the second free is found when the queue is carried out
     with pytest.warns(RuntimeWarning, match="DoubleFreeError"):
         gp.memory_stats()
+    del last
     gp.check_invariants()
 
 
@@ -506,3 +528,108 @@ def test_a_cupy_streams_wrapper_is_kept_and_keyed_by_the_streams_own_device(cp: 
     with cp.cuda.Device(1):
         assert gcupy._stream_key(Cs(0, 5)) == (0, 5)  # device 0's stream, while 1 is current
         assert gcupy._stream_key(Cs(-1, 5)) == (1, 5)
+
+
+def test_the_c_path_hands_a_dropped_array_back_from_the_lane(cp: Any) -> None:
+    """Through CuPy's ``CFunctionAllocator``: the array dropped last is parked, and the next
+    array of its size on its stream gets that block from the shim's lane (no Python call),
+    again and again; graphpool's counters take the lane's hand-outs in at its next call, and
+    an array of another size or a capture on that stream is served by graphpool itself."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        base = gp.memory_stats()
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        del a
+        lane = shim.lane_state(0)
+        assert (lane["state"], lane["kind"], lane["ptr"], lane["stream"]) == ("parked", "cupy", ptr, s.ptr)
+        for _ in range(5):
+            b = cp.empty(4096, dtype=np.uint8)
+            assert b.data.ptr == ptr
+            del b
+        assert shim.lane_state(0)["hits"] == 5
+        stats = gp.memory_stats()  # settles with the lane first
+        assert shim.lane_state(0)["hits"] == 0
+        assert stats["allocation.all.allocated"] == base["allocation.all.allocated"] + 6
+        assert stats["allocated_bytes.all.current"] == base["allocated_bytes.all.current"]
+        other = cp.empty(8192, dtype=np.uint8)  # another size: graphpool's malloc, which ...
+        assert shim.lane_state(0)["state"] == "empty"  # ... took the parked block back first
+        del other
+        keep = cp.empty(4096, dtype=np.uint8)  # the parked block, from graphpool or the lane
+        keep_ptr = keep.data.ptr
+        del keep  # parked again, in the lane
+        assert shim.lane_state(0)["state"] == "parked"
+        dev = runtime.get().device(0)
+        dev.begin_capture(s.ptr, CAPTURE_MODE_RELAXED)  # begun outside graphpool: unseen so far
+        try:
+            inside = cp.empty(4096, dtype=np.uint8)  # the lane asks the device, and declines
+            assert inside.data.ptr != keep_ptr
+            assert _segment_of(inside.data.ptr)["segment_pool_id"] is not None  # detected
+        finally:
+            dev.destroy_graph(dev.end_capture(s.ptr))
+        del inside
+    _settle()
+    gp.check_invariants()
+
+
+def test_the_c_path_reports_a_failed_allocation_and_loses_nothing(cp: Any) -> None:
+    """A request graphpool refuses raises graphpool's error through CuPy's C call (the shim
+    returns -1 with the exception set); nothing is lost and the next array is served."""
+    if not native(cp):
+        pytest.skip("the function path raises from Python (tests/test_integrations_cupy.py)")
+    base = gp.memory_allocated()
+    with pytest.raises(gp.OutOfMemoryError):
+        cp.empty(1 << 50, dtype=np.uint8)
+    gp.check_invariants()
+    assert gp.memory_allocated() == base
+    a = cp.ones(1024, dtype=np.float32)
+    assert float(a.sum()) == 1024.0
+    del a
+
+
+def test_an_array_outliving_uninstall_goes_back_to_graphpool(cp: Any) -> None:
+    """CuPy frees through the hooks that made the array, also after ``uninstall()`` (the
+    shim keeps one set of hooks for the process) and after a later ``install()``."""
+    base = gp.memory_allocated()
+    a = cp.ones(1 << 16, dtype=np.float32)
+    b = cp.ones(1 << 12, dtype=np.float32)
+    gcupy.uninstall()
+    del a
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base + 4 * (1 << 12)
+    gcupy.install()
+    c = cp.ones(1 << 10, dtype=np.float32)
+    del b, c
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
+def test_a_block_cupy_parked_is_not_handed_to_pytorch(cp: Any) -> None:
+    """The lanes are shared by the shim's entry points, but a block parked by CuPy's free is
+    handed out only to CuPy: PyTorch's malloc of that size and stream goes to its hooks (a
+    block out is freed through the hooks of the framework holding it)."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    import graphpool.torch as gtorch
+    from graphpool.tools.benchkit import torch_entry_points
+
+    shim = twins.torch_shim_or_skip()
+    shim.set_hooks(*gtorch.hooks())
+    lib = torch_entry_points()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        del a
+        assert shim.lane_state(0)["state"] == "parked"
+        p = lib.graphpool_torch_malloc(4096, 0, s.ptr)  # PyTorch's request: its hooks serve it
+        assert shim.lane_state(0)["hits"] == 0
+        assert p != ptr or shim.lane_state(0)["state"] == "empty"  # taken back by graphpool first
+        lib.graphpool_torch_free(p, 4096, 0, s.ptr)
+    _settle()

@@ -43,7 +43,13 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
     else:
         module = twins.make_cupy()
         monkeypatch.setitem(sys.modules, "cupy", module)
-        for name, value in (("_cp", None), ("_installed", False), ("_previous", None), ("_last", None)):
+        for name, value in (
+            ("_cp", None),
+            ("_installed", False),
+            ("_previous", None),
+            ("_last", None),
+            ("_c_hooks", None),
+        ):
             monkeypatch.setattr(gcupy, name, value)
         monkeypatch.setattr(gcupy, "_gp_streams", {})
         monkeypatch.setattr(gcupy, "_cp_streams", {})

@@ -43,6 +43,7 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
             ("_pinned_installed", False),
             ("_previous", None),
             ("_last", None),
+            ("_c_hooks", None),
         ):
             monkeypatch.setattr(gcupy, name, value)
         monkeypatch.setattr(gcupy, "_gp_streams", {})

@@ -82,12 +82,16 @@ def _sim(device: int) -> Any:
 
 
 # =============================================================================== CuPy
-def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
+def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool = True) -> types.ModuleType:
     """A fresh fake ``cupy`` module (its own per-thread state and default pool).
 
     ``python_function_allocator``: whether it has ``cuda.memory.PythonFunctionAllocator``, as
     CuPy 9 and later do; graphpool.cupy uses it where present, and its own ``malloc``
-    elsewhere."""
+    elsewhere. ``c_function_allocator`` (with it): whether it also has CuPy's
+    ``CFunctionAllocator`` and exports ``get_current_stream_ptr`` in
+    ``cuda.stream.__pyx_capi__``, which graphpool.cupy prefers where its compiled shim is
+    installed. The twin calls the C functions with the GIL held, as CuPy's Cython does, and
+    raises the exception a failed malloc sets."""
     cp = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     cp.cuda = cuda  # type: ignore[attr-defined]
@@ -316,11 +320,63 @@ def make_cupy(python_function_allocator: bool = True) -> types.ModuleType:
             mem = PythonFunctionAllocatorMemory(int(size), self._malloc_func, self._free_func, _device())
             return MemoryPointer(mem, 0)
 
+    c_malloc_type = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    c_free_type = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+
+    class CFunctionAllocatorMemory:
+        """CuPy's: ``malloc(param, size, device)`` made the memory (not for size 0; an
+        exception it sets is raised, the address kept 0); ``free(param, ptr, device)`` when
+        it is collected."""
+
+        def __init__(self, size: int, param: int, malloc_func: int, free_func: int, device_id: int) -> None:
+            self._param, self._free_func, self.device_id, self.size, self.ptr = (
+                param,
+                free_func,
+                device_id,
+                size,
+                0,
+            )
+            if size > 0:
+                self.ptr = int(c_malloc_type(malloc_func)(param, size, device_id))
+
+        def __del__(self) -> None:
+            if self.ptr:
+                c_free_type(self._free_func)(self._param, self.ptr, self.device_id)
+
+    class CFunctionAllocator:
+        """CuPy's allocator over two C functions (addresses), on CuPy's current device."""
+
+        def __init__(self, param: int, malloc_func: int, free_func: int, owner: object) -> None:
+            self._param, self._malloc_func, self._free_func, self._owner = (
+                param,
+                malloc_func,
+                free_func,
+                owner,
+            )
+
+        def malloc(self, size: int) -> MemoryPointer:
+            mem = CFunctionAllocatorMemory(
+                int(size), self._param, self._malloc_func, self._free_func, _device()
+            )
+            return MemoryPointer(mem, 0)
+
     if python_function_allocator:
         memory = types.ModuleType("cupy.cuda.memory")
         memory.PythonFunctionAllocator = PythonFunctionAllocator  # type: ignore[attr-defined]
         memory.PythonFunctionAllocatorMemory = PythonFunctionAllocatorMemory  # type: ignore[attr-defined]
         cuda.memory = memory  # type: ignore[attr-defined]
+        if c_function_allocator:
+            memory.CFunctionAllocator = CFunctionAllocator  # type: ignore[attr-defined]
+            stream_module = types.ModuleType("cupy.cuda.stream")
+            current_ptr = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(lambda: int(get_current_stream().ptr))
+            name = b"intptr_t (void)"  # the signature CuPy's Cython names its exported function by
+            new_capsule = ctypes.pythonapi.PyCapsule_New
+            new_capsule.restype = ctypes.py_object
+            new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+            capsule = new_capsule(ctypes.cast(current_ptr, ctypes.c_void_p), name, None)
+            stream_module._keep = (current_ptr, name)  # type: ignore[attr-defined]  # the capsule's
+            stream_module.__pyx_capi__ = {"get_current_stream_ptr": capsule}  # type: ignore[attr-defined]
+            cuda.stream = stream_module  # type: ignore[attr-defined]
 
     class PinnedMemoryPointer:
         """CuPy's: ``mem`` (``ptr``, ``size``) kept alive, ``ptr`` into it, ``size()``."""

@@ -1,4 +1,5 @@
-/* graphpool._torch_shim: the two C entry points PyTorch's CUDAPluggableAllocator calls.
+/* graphpool._torch_shim: the C entry points the frameworks' allocator hooks call: PyTorch's
+ * CUDAPluggableAllocator (below) and CuPy's CFunctionAllocator (the end of this comment).
  *
  * PyTorch loads an allocator as two C functions of a shared library:
  *
@@ -34,6 +35,20 @@
  * this file's lane_park) disarms it, and the block, maybe out again, is never kept here.
  * Every routing change (set_backend, graphpool.routing.invalidate) turns the lanes off
  * until graphpool parks again (lanes_off).
+ *
+ * CuPy (graphpool.cupy, where CuPy has cupy.cuda.memory.CFunctionAllocator) calls
+ *
+ *   void *graphpool_cupy_malloc(void *param, size_t size, int device)
+ *   void  graphpool_cupy_free(void *param, void *ptr, int device)
+ *
+ * with the GIL held, from its memory object's constructor and deallocator. The stream is
+ * CuPy's current one, read by CuPy's own C function (cupy.cuda.stream's exported
+ * get_current_stream_ptr, handed over by set_cupy_hooks). The same lanes serve it: a lane
+ * keys on the framework's raw stream handle, which both frameworks take from CUDA. The
+ * hooks are graphpool.hooks.CupyHooks' malloc_on(size, device, stream) and
+ * free_parking(ptr, device); a failed malloc returns (void *)-1 with the Python exception
+ * set (CuPy's Cython caller checks for an exception on -1), and a free of -1 or 0 is
+ * ignored, so a CuPy built to ignore the error still fails cleanly.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,7 +82,12 @@ struct Lane {
     bool on = false;          /* off: every call goes to the hooks (routing changed) */
     void *armed = nullptr;    /* the block graphpool parked last, until its next take */
     size_t armed_requested = 0;
+    int kind = 0;             /* the framework that parked it (KIND_TORCH, KIND_CUPY): only it is served */
 };
+
+/* A block parked by one framework's free is handed only to that framework's malloc: a block
+   out is freed through the hooks of the framework that holds it, and those know its allocator. */
+enum LaneKind { KIND_TORCH = 0, KIND_CUPY = 1 };
 
 static const int kLanes = 64;
 static Lane g_lanes[kLanes];
@@ -76,7 +96,7 @@ static std::atomic<bool> g_lanes_enabled{true}; /* set_lanes_enabled(False): the
 static bool is_legacy(void *stream) { return (uintptr_t)stream <= 1; } /* 0, CU_STREAM_LEGACY */
 
 /* The parked block for this request, or nullptr (then the hooks decide). No GIL. */
-static void *lane_malloc(size_t size, int device, void *stream) {
+static void *lane_malloc(size_t size, int device, void *stream, int kind) {
     if (device < 0 || device >= kLanes || size == 0 || !g_lanes_enabled.load(std::memory_order_relaxed)) {
         return nullptr;
     }
@@ -84,7 +104,7 @@ static void *lane_malloc(size_t size, int device, void *stream) {
     capture_query_t query;
     {
         std::lock_guard<std::mutex> g(l.m);
-        if (!l.on || l.state != LANE_PARKED || l.requested != size || l.stream != stream) {
+        if (!l.on || l.state != LANE_PARKED || l.requested != size || l.stream != stream || l.kind != kind) {
             return nullptr;
         }
         query = l.query;
@@ -96,7 +116,7 @@ static void *lane_malloc(size_t size, int device, void *stream) {
         }
     }
     std::lock_guard<std::mutex> g(l.m);
-    if (!l.on || l.state != LANE_PARKED || l.requested != size || l.stream != stream) {
+    if (!l.on || l.state != LANE_PARKED || l.requested != size || l.stream != stream || l.kind != kind) {
         return nullptr;
     }
     l.state = LANE_LIVE;
@@ -119,7 +139,7 @@ static bool lane_free(void *ptr, int device) {
 }
 
 /* graphpool parked ``ptr`` (the free hook returned ``requested``): the lane keeps it. */
-static void lane_park(void *ptr, size_t requested, int device, void *stream) {
+static void lane_park(void *ptr, size_t requested, int device, void *stream, int kind) {
     if (device < 0 || device >= kLanes) {
         return;
     }
@@ -132,6 +152,7 @@ static void lane_park(void *ptr, size_t requested, int device, void *stream) {
     l.ptr = ptr;
     l.requested = requested;
     l.stream = stream;
+    l.kind = kind;
     l.state = LANE_PARKED;
     l.on = true;
 }
@@ -196,6 +217,92 @@ static bool call_malloc(size_t size, int device, void *stream, void **out, std::
     return true;
 }
 
+/* ------------------------------------------------------------------ CuPy */
+
+typedef intptr_t (*current_stream_t)(void); /* CuPy's get_current_stream_ptr */
+
+static PyObject *g_cupy_malloc = nullptr;  /* CupyHooks.malloc_on(size, device, stream) -> int */
+static PyObject *g_cupy_free = nullptr;    /* CupyHooks.free_parking(ptr, device) -> int (parked) */
+static current_stream_t g_cupy_stream = nullptr;
+static void *const kFailed = (void *)(intptr_t)-1; /* a failed malloc, the exception set */
+/* The block the malloc hook handed out last and CuPy's stream it was for (GIL held): a free
+   hook that parks a block parks the one malloc handed out last, on this stream. */
+static void *g_cupy_last_ptr = nullptr;
+static void *g_cupy_last_stream = nullptr;
+
+/* (GIL held) The block for CuPy, or kFailed with the exception set. */
+static void *cupy_malloc(size_t size, int device) {
+    if (g_cupy_malloc == nullptr || g_cupy_stream == nullptr) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "graphpool.cupy: no allocator hook is set (call graphpool.cupy.install())");
+        return kFailed;
+    }
+    intptr_t raw = g_cupy_stream();
+    if (raw == -1 && PyErr_Occurred()) {
+        return kFailed;
+    }
+    void *stream = (void *)raw;
+    void *p = lane_malloc(size, device, stream, KIND_CUPY);
+    if (p != nullptr) {
+        return p;
+    }
+    PyObject *args[3];
+    args[0] = PyLong_FromSize_t(size);
+    args[1] = PyLong_FromLong(device);
+    args[2] = PyLong_FromVoidPtr(stream);
+    PyObject *r = nullptr;
+    if (args[0] != nullptr && args[1] != nullptr && args[2] != nullptr) {
+        r = PyObject_Vectorcall(g_cupy_malloc, args, 3, nullptr);
+    }
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+    Py_XDECREF(args[2]);
+    if (r == nullptr) {
+        return kFailed;
+    }
+    p = PyLong_AsVoidPtr(r);
+    Py_DECREF(r);
+    if (PyErr_Occurred()) {
+        return kFailed;
+    }
+    if (p == nullptr || p == kFailed) {
+        PyErr_SetString(PyExc_RuntimeError, "graphpool.cupy: the allocator hook returned no address");
+        return kFailed;
+    }
+    g_cupy_last_ptr = p;
+    g_cupy_last_stream = stream;
+    return p;
+}
+
+/* (GIL held) Give ``ptr`` back through the free hook; a parked block goes to the lane. */
+static void cupy_free(void *ptr, int device) {
+    if (g_cupy_free == nullptr) {
+        return;
+    }
+    PyObject *args[2];
+    args[0] = PyLong_FromVoidPtr(ptr);
+    args[1] = PyLong_FromLong(device);
+    PyObject *r = nullptr;
+    if (args[0] != nullptr && args[1] != nullptr) {
+        r = PyObject_Vectorcall(g_cupy_free, args, 2, nullptr);
+    }
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+    if (r == nullptr) {
+        PyErr_WriteUnraisable(g_cupy_free);
+        return;
+    }
+    if (PyLong_Check(r)) { /* parked: its requested size (0: queued, not parked) */
+        unsigned long long requested = PyLong_AsUnsignedLongLong(r);
+        if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        } else if (requested != 0 && ptr == g_cupy_last_ptr) {
+            lane_park(ptr, (size_t)requested, device, g_cupy_last_stream, KIND_CUPY);
+        }
+    }
+    Py_DECREF(r);
+}
+
 extern "C" {
 
 #if defined(_WIN32)
@@ -208,7 +315,7 @@ GRAPHPOOL_EXPORT void *graphpool_torch_malloc(size_t size, int device, void *str
     if (g_closed || !Py_IsInitialized()) {
         throw std::runtime_error("graphpool.torch: allocation after the interpreter shut down");
     }
-    void *p = lane_malloc(size, device, stream);
+    void *p = lane_malloc(size, device, stream, KIND_TORCH);
     if (p != nullptr) {
         return p;
     }
@@ -247,11 +354,31 @@ GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, v
             if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
                 PyErr_Clear(); /* (a negative answer: not parked) */
             } else if (requested != 0) {
-                lane_park(ptr, (size_t)requested, device, stream);
+                lane_park(ptr, (size_t)requested, device, stream, KIND_TORCH);
             }
         }
         Py_XDECREF(r);
     }
+    PyGILState_Release(st);
+}
+
+/* CuPy's CFunctionAllocator: the GIL is held (CuPy calls from Python-level code). */
+GRAPHPOOL_EXPORT void *graphpool_cupy_malloc(void *, size_t size, int device) {
+    if (!Py_IsInitialized()) {
+        return nullptr; /* (the interpreter is gone; CuPy allocates nothing then) */
+    }
+    PyGILState_STATE st = PyGILState_Ensure();
+    void *p = cupy_malloc(size, device);
+    PyGILState_Release(st);
+    return p;
+}
+
+GRAPHPOOL_EXPORT void graphpool_cupy_free(void *, void *ptr, int device) {
+    if (g_closed || !Py_IsInitialized() || ptr == nullptr || ptr == kFailed || lane_free(ptr, device)) {
+        return;
+    }
+    PyGILState_STATE st = PyGILState_Ensure();
+    cupy_free(ptr, device);
     PyGILState_Release(st);
 }
 
@@ -280,7 +407,46 @@ static PyObject *close_shim(PyObject *, PyObject *) {
     g_closed = 1;
     Py_CLEAR(g_malloc);
     Py_CLEAR(g_free);
+    Py_CLEAR(g_cupy_malloc);
+    Py_CLEAR(g_cupy_free);
+    g_cupy_stream = nullptr;
     Py_RETURN_NONE;
+}
+
+/* The name CuPy's Cython gives get_current_stream_ptr's signature in its exported capsule. */
+static const char *const kStreamSignature = "intptr_t (void)";
+
+static PyObject *set_cupy_hooks(PyObject *, PyObject *args) {
+    PyObject *m, *f, *capsule;
+    if (!PyArg_ParseTuple(args, "OOO:set_cupy_hooks", &m, &f, &capsule)) {
+        return nullptr;
+    }
+    if (!PyCallable_Check(m) || !PyCallable_Check(f)) {
+        PyErr_SetString(PyExc_TypeError, "set_cupy_hooks: malloc and free must be callable");
+        return nullptr;
+    }
+    /* Only a capsule that names exactly this signature is called (any other: TypeError). */
+    void *fn = PyCapsule_IsValid(capsule, kStreamSignature) ? PyCapsule_GetPointer(capsule, kStreamSignature)
+                                                             : nullptr;
+    if (fn == nullptr) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "set_cupy_hooks: the stream function must be a capsule named \"%s\"",
+                     kStreamSignature);
+        return nullptr;
+    }
+    Py_INCREF(m);
+    Py_INCREF(f);
+    Py_XSETREF(g_cupy_malloc, m);
+    Py_XSETREF(g_cupy_free, f);
+    g_cupy_stream = (current_stream_t)fn;
+    g_cupy_last_ptr = g_cupy_last_stream = nullptr;
+    g_closed = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *cupy_entry_points(PyObject *, PyObject *) {
+    return Py_BuildValue("(NN)", PyLong_FromVoidPtr((void *)&graphpool_cupy_malloc),
+                         PyLong_FromVoidPtr((void *)&graphpool_cupy_free));
 }
 
 static PyObject *try_malloc(PyObject *, PyObject *args) {
@@ -370,15 +536,21 @@ static PyObject *lane_state(PyObject *, PyObject *arg) {
     Lane &l = g_lanes[device];
     std::lock_guard<std::mutex> g(l.m);
     static const char *names[] = {"empty", "parked", "live"};
-    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:K,s:O}", "ptr", (unsigned long long)(uintptr_t)l.ptr,
+    return Py_BuildValue("{s:K,s:K,s:K,s:s,s:K,s:O,s:s}", "ptr", (unsigned long long)(uintptr_t)l.ptr,
                          "requested", (unsigned long long)l.requested, "stream",
                          (unsigned long long)(uintptr_t)l.stream, "state", names[l.state], "hits", l.hits,
-                         "on", l.on ? Py_True : Py_False);
+                         "on", l.on ? Py_True : Py_False, "kind", l.kind == KIND_CUPY ? "cupy" : "torch");
 }
 
 static PyMethodDef methods[] = {
     {"set_hooks", set_hooks, METH_VARARGS,
      "set_hooks(malloc, free)\n--\n\nThe Python callables the exported C functions call."},
+    {"set_cupy_hooks", set_cupy_hooks, METH_VARARGS,
+     "set_cupy_hooks(malloc_on, free_parking, current_stream_capsule)\n--\n\nThe CuPy hooks the exported "
+     "graphpool_cupy_malloc/free call, and CuPy's get_current_stream_ptr (its exported capsule)."},
+    {"cupy_entry_points", cupy_entry_points, METH_NOARGS,
+     "cupy_entry_points() -> (malloc, free)\n--\n\nThe addresses of graphpool_cupy_malloc and "
+     "graphpool_cupy_free, for CuPy's CFunctionAllocator."},
     {"close", close_shim, METH_NOARGS,
      "close()\n--\n\nDrop the hooks: from now on malloc fails and free does nothing (exit)."},
     {"try_malloc", try_malloc, METH_VARARGS,

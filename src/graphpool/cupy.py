@@ -3,9 +3,13 @@
 ``install()`` makes every CuPy allocation come from graphpool, on CuPy's current stream
 and device, so arrays made inside ``gp.graph(...)`` land in the graph's private pool
 and a block freed by CuPy is reused only as docs/behaviour.rst allows. Where CuPy has
+``cupy.cuda.memory.CFunctionAllocator`` and graphpool's compiled shim is installed, CuPy calls
+the shim's C functions, which read CuPy's current stream in C, hand a block graphpool parked
+to the next array of its size and stream without calling Python (graphpool.lanes), and
+otherwise call graphpool's compiled hooks (graphpool.hooks). Where CuPy has only
 ``cupy.cuda.memory.PythonFunctionAllocator`` (CuPy 9 and later), CuPy builds its memory
-objects in Cython and calls graphpool's compiled hooks (graphpool.hooks) with the size and
-device, and frees by address when it drops the memory; elsewhere ``malloc`` below serves
+objects in Cython and calls those hooks with the size and device, and frees by address when
+it drops the memory; elsewhere ``malloc`` below serves
 (CuPy's ``UnownedMemory`` over a graphpool DeviceBuffer). It also registers a
 stream follower (``graphpool.routing``) so that ``gp.stream(s)`` and ``gp.graph(g)`` make
 ``s`` (or the capturing stream) CuPy's current stream too, and give CuPy back its own on
@@ -29,14 +33,17 @@ CuPy is imported on ``install()``, never at module import. Needs the "cuda" back
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from graphpool import routing, runtime
+from graphpool import lanes, routing, runtime
 from graphpool.buffer import DeviceBuffer
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.errors import OutOfMemoryError
@@ -73,6 +80,12 @@ _allocator: Any = None
 ``PythonFunctionAllocator`` over ``_hooks`` where CuPy has that class, else ``malloc``."""
 _hooks: CupyHooks | None = None
 """The compiled entry points (graphpool.hooks) that CuPy's ``PythonFunctionAllocator`` calls."""
+use_c_allocator = True
+"""False: ``install()`` hands CuPy a ``PythonFunctionAllocator`` over the compiled hooks even
+where CuPy has ``CFunctionAllocator`` and graphpool's compiled shim is installed (for
+comparisons, graphpool.tools.frameworks_bench). Read at ``install()``."""
+_c_hooks: CupyHooks | None = None
+"""The hooks the shim's C entry points call, once made (``_c_allocator``)."""
 use_function_allocator = False
 """True: ``install()`` hands CuPy ``malloc`` (a Python function building CuPy's memory objects
 around a DeviceBuffer) even where CuPy has ``PythonFunctionAllocator``; for comparisons
@@ -270,6 +283,50 @@ def hooked() -> bool:
     return _HOOKS.hooked
 
 
+def _c_allocator(cupy: Any) -> tuple[CupyHooks, Any] | None:
+    """The hooks and the ``malloc`` of a CuPy ``CFunctionAllocator`` over the shim's C entry
+    points (graphpool._torch_shim: ``graphpool_cupy_malloc``/``free``, which read CuPy's
+    current stream with CuPy's own exported C function and take a parked block from the
+    device's lane without calling Python), or None where CuPy, the compiled shim or CuPy's
+    exported stream function is missing (``PythonFunctionAllocator`` then serves).
+
+    The hooks are the process's, made once: the shim calls one free hook for every block it
+    handed CuPy, also for arrays that outlive an ``uninstall()``."""
+    global _c_hooks
+    cuda = cupy.cuda
+    cfa = getattr(getattr(cuda, "memory", None), "CFunctionAllocator", None)
+    if cfa is None:
+        return None
+    stream_module = getattr(cuda, "stream", None)
+    if not isinstance(stream_module, types.ModuleType):
+        try:
+            stream_module = importlib.import_module(f"{getattr(cuda, '__name__', 'cupy.cuda')}.stream")
+        except ImportError:
+            return None
+    capi = getattr(stream_module, "__pyx_capi__", None)
+    capsule = capi.get("get_current_stream_ptr") if isinstance(capi, dict) else None
+    if capsule is None:
+        return None
+    try:
+        shim = lanes.shim("graphpool.cupy")
+    except RuntimeError:
+        return None
+    if not hasattr(shim, "set_cupy_hooks"):
+        return None
+    hooks = _c_hooks
+    if hooks is None:
+        hooks = CupyHooks(cuda.get_current_stream, _find, lanes.binder("graphpool.cupy"))
+    try:
+        shim.set_cupy_hooks(hooks.malloc_on, hooks.free, capsule)
+    except TypeError:  # CuPy's stream function has another signature than the one the shim calls
+        return None
+    if _c_hooks is None:
+        atexit.register(shim.close)  # arrays CuPy drops after Python is gone are left alone
+    _c_hooks = hooks
+    entry_malloc, entry_free = shim.cupy_entry_points()
+    return hooks, cfa(0, entry_malloc, entry_free, shim).malloc
+
+
 def install() -> None:
     """Make graphpool CuPy's allocator and keep CuPy's current stream in step with graphpool's.
 
@@ -287,7 +344,10 @@ def install() -> None:
         _calls = (cuda.runtime.getDevice, cuda.get_current_stream, cuda.UnownedMemory, cuda.MemoryPointer)
         _previous = cupy.cuda.get_allocator()
         native = getattr(getattr(cuda, "memory", None), "PythonFunctionAllocator", None)
-        if native is not None and not use_function_allocator:
+        c_path = None if use_function_allocator or not use_c_allocator else _c_allocator(cupy)
+        if c_path is not None:
+            _hooks, _allocator = c_path
+        elif native is not None and not use_function_allocator:
             # CuPy builds its memory objects in Cython and calls the compiled hooks with the
             # size and device (CuPy's current device); the hooks read CuPy's current stream
             _hooks = CupyHooks(cuda.get_current_stream, _find)

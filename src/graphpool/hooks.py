@@ -49,33 +49,66 @@ Finder = Callable[[int, int], Route]
 """``find(device, raw handle) -> Route``: the integration's slow path (checks included)."""
 
 
-class CupyHooks:
-    """``malloc(size, device)`` and ``free(ptr, device)`` for CuPy's ``PythonFunctionAllocator``.
+def give_back(a: CachingAllocator, ptr: int, recent: int, last: Kept | None) -> int:
+    """The hooks' one free rule: the block at ``ptr`` goes back to ``a``, parked or queued for
+    its next call. Offered for parking (heap.py, Note [Parking]) only if it is the block the
+    hooks' malloc handed out last (``recent``: a temporary dropped before the next request,
+    which may be the same) and the route they used last is current (no ``set_backend`` or
+    other change since: a lane then answers without asking ``find``). Returns what ``park``
+    does (the requested size when parked), or 0 when queued (``drop``, without the lock)."""
+    if ptr == recent:
+        if last is not None and last.route.alloc is a and last.route.generation == _routes.generation:
+            return a.park(ptr)
+    if a.parking():
+        return a.park(ptr, False)  # queued behind the parked block (it is queued first)
+    a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
+    return 0
 
-    The stream is CuPy's current stream of the device, ``current(device).ptr`` (CuPy's
-    ``get_current_stream``, a Cython function): the allocator CuPy calls is per process, its
-    stream per thread and device. ``free`` gives a block back to the allocator that made it:
-    the one that serves the device now, or, after a ``set_backend``, a replaced one that still
-    holds the block (``retired``).
+
+class CupyHooks:
+    """``malloc(size, device)`` and ``free(ptr, device)`` for CuPy's allocator hooks.
+
+    CuPy's ``PythonFunctionAllocator`` calls ``malloc`` and ``free``; the shim's
+    ``graphpool_cupy_malloc`` (for CuPy's ``CFunctionAllocator``) reads CuPy's current stream
+    in C and calls ``malloc_on``. The stream is CuPy's current stream of the device,
+    ``current(device).ptr`` (CuPy's ``get_current_stream``): the allocator CuPy calls is per
+    process, its stream per thread and device. ``free`` gives a block back to the allocator
+    that made it: the one that serves the device now (``give_back``: parked or queued), or,
+    after a ``set_backend``, a replaced one that still holds the block (``retired``).
+    ``bind(device, allocator)``, if given, is called once per allocator these hooks use (the
+    integration connects the allocator to the shim's lane there).
     """
 
-    __slots__ = ("_current", "_find", "_last", "_allocs", "_retired")
+    __slots__ = ("_current", "_find", "_last", "_allocs", "_retired", "_bind", "_recent")
 
-    def __init__(self, current: Callable[[int], Any], find: Finder) -> None:
+    def __init__(
+        self,
+        current: Callable[[int], Any],
+        find: Finder,
+        bind: Callable[[int, CachingAllocator], object] | None = None,
+    ) -> None:
         self._current = current
         self._find = find
         self._last: Kept | None = None
         self._allocs: dict[int, CachingAllocator] = {}
         self._retired: list[CachingAllocator] = []
+        self._bind = bind
+        self._recent = 0  # the address malloc handed out last
 
     def malloc(self, size: int, device: int) -> int:
         """``size`` bytes for CuPy's current stream of ``device``: the address."""
         raw: int = self._current(device).ptr
+        return self.malloc_on(size, device, raw)
+
+    def malloc_on(self, size: int, device: int, raw: int) -> int:
+        """``size`` bytes for CuPy's stream ``raw`` (its handle) of ``device``: the address."""
         last = self._last
         if last is not None and last.raw == raw and last.device == device and size != 0:
             route = last.route
             if route.generation == _routes.generation:
-                return route.alloc.malloc(size, stream=route.handle)
+                ptr = route.alloc.malloc(size, stream=route.handle)
+                self._recent = ptr
+                return ptr
         return self._miss(size, device, raw)
 
     def _miss(self, size: int, device: int, raw: int) -> int:
@@ -86,23 +119,28 @@ class CupyHooks:
             if old is not None and old not in self._retired:
                 self._retired.append(old)  # a set_backend replaced it: it may still hold blocks
             self._allocs[device] = a
+            if self._bind is not None:
+                self._bind(device, a)
         self._last = Kept(device, raw, route)
         if size == 0:
             return 0
-        return a.malloc(size, stream=route.handle)
+        ptr = a.malloc(size, stream=route.handle)
+        self._recent = ptr
+        return ptr
 
-    def free(self, ptr: int, device: int) -> None:
-        """Give back the block at ``ptr`` (CuPy's memory object is being collected)."""
+    def free(self, ptr: int, device: int) -> int:
+        """Give back the block at ``ptr`` (CuPy's memory object is being collected): the
+        requested size if it was parked, else 0."""
         if self._retired:
             for old in self._retired:
                 block = old.lookup(ptr)
                 if block is not None and block.allocated:
                     old.free_owned(ptr)
-                    return
+                    return 0
         a = self._allocs.get(device)
         if a is None:
             raise ValueError(f"graphpool.cupy: 0x{ptr:x} on device {device} was not allocated by graphpool")
-        a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
+        return give_back(a, ptr, self._recent, self._last)
 
 
 class TorchHooks:
@@ -169,18 +207,11 @@ class TorchHooks:
         if a is None:
             a = self._allocator(device)
             self._use(device, a)
-        if ptr == self._recent:  # (kept: the lane may hand this block out again, as malloc would)
-            last = self._last
-            if last is not None and last.route.alloc is a and last.route.generation == _routes.generation:
-                return a.park(ptr)
-        if a.parking():
-            return a.park(ptr, False)  # queued behind the parked block (it is queued first)
-        a.drop(ptr)  # queued, as a dropped DeviceBuffer's free (capture rules: CachingAllocator.drop)
-        return 0
+        return give_back(a, ptr, self._recent, self._last)
 
 
 # Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded
 # signal handler waits until it is there (policy/interrupts.py, "Handoffs").
 interrupts.handoff(CupyHooks.free, TorchHooks.free)
 
-__all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks"]
+__all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks", "give_back"]

@@ -13,7 +13,8 @@ C++, built by the compiled install) take the GIL and call the compiled hooks of
 served last, so a run of tensors on one stream goes straight to the allocator's ``malloc``.
 A tensor's free parks its block (policy/heap.py, Note [Parking]), and the shim's *lane*
 hands a parked block to the next tensor of the same size and stream, and parks it again when
-that tensor dies, without Python or the GIL (``GRAPHPOOL_TORCH_LANE=0`` turns the lane off).
+that tensor dies, without Python or the GIL (graphpool.lanes; ``GRAPHPOOL_LANE=0`` turns the
+lanes off).
 A failed allocation reaches PyTorch as a C++ exception, which PyTorch raises as a
 ``RuntimeError`` carrying graphpool's message (out of memory included: not
 ``torch.OutOfMemoryError``).
@@ -32,13 +33,11 @@ undone in the process.
 from __future__ import annotations
 
 import atexit
-import functools
-import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from graphpool import cooperate, routing, runtime
+from graphpool import cooperate, lanes, routing, runtime
 from graphpool import memory as gp_memory
 from graphpool.hooks import Finder, TorchHooks
 from graphpool.policy.reports import zero_device_stats
@@ -56,23 +55,13 @@ shim calls it."""
 
 _lock = threading.Lock()
 _installed = False
-_listening = False  # routing.on_invalidate(shim.lanes_off) registered
-_lane_lock = threading.Lock()  # the lanes' owners (install() holds _lock while it binds)
 _MALLOC = "graphpool_torch_malloc"
 _FREE = "graphpool_torch_free"
 
 
 def _shim() -> Any:
     """The compiled shim module; RuntimeError naming the fix when the install has none."""
-    try:
-        from graphpool import _torch_shim  # type: ignore[attr-defined]
-    except ImportError as e:
-        raise RuntimeError(
-            "graphpool.torch needs graphpool's compiled PyTorch shim (graphpool/_torch_shim, C++), "
-            "which this install lacks: reinstall graphpool on a machine with a C++ compiler and "
-            "without GRAPHPOOL_COMPILE=0"
-        ) from e
-    return _torch_shim
+    return lanes.shim("graphpool.torch")
 
 
 def library_path() -> str:
@@ -95,50 +84,8 @@ def hooks(rt: runtime.Runtime | None = None) -> tuple[MallocHook, FreeHook]:
     dropped during a capture not yet detected is kept for that graph).
     """
     bound = _runtime_of(rt, "hooks")
-    h = TorchHooks(_finder(bound), bound.allocator, _lane_binder())
+    h = TorchHooks(_finder(bound), bound.allocator, lanes.binder("graphpool.torch"))
     return h.malloc, h.free
-
-
-_lane_owners: dict[int, CachingAllocator] = {}
-"""The allocator each device's lane of the shim serves (the lanes are the process's; held, as
-PyTorch holds its allocator for the process)."""
-
-
-def _lane_binder() -> Callable[[int, CachingAllocator], None] | None:
-    """``bind(device, allocator)`` for TorchHooks: connects the allocator to the shim's lane of
-    the device (None without the compiled shim, or with ``GRAPHPOOL_TORCH_LANE=0``).
-
-    The lane (graphpool/_torch_shim.cpp) hands the block graphpool parked (heap.py, Note
-    [Parking]) to the next ``torch.empty`` of its size and stream without the GIL; the
-    allocator takes it back before each of its calls (``set_lane``). A lane serves one
-    allocator: binding another first settles the one it served.
-    """
-    try:
-        shim = _shim()
-    except RuntimeError:
-        return None
-    if not hasattr(shim, "lane_take"):  # a shim without lanes (a stand-in, in tests)
-        return None
-    if os.environ.get("GRAPHPOOL_TORCH_LANE", "1") == "0":
-        shim.set_lanes_enabled(False)
-        return None
-    with _lane_lock:
-        global _listening
-        if not _listening:
-            routing.on_invalidate(shim.lanes_off)  # a kept answer no generation guards
-            _listening = True
-
-    def bind(device: int, a: CachingAllocator) -> None:
-        with _lane_lock:
-            old = _lane_owners.get(device)
-            if old is not None and old is not a:
-                old.set_lane(None)  # settles its park with the lane first
-            query = getattr(a.device, "capture_query_address", None)
-            shim.lane_query(device, int(query()) if query is not None else 0)
-            a.set_lane(functools.partial(shim.lane_take, device))
-            _lane_owners[device] = a
-
-    return bind
 
 
 def _runtime_of(rt: object, what: str) -> runtime.Runtime:
