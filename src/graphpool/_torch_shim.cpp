@@ -83,6 +83,8 @@ struct Lane {
     void *armed = nullptr;    /* the block graphpool parked last, until its next take */
     size_t armed_requested = 0;
     int kind = 0;             /* the framework that parked it (KIND_TORCH, KIND_CUPY): only it is served */
+    void *cupy_ptr = nullptr;    /* the block CuPy's malloc hook handed out last on this device, */
+    void *cupy_stream = nullptr; /* and CuPy's stream it was for (CuPy's free names no stream) */
 };
 
 /* A block parked by one framework's free is handed only to that framework's malloc: a block
@@ -147,6 +149,12 @@ static void lane_park(void *ptr, size_t requested, int device, void *stream, int
     std::lock_guard<std::mutex> g(l.m);
     if (ptr == nullptr || l.armed != ptr || l.armed_requested != requested) {
         return; /* graphpool took it back since it parked it (or never parked it for this lane) */
+    }
+    if (kind == KIND_CUPY) { /* graphpool parks the block its hooks handed out last: this one */
+        if (l.cupy_ptr != ptr) {
+            return;
+        }
+        stream = l.cupy_stream;
     }
     l.armed = nullptr;
     l.ptr = ptr;
@@ -225,10 +233,17 @@ static PyObject *g_cupy_malloc = nullptr;  /* CupyHooks.malloc_on(size, device, 
 static PyObject *g_cupy_free = nullptr;    /* CupyHooks.free_parking(ptr, device) -> int (parked) */
 static current_stream_t g_cupy_stream = nullptr;
 static void *const kFailed = (void *)(intptr_t)-1; /* a failed malloc, the exception set */
-/* The block the malloc hook handed out last and CuPy's stream it was for (GIL held): a free
-   hook that parks a block parks the one malloc handed out last, on this stream. */
-static void *g_cupy_last_ptr = nullptr;
-static void *g_cupy_last_stream = nullptr;
+/* Note the block CuPy's malloc hook handed out and its stream: a free hook that parks a block
+   parks the one the hooks handed out last, and the lane then serves that stream. */
+static void lane_note_cupy(void *ptr, int device, void *stream) {
+    if (device < 0 || device >= kLanes) {
+        return;
+    }
+    Lane &l = g_lanes[device];
+    std::lock_guard<std::mutex> g(l.m);
+    l.cupy_ptr = ptr;
+    l.cupy_stream = stream;
+}
 
 /* (GIL held) The block for CuPy, or kFailed with the exception set. */
 static void *cupy_malloc(size_t size, int device) {
@@ -269,8 +284,7 @@ static void *cupy_malloc(size_t size, int device) {
         PyErr_SetString(PyExc_RuntimeError, "graphpool.cupy: the allocator hook returned no address");
         return kFailed;
     }
-    g_cupy_last_ptr = p;
-    g_cupy_last_stream = stream;
+    lane_note_cupy(p, device, stream);
     return p;
 }
 
@@ -296,8 +310,8 @@ static void cupy_free(void *ptr, int device) {
         unsigned long long requested = PyLong_AsUnsignedLongLong(r);
         if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
             PyErr_Clear();
-        } else if (requested != 0 && ptr == g_cupy_last_ptr) {
-            lane_park(ptr, (size_t)requested, device, g_cupy_last_stream, KIND_CUPY);
+        } else if (requested != 0) {
+            lane_park(ptr, (size_t)requested, device, nullptr, KIND_CUPY);
         }
     }
     Py_DECREF(r);
@@ -439,7 +453,6 @@ static PyObject *set_cupy_hooks(PyObject *, PyObject *args) {
     Py_XSETREF(g_cupy_malloc, m);
     Py_XSETREF(g_cupy_free, f);
     g_cupy_stream = (current_stream_t)fn;
-    g_cupy_last_ptr = g_cupy_last_stream = nullptr;
     g_closed = 0;
     Py_RETURN_NONE;
 }
