@@ -639,10 +639,9 @@ class _Plan:
     """The static part of ``_check_replay`` for one graph at one version of its pool mates
     (Note [Replay plans]); each entry names a mate by its weak reference."""
 
-    __slots__ = ("mates", "version", "others", "meets", "inputs", "clobbers")
+    __slots__ = ("version", "others", "meets", "inputs", "clobbers", "quiet")
 
-    def __init__(self, mates: Mates, version: int) -> None:
-        self.mates = mates
+    def __init__(self, version: int) -> None:
         self.version = version
         # every other mate, in the pool's order (the late events)
         self.others: list[weakref.ref[CUDAGraph]] = []
@@ -654,13 +653,14 @@ class _Plan:
         ] = []
         # check 3: the mates with outputs in this graph's footprint, and those outputs
         self.clobbers: list[tuple[weakref.ref[CUDAGraph], tuple[tuple[Block, int], ...]]] = []
+        self.quiet = True  # none of the three: a replay only catches up with late events
 
 
 def _plan(g: CUDAGraph, mates: Mates) -> _Plan:
     """Make (and keep on ``g``) ``g``'s replay plan for the present mates (Note [Replay plans])."""
     rec = g._rec
     assert rec is not None
-    plan = _Plan(mates, mates.version)  # the version first: a change from here on makes it stale
+    plan = _Plan(mates.version)  # the version first: a change from here on makes it stale
     found = [
         (r, h)
         for r in tuple(mates.values())  # (C-level copy: weakref callbacks edit it)
@@ -691,6 +691,7 @@ def _plan(g: CUDAGraph, mates: Mates) -> _Plan:
         writers = tuple(r for r, h in found if r is not prod and _meets(_extent(h), ptr, size))
         if writers:
             plan.inputs.append((ptr, size, block, serial, prod, writers))
+    plan.quiet = not (plan.meets or plan.inputs or plan.clobbers)
     g._plan = plan
     return plan
 
@@ -722,27 +723,18 @@ def _report(message: str) -> None:
 
 def _check_replay(g: CUDAGraph, s: Stream) -> None:
     """Report the hazards of replaying ``g`` on ``s`` now (docs/behaviour.rst, "Replay safety")."""
-    mates = g._mates
-    if mates is None:
-        return
     plan = g._plan
-    if plan is None or plan.mates is not mates or plan.version != mates.version:
+    mates = g._mates
+    if plan is None or mates is None or plan.version != mates.version:  # (versions are never reused)
+        if mates is None:
+            return
         plan = _plan(g, mates)
-    late = None
     for r in plan.others:
         h = r()
-        if h is not None and h._event_stale:
-            hs = h._last_stream
-            if hs is not None and hs != s and hs._source is None:
-                if late is None:
-                    late = [h]
-                else:
-                    late.append(h)
-    if late is not None:
-        with _checks_lock:
-            _streams_of.add(_key(g))
-        for h in late:
-            _mark_done(h)
+        if h is not None and h._event_stale and h._last_stream is not s:
+            _catch_up(g, h, s)
+    if plan.quiet:
+        return
     # 1. an overlapping replay of a pool mate on another stream
     for r, ptr, size in plan.meets:
         h = r()
@@ -787,6 +779,19 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
                     f"drop that output before replaying {g.label}, or capture into separate pools."
                 )
                 return
+
+
+def _catch_up(g: CUDAGraph, h: CUDAGraph, s: Stream) -> None:
+    """``h``, a mate of ``g``, replayed last without recording its done event: if that was on
+    another stream than ``s`` (graphpool's own), record it now, and from now on record one at
+    each replay of the pool's graphs (``_streams_of``; see ``_note_alone``)."""
+    hs = h._last_stream
+    if hs is not None and hs != s and hs._source is None:  # (another stream object may be s)
+        key = _key(g)
+        if key not in _streams_of:
+            with _checks_lock:
+                _streams_of.add(key)
+        _mark_done(h)
 
 
 def _pool_of(g: CUDAGraph) -> tuple[int, ...]:

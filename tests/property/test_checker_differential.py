@@ -5,8 +5,9 @@ outputs meet (Note [Replay plans]), and each replay runs only what can change be
 replays. ``reference`` below is the checker as it was before the plans: every replay walks
 the pool's mates and compares their footprints pair by pair. Random programs capture into
 shared pools on two streams (temporaries freed during the capture, outputs kept), replay
-in random orders on either stream, make one stream wait for the other now and then, free
-outputs, reset graphs (and capture into them again), drop graphs, and synchronize. Every
+in random orders on either stream (now and then through another Stream object for it),
+make one stream wait for the other, free outputs, reset graphs (and capture into them
+again), drop graphs, and synchronize. Every
 checked replay runs the product's checker, then the reference on the same state; they must
 report the same messages in the same order, and the product must have recorded the done
 events of the mates the reference finds late. The run must reach each of the three checks
@@ -172,7 +173,10 @@ class Program:
         if op == "capture" or (not live and op in ("replay", "reset", "drop")):
             self.capture()
         elif op == "replay":
-            with gp.stream(rng.choice(self.streams)):
+            s = rng.choice(self.streams)
+            if rng.random() < 0.2:  # another object for the same stream (equal, not identical)
+                s = Stream._wrap(s.device, s.handle)
+            with gp.stream(s):
                 rng.choice(live).replay()
         elif op == "wait":
             a, b = rng.sample(self.streams, 2)
@@ -205,14 +209,19 @@ def test_the_plans_report_what_recomputing_every_replay_reports(sim: Any, monkey
     seen: Counter[str] = Counter()
 
     def both(g: CUDAGraph, s: Stream) -> None:
-        late = _late(_mates(g), s)
+        mates = _mates(g)
+        late = _late(mates, s)
+        stale = [h for h in mates if h._event_stale and h not in late]
+        spread = graphs._key(g) in graphs._streams_of
         sink.clear()
         product(g, s)
         mine = list(sink)
-        if late:  # the product recorded their done events (reference's side effects, checked)
-            seen["late"] += 1
-            assert graphs._key(g) in graphs._streams_of
-            assert not any(h._event_stale for h in late)
+        # the product recorded the done events of the late mates, and only theirs (the
+        # reference's side effects, checked: run after, it finds none late)
+        assert (graphs._key(g) in graphs._streams_of) == (spread or bool(late))
+        assert not any(h._event_stale for h in late)
+        assert all(h._event_stale for h in stale)
+        seen["late"] += bool(late)
         ref: list[str] = []
         reference(g, s, ref.append)
         assert mine == ref
