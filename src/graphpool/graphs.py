@@ -99,7 +99,7 @@ class CUDAGraph:
         self._mates: Mates | None = None  # the graphs of its pool, itself included
         self._pool_key: tuple[int, PoolId] | None = None  # (device, pool id) while registered
         self._plan: _Plan | None = None  # what its replays check (Note [Replay plans])
-        self._extent: tuple[list[int], list[int]] | None = None  # its footprint, merged (_extent)
+        self._extent: tuple[CaptureRecord, tuple[list[int], list[int]]] | None = None  # (_extent)
 
     # ------------------------------------------------------------ capture
     def capture_begin(
@@ -587,24 +587,29 @@ def _overlaps(a: Iterable[tuple[int, int]] | None, b_ptr: int, b_size: int) -> t
 
 
 def _extent(g: CUDAGraph) -> tuple[list[int], list[int]]:
-    """``g``'s footprint as sorted, disjoint ranges (starts, ends), made once: whether a range
-    meets it is then a bisection (``_meets``). Ranges are merged only where they overlap, not
-    where they touch, so that the answer is exactly whether some allocation meets the range."""
-    ext = g._extent
-    if ext is None:
-        assert g._rec is not None
-        starts: list[int] = []
-        ends: list[int] = []
-        for ptr, size in sorted(g._rec.written or ()):
-            end = ptr + size
-            if ends and ptr < ends[-1]:
-                if end > ends[-1]:
-                    ends[-1] = end
-            else:
-                starts.append(ptr)
-                ends.append(end)
-        ext = g._extent = (starts, ends)
-    return ext
+    """``g``'s footprint as sorted, disjoint ranges (starts, ends), made once per capture:
+    whether a range meets the footprint is then a bisection (``_meets``). Ranges are merged
+    only where they overlap, not where they touch: the answer is exactly whether an
+    allocation of the footprint meets the range. (Kept with its record, which another thread
+    may reset meanwhile: a graph without one has an empty footprint.)"""
+    rec = g._rec
+    kept = g._extent
+    if kept is not None and kept[0] is rec:
+        return kept[1]
+    starts: list[int] = []
+    ends: list[int] = []
+    if rec is None:
+        return starts, ends
+    for ptr, size in sorted(rec.written or ()):
+        end = ptr + size
+        if ends and ptr < ends[-1]:
+            if end > ends[-1]:
+                ends[-1] = end
+        else:
+            starts.append(ptr)
+            ends.append(end)
+    g._extent = (rec, (starts, ends))
+    return starts, ends
 
 
 def _meets(ext: tuple[list[int], list[int]], ptr: int, size: int) -> bool:
@@ -627,10 +632,11 @@ def _meets(ext: tuple[list[int], list[int]], ptr: int, size: int) -> bool:
 # A replay costs O(mates + inputs + the overlapping outputs), not O(footprint x footprint).
 #
 # A plan names mates by their weak references, never the graphs: a dropped graph is collected
-# and gives its memory back as before; until the plan is rebuilt its dead references are
-# skipped, as the old per-replay scan skipped them. The plan is read without _checks_lock: the
-# version is read before the mates are, so a change during the build leaves the plan stale
-# (rebuilt at the next replay), never wrong, and the graph's ``_plan`` is one attribute store.
+# at once and gives its pool memory back; until the plan is made again, its dead reference is
+# skipped (a collected graph is no mate). Replays read plans without _checks_lock (which
+# guards registration): a plan takes its version before it reads the mates, so a change
+# during its making leaves it stale (made again at the next replay), never wrong, and the
+# graph's ``_plan`` is one attribute store. Versions come from one counter: never reused.
 # An output's range is read when the plan is made, if it is still the same allocation (its
 # serial): an allocation keeps its range, and a block handed out again gets a new serial.
 
@@ -662,14 +668,12 @@ def _plan(g: CUDAGraph, mates: Mates) -> _Plan:
     assert rec is not None
     plan = _Plan(mates.version)  # the version first: a change from here on makes it stale
     found = [
-        (r, h)
+        (r, h, hrec)
         for r in tuple(mates.values())  # (C-level copy: weakref callbacks edit it)
-        if (h := r()) is not None and h is not g and h._rec is not None
+        if (h := r()) is not None and h is not g and (hrec := h._rec) is not None
     ]
     mine = _extent(g)
-    for r, h in found:
-        hrec = h._rec
-        assert hrec is not None
+    for r, _, hrec in found:
         plan.others.append(r)
         for ptr, size in hrec.written or ():
             if _meets(mine, ptr, size):
@@ -685,10 +689,10 @@ def _plan(g: CUDAGraph, mates: Mates) -> _Plan:
         if outs:
             plan.clobbers.append((r, outs))
     for ptr, size, producer, block, serial in rec.inputs:
-        prod = next((r for r, h in found if h._rec is producer), None)
+        prod = next((r for r, _, hrec in found if hrec is producer), None)
         if prod is None:
             continue  # its producer is gone or reset: never checked again
-        writers = tuple(r for r, h in found if r is not prod and _meets(_extent(h), ptr, size))
+        writers = tuple(r for r, h, _ in found if r is not prod and _meets(_extent(h), ptr, size))
         if writers:
             plan.inputs.append((ptr, size, block, serial, prod, writers))
     plan.quiet = not (plan.meets or plan.inputs or plan.clobbers)
@@ -725,7 +729,7 @@ def _check_replay(g: CUDAGraph, s: Stream) -> None:
     """Report the hazards of replaying ``g`` on ``s`` now (docs/behaviour.rst, "Replay safety")."""
     plan = g._plan
     mates = g._mates
-    if plan is None or mates is None or plan.version != mates.version:  # (versions are never reused)
+    if plan is None or mates is None or plan.version != mates.version:
         if mates is None:
             return
         plan = _plan(g, mates)
