@@ -240,6 +240,10 @@ def test_the_plans_report_what_recomputing_every_replay_reports(sim: Any, monkey
         gp.synchronize()
         for g in p.graphs:
             g.reset()
+        for b in p.outputs:
+            b.free()
+        del p
+        gp.empty_cache()  # each program's pools go back to the device
     # every check was reached, and reported by both (or the test compared nothing)
     assert min(seen[k] for k in ("1 concurrent", "2 input", "3 output", "late")) > 0, seen
 
