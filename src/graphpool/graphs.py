@@ -9,6 +9,7 @@ string comparison plus the launch.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import itertools
 import threading
@@ -27,6 +28,7 @@ from graphpool.device.protocol import (
 from graphpool.errors import CaptureError, GraphpoolError, ReplayHazardError
 from graphpool.memory import current_entry, empty_cache
 from graphpool.policy.allocator import CachingAllocator
+from graphpool.policy.block import Block
 from graphpool.policy.private_pools import (
     CaptureRecord,
     PoolId,
@@ -96,6 +98,8 @@ class CUDAGraph:
         self._event_stale = False  # replayed since _done_event was last recorded (alone in its pool)
         self._mates: Mates | None = None  # the graphs of its pool, itself included
         self._pool_key: tuple[int, PoolId] | None = None  # (device, pool id) while registered
+        self._plan: _Plan | None = None  # what its replays check (Note [Replay plans])
+        self._extent: tuple[CaptureRecord, tuple[list[int], list[int]]] | None = None  # (_extent)
 
     # ------------------------------------------------------------ capture
     def capture_begin(
@@ -469,10 +473,22 @@ class graph:
 _checks = "off"
 _checks_lock = threading.Lock()
 _tick = itertools.count(1)
-Mates = dict[int, "weakref.ref[CUDAGraph]"]
-"""The graphs of one pool: ``id(graph)`` -> a weak reference that drops its entry when the
-graph is collected (a dict, not a WeakSet: a replay reads it, and a WeakSet's iteration guard
-costs more than the checks)."""
+_versions = itertools.count(1)
+
+
+class Mates(dict[int, "weakref.ref[CUDAGraph]"]):
+    """The graphs of one pool: ``id(graph)`` -> a weak reference that drops its entry when the
+    graph is collected (a dict, not a WeakSet: a replay reads it, and a WeakSet's iteration
+    guard costs more than the checks). ``version`` changes whenever a graph joins or leaves:
+    a replay plan made at another version is stale (Note [Replay plans])."""
+
+    __slots__ = ("version",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = next(_versions)
+
+
 _by_pool: dict[tuple[int, PoolId], Mates] = {}
 _streams_of: set[tuple[int, PoolId]] = set()
 """The pools whose graphs have replayed on two streams or more: from then on each replay of
@@ -515,14 +531,19 @@ def _register(g: CUDAGraph) -> None:
                 _streams_of.discard(k)
             _sweep_at = max(64, 2 * len(_by_pool))
         key = _key(g)
-        mates = _by_pool.setdefault(key, {})
+        mates = _by_pool.get(key)
+        if mates is None:
+            mates = _by_pool[key] = Mates()
         ident = id(g)
 
         def gone(ref: weakref.ref[CUDAGraph], mates: Mates = mates, ident: int = ident) -> None:
+            # No lock: a collection may run this on a thread that holds _checks_lock.
             if mates.get(ident) is ref:  # (the id may name a later graph by then)
                 del mates[ident]
+                mates.version = next(_versions)
 
         mates[ident] = weakref.ref(g, gone)
+        mates.version = next(_versions)
         g._mates = mates
         g._pool_key = key
 
@@ -531,10 +552,12 @@ def _unregister(g: CUDAGraph, rec: CaptureRecord) -> None:
     with _checks_lock:
         mates, key = g._mates, g._pool_key
         g._mates = g._pool_key = None
+        g._plan = g._extent = None
         if mates is not None and key is not None:
             ref = mates.get(id(g))
             if ref is not None and ref() is g:
                 del mates[id(g)]
+                mates.version = next(_versions)
             if not mates and _by_pool.get(key) is mates:  # (a pool id is never reused)
                 del _by_pool[key]
                 _streams_of.discard(key)
@@ -563,13 +586,118 @@ def _overlaps(a: Iterable[tuple[int, int]] | None, b_ptr: int, b_size: int) -> t
     return None
 
 
-def _footprints_meet(g: CUDAGraph, h: CUDAGraph) -> tuple[int, int] | None:
-    assert g._rec is not None and h._rec is not None
-    for ptr, size in h._rec.written or ():
-        hit = _overlaps(g._rec.written, ptr, size)
-        if hit is not None:
-            return hit
-    return None
+def _extent(g: CUDAGraph) -> tuple[list[int], list[int]]:
+    """``g``'s footprint as sorted, disjoint ranges (starts, ends), made once per capture:
+    whether a range meets the footprint is then a bisection (``_meets``). Ranges are merged
+    only where they overlap, not where they touch: the answer is exactly whether an
+    allocation of the footprint meets the range. (Kept with its record, which another thread
+    may reset meanwhile: a graph without one has an empty footprint.)"""
+    rec = g._rec
+    kept = g._extent
+    if kept is not None and kept[0] is rec:
+        return kept[1]
+    starts: list[int] = []
+    ends: list[int] = []
+    if rec is None:
+        return starts, ends
+    for ptr, size in sorted(rec.written or ()):
+        end = ptr + size
+        if ends and ptr < ends[-1]:
+            if end > ends[-1]:
+                ends[-1] = end
+        else:
+            starts.append(ptr)
+            ends.append(end)
+    g._extent = (rec, (starts, ends))
+    return starts, ends
+
+
+def _meets(ext: tuple[list[int], list[int]], ptr: int, size: int) -> bool:
+    """Whether the range ``[ptr, ptr + size)`` meets an allocation of the footprint ``ext``."""
+    starts, ends = ext
+    i = bisect.bisect_right(ends, ptr)  # the first range that ends after ptr
+    return i < len(ends) and starts[i] < ptr + size
+
+
+# Note [Replay plans]
+# ~~~~~~~~~~~~~~~~~~~
+# What the checks compare is fixed once the graphs have captured: the footprints (``written``),
+# inputs and outputs of a CaptureRecord never change after capture_end, and pool mates come and
+# go only through _register, _unregister and their collection, each of which moves their Mates'
+# ``version``. So a graph's first checked replay at a new version works out which pairs of
+# footprints meet (_Plan, _plan) and keeps it on the graph; every replay until the next version
+# runs only what changes between replays: the order of the last replays (ticks), whether an
+# output or input is still the same allocation (``allocated`` and ``serial``), and whether a
+# mate on another stream is done (_finished), asked only of the mates whose footprints meet.
+# A replay costs O(mates + inputs + the overlapping outputs), not O(footprint x footprint).
+#
+# A plan names mates by their weak references, never the graphs: a dropped graph is collected
+# at once and gives its pool memory back; until the plan is made again, its dead reference is
+# skipped (a collected graph is no mate). Replays read plans without _checks_lock (which
+# guards registration): a plan takes its version before it reads the mates, so a change
+# during its making leaves it stale (made again at the next replay), never wrong, and the
+# graph's ``_plan`` is one attribute store. Versions come from one counter: never reused.
+# An output's range is read when the plan is made, if it is still the same allocation (its
+# serial): an allocation keeps its range, and a block handed out again gets a new serial.
+
+
+class _Plan:
+    """The static part of ``_check_replay`` for one graph at one version of its pool mates
+    (Note [Replay plans]); each entry names a mate by its weak reference."""
+
+    __slots__ = ("version", "others", "meets", "inputs", "clobbers", "quiet")
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        # every other mate, in the pool's order (the late events)
+        self.others: list[weakref.ref[CUDAGraph]] = []
+        # check 1: the mates whose footprint meets this graph's, with the first shared allocation
+        self.meets: list[tuple[weakref.ref[CUDAGraph], int, int]] = []
+        # check 2: (ptr, size, block, serial, producer, the other mates that write the range)
+        self.inputs: list[
+            tuple[int, int, Block, int, weakref.ref[CUDAGraph], tuple[weakref.ref[CUDAGraph], ...]]
+        ] = []
+        # check 3: the mates with outputs in this graph's footprint, and those outputs
+        self.clobbers: list[tuple[weakref.ref[CUDAGraph], tuple[tuple[Block, int], ...]]] = []
+        self.quiet = True  # none of the three: a replay only catches up with late events
+
+
+def _plan(g: CUDAGraph, mates: Mates) -> _Plan:
+    """Make (and keep on ``g``) ``g``'s replay plan for the present mates (Note [Replay plans])."""
+    rec = g._rec
+    assert rec is not None
+    plan = _Plan(mates.version)  # the version first: a change from here on makes it stale
+    found = [
+        (r, h, hrec)
+        for r in tuple(mates.values())  # (C-level copy: weakref callbacks edit it)
+        if (h := r()) is not None and h is not g and (hrec := h._rec) is not None
+    ]
+    mine = _extent(g)
+    for r, _, hrec in found:
+        plan.others.append(r)
+        for ptr, size in hrec.written or ():
+            if _meets(mine, ptr, size):
+                hit = _overlaps(rec.written, ptr, size)
+                assert hit is not None
+                plan.meets.append((r, hit[0], hit[1]))
+                break
+        outs = tuple(
+            (block, serial)
+            for block, serial in hrec.outputs
+            if block.serial == serial and _meets(mine, block.ptr, block.size)  # (later, never again)
+        )
+        if outs:
+            plan.clobbers.append((r, outs))
+    for ptr, size, producer, block, serial in rec.inputs:
+        prod = next((r for r, _, hrec in found if hrec is producer), None)
+        if prod is None:
+            continue  # its producer is gone or reset: never checked again
+        writers = tuple(r for r, h, _ in found if r is not prod and _meets(_extent(h), ptr, size))
+        if writers:
+            plan.inputs.append((ptr, size, block, serial, prod, writers))
+    plan.quiet = not (plan.meets or plan.inputs or plan.clobbers)
+    g._plan = plan
+    return plan
 
 
 def _finished(h: CUDAGraph, s: Stream) -> bool:
@@ -598,72 +726,82 @@ def _report(message: str) -> None:
 
 
 def _check_replay(g: CUDAGraph, s: Stream) -> None:
-    rec = g._rec
-    assert rec is not None
-    key = _key(g)
-    with _checks_lock:
-        mates = [
-            h
-            for r in tuple(_by_pool.get(key, {}).values())  # (C-level copy: weakref callbacks edit it)
-            if (h := r()) is not None and h is not g and h._rec is not None
-        ]
-        late = [
-            h
-            for h in mates
-            if h._event_stale and h._last_stream not in (None, s) and h._last_stream._source is None
-        ]
-        if late:
-            _streams_of.add(key)
-    for h in late:
-        _mark_done(h)
-    pool = tuple(rec.pool.id)
+    """Report the hazards of replaying ``g`` on ``s`` now (docs/behaviour.rst, "Replay safety")."""
+    plan = g._plan
+    mates = g._mates
+    if plan is None or mates is None or plan.version != mates.version:
+        if mates is None:
+            return
+        plan = _plan(g, mates)
+    for r in plan.others:
+        h = r()
+        if h is not None and h._event_stale and h._last_stream is not s:
+            _catch_up(g, h, s)
+    if plan.quiet:
+        return
     # 1. an overlapping replay of a pool mate on another stream
-    for h in mates:
-        if not _finished(h, s):
-            hit = _footprints_meet(g, h)
-            if hit is not None:
-                _report(
-                    f"{g.label} replays on {s!r} while {h.label} (same pool {pool}) may still run on "
-                    f"{h._last_stream!r}; both use 0x{hit[0]:x} ({hit[1]} bytes) for temporaries. "
-                    f"Make {s!r} wait for {h._last_stream!r} first (stream.wait_stream), "
-                    "or capture them into separate pools."
-                )
+    for r, ptr, size in plan.meets:
+        h = r()
+        if h is not None and not _finished(h, s):
+            _report(
+                f"{g.label} replays on {s!r} while {h.label} (same pool {_pool_of(g)}) may still run "
+                f"on {h._last_stream!r}; both use 0x{ptr:x} ({size} bytes) for temporaries. "
+                f"Make {s!r} wait for {h._last_stream!r} first (stream.wait_stream), "
+                "or capture them into separate pools."
+            )
     # 2. an input this graph read at capture was overwritten since its producer's last replay
-    for ptr, size, producer, block, serial in rec.inputs:
+    for ptr, size, block, serial, pr, writers in plan.inputs:
         if block.allocated and block.serial == serial:
             continue  # still the same allocation: no later capture can have been handed it
-        prod = next((h for h in mates if h._rec is producer), None)
+        prod = pr()
         if prod is None:
             continue
-        for h in mates:
-            if h is prod or h._last_tick <= prod._last_tick:
-                continue
-            assert h._rec is not None
-            if _overlaps(h._rec.written, ptr, size) is not None:
+        for r in writers:
+            h = r()
+            if h is not None and h._last_tick > prod._last_tick:
                 _report(
                     f"{g.label} reads 0x{ptr:x} ({size} bytes), made by {prod.label}, but {h.label} "
-                    f"(same pool {pool}) overwrote it when it replayed after {prod.label}. "
-                    f"Replay the graphs of pool {pool} in capture order, or give them separate pools."
+                    f"(same pool {_pool_of(g)}) overwrote it when it replayed after {prod.label}. "
+                    f"Replay the graphs of pool {_pool_of(g)} in capture order, or give them "
+                    "separate pools."
                 )
                 break
     # 3. this replay overwrites a still-referenced output of a graph that replayed after this
     # one last did: out of capture order, or in order around the cycle (g0, g1, g0), where
     # g1's output may live in a temporary of g0 (docs/behaviour.rst, "Replay safety")
-    for h in mates:
-        assert h._rec is not None
-        if h._last_tick <= g._last_tick:
+    tick = g._last_tick
+    for r, outs in plan.clobbers:
+        h = r()
+        if h is None or h._last_tick <= tick:
             continue
-        for block, serial in h._rec.outputs:
+        for block, serial in outs:
             if block.allocated and block.serial == serial:
-                hit = _overlaps(rec.written, block.ptr, block.size)
-                if hit is not None:
-                    _report(
-                        f"{g.label} replays after {h.label} and overwrites 0x{block.ptr:x} "
-                        f"({block.size} bytes), an output of {h.label} that is still referenced "
-                        f"(pool {pool}: {h.label} was handed memory {g.label} uses). Copy or "
-                        f"drop that output before replaying {g.label}, or capture into separate pools."
-                    )
-                    return
+                _report(
+                    f"{g.label} replays after {h.label} and overwrites 0x{block.ptr:x} "
+                    f"({block.size} bytes), an output of {h.label} that is still referenced "
+                    f"(pool {_pool_of(g)}: {h.label} was handed memory {g.label} uses). Copy or "
+                    f"drop that output before replaying {g.label}, or capture into separate pools."
+                )
+                return
+
+
+def _catch_up(g: CUDAGraph, h: CUDAGraph, s: Stream) -> None:
+    """``h``, a mate of ``g``, replayed last without recording its done event: if that was on
+    another stream than ``s`` (graphpool's own), record it now, and from now on record one at
+    each replay of the pool's graphs (``_streams_of``; see ``_note_alone``)."""
+    hs = h._last_stream
+    if hs is not None and hs != s and hs._source is None:  # (another stream object may be s)
+        key = _key(g)
+        if key not in _streams_of:
+            with _checks_lock:
+                _streams_of.add(key)
+        _mark_done(h)
+
+
+def _pool_of(g: CUDAGraph) -> tuple[int, ...]:
+    """``g``'s pool id as the checker's messages print it."""
+    assert g._rec is not None
+    return tuple(g._rec.pool.id)
 
 
 def _note_alone(g: CUDAGraph, s: Stream) -> None:
