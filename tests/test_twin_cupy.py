@@ -633,3 +633,22 @@ def test_a_block_cupy_parked_is_not_handed_to_pytorch(cp: Any) -> None:
         assert p != ptr or shim.lane_state(0)["state"] == "empty"  # taken back by graphpool first
         lib.graphpool_torch_free(p, 4096, 0, s.ptr)
     _settle()
+
+
+def test_graphpool_cupy_c_0_steps_around_the_c_path(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``GRAPHPOOL_CUPY_C=0``: install() hands CuPy the PythonFunctionAllocator path even where
+    the C path is available."""
+    if not c_path(cp):
+        pytest.skip("the C path is not available with this twin")
+    gcupy.uninstall()
+    monkeypatch.setenv("GRAPHPOOL_CUPY_C", "0")
+    gcupy.install()
+    a = cp.ones(16, dtype=np.float32)
+    assert type(a.data.mem).__name__ == "PythonFunctionAllocatorMemory"
+    del a
+    gcupy.uninstall()
+    monkeypatch.delenv("GRAPHPOOL_CUPY_C")
+    gcupy.install()
+    b = cp.ones(16, dtype=np.float32)
+    assert type(b.data.mem).__name__ == "CFunctionAllocatorMemory"
+    del b

@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import importlib
+import os
 import threading
 import types
 import warnings
@@ -81,9 +82,10 @@ _allocator: Any = None
 _hooks: CupyHooks | None = None
 """The compiled entry points (graphpool.hooks) that CuPy's ``PythonFunctionAllocator`` calls."""
 use_c_allocator = True
-"""False: ``install()`` hands CuPy a ``PythonFunctionAllocator`` over the compiled hooks even
-where CuPy has ``CFunctionAllocator`` and graphpool's compiled shim is installed (for
-comparisons, graphpool.tools.frameworks_bench). Read at ``install()``."""
+"""False (or ``GRAPHPOOL_CUPY_C=0`` in the environment): ``install()`` hands CuPy a
+``PythonFunctionAllocator`` over the compiled hooks even where CuPy has ``CFunctionAllocator``
+and graphpool's compiled shim is installed (for comparisons, graphpool.tools.frameworks_bench,
+or to step around the C path). Read at ``install()``."""
 _c_hooks: CupyHooks | None = None
 """The hooks the shim's C entry points call, once made (``_c_allocator``)."""
 use_function_allocator = False
@@ -344,7 +346,8 @@ def install() -> None:
         _calls = (cuda.runtime.getDevice, cuda.get_current_stream, cuda.UnownedMemory, cuda.MemoryPointer)
         _previous = cupy.cuda.get_allocator()
         native = getattr(getattr(cuda, "memory", None), "PythonFunctionAllocator", None)
-        c_path = None if use_function_allocator or not use_c_allocator else _c_allocator(cupy)
+        c_ok = use_c_allocator and os.environ.get("GRAPHPOOL_CUPY_C", "1") != "0"
+        c_path = _c_allocator(cupy) if c_ok and not use_function_allocator else None
         if c_path is not None:
             _hooks, _allocator = c_path
         elif native is not None and not use_function_allocator:
