@@ -26,6 +26,7 @@ s2 = gp.Stream()
 
 def run(n: int) -> None:
     alloc, malloc, free = gp.alloc, a.malloc, a.free
+    drop, park = getattr(a, 'drop', None), getattr(a, 'park', None)
     for _ in range(n):
         {body}
 
@@ -37,6 +38,8 @@ BODIES = {
     "public": "alloc(4096, s).free()",
     "current": "alloc(4096).free()",
     "policy": "free(malloc(4096, stream=0))",
+    "drop": "drop(malloc(4096, stream=0))",  # the framework hooks' free: queued, carried out next call
+    "park": "park(malloc(4096, stream=0))",  # the hooks' free of the block handed out last
 }
 
 

@@ -324,13 +324,14 @@ class Heap:
             return parked
         return self._owned_at(ptr)
 
-    def drop(self, ptr: int) -> None:
+    def drop(self, ptr: object) -> None:
         """Queue the free of the raw allocation at ``ptr`` whose owner was collected (a CuPy
         memory object, a PyTorch tensor), as a DeviceBuffer's finalizer queues its own: it is
         carried out at the next allocator call, after that call's capture query, so a block
         dropped during a capture graphpool has not seen yet is kept for that graph instead of
         going back to the cache at once. Lock-free and no device call; an address that is no
-        live allocation is refused at once, with ``free``'s error."""
+        live allocation is refused at once, with ``free``'s error. (``ptr`` is taken as an
+        object: compiled, an int parameter is unboxed, and each use boxes it again.)"""
         parked = self._parked  # (a parked block may be out again, through the lane: Note [Parking])
         if type(ptr) is int and (ptr in self._active or (parked is not None and parked.ptr == ptr)):
             self._pending.append(ptr)
