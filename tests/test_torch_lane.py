@@ -265,6 +265,18 @@ def test_a_null_free_and_a_device_without_a_lane(shim: Any, counted: Counted, li
             shim.lane_take(device)
         with pytest.raises(ValueError, match="has no lane"):
             shim.lane_query(device, 0)
+    with pytest.raises(ValueError, match="has no lane"):
+        shim.lane_take(2**32)  # (not wrapped to device 0)
+    with pytest.raises(TypeError, match="1 to 3 arguments"):
+        shim.lane_take()
+    with pytest.raises(TypeError, match="1 to 3 arguments"):
+        shim.lane_take(0, 0, 0, 0)
+    with pytest.raises(OverflowError):
+        shim.lane_take(0, -1)  # an address is never negative
+    with pytest.raises(TypeError):
+        shim.lane_take(0, 0, "4096")
+    assert shim.lane_take(0) == (0, False)  # nothing since the last take (one shared answer)
+    assert shim.lane_take(0) is shim.lane_take(0)
 
 
 def test_a_free_hook_answering_a_negative_size_parks_nothing(shim: Any, lib: Any) -> None:

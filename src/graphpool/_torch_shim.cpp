@@ -485,10 +485,29 @@ static int device_arg(long device) { /* (a long: a cast to int first would wrap 
     return 0;
 }
 
-static PyObject *lane_take(PyObject *, PyObject *args) {
-    int device;
+/* lane_take's answer when nothing happened since the last take, the common case: one tuple,
+   made once (no allocation per call). */
+static PyObject *g_nothing = nullptr;
+
+/* An unsigned argument of lane_take (a C long long or smaller fits: addresses, sizes). */
+static bool ull_arg(PyObject *o, unsigned long long *out) {
+    *out = PyLong_AsUnsignedLongLong(o);
+    return !(*out == (unsigned long long)-1 && PyErr_Occurred());
+}
+
+/* METH_FASTCALL: graphpool calls it before every allocator call while a block is parked. */
+static PyObject *lane_take(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs < 1 || nargs > 3) {
+        PyErr_Format(PyExc_TypeError, "lane_take(device, ptr=0, requested=0) takes 1 to 3 arguments (%zd given)",
+                     nargs);
+        return nullptr;
+    }
+    long device = PyLong_AsLong(args[0]);
+    if ((device == -1 && PyErr_Occurred()) || device_arg(device) < 0) {
+        return nullptr;
+    }
     unsigned long long arm = 0, arm_requested = 0;
-    if (!PyArg_ParseTuple(args, "i|KK:lane_take", &device, &arm, &arm_requested) || device_arg(device) < 0) {
+    if ((nargs > 1 && !ull_arg(args[1], &arm)) || (nargs > 2 && !ull_arg(args[2], &arm_requested))) {
         return nullptr;
     }
     Lane &l = g_lanes[device];
@@ -503,6 +522,16 @@ static PyObject *lane_take(PyObject *, PyObject *args) {
         l.ptr = nullptr;
         l.armed = (void *)(uintptr_t)arm;
         l.armed_requested = (size_t)arm_requested;
+    }
+    if (hits == 0 && !live) {
+        if (g_nothing == nullptr) {
+            g_nothing = Py_BuildValue("(iO)", 0, Py_False);
+            if (g_nothing == nullptr) {
+                return nullptr;
+            }
+        }
+        Py_INCREF(g_nothing);
+        return g_nothing;
     }
     PyObject *n = PyLong_FromUnsignedLongLong(hits);
     if (n == nullptr) {
@@ -569,7 +598,7 @@ static PyMethodDef methods[] = {
     {"try_malloc", try_malloc, METH_VARARGS,
      "try_malloc(size, device, stream)\n--\n\nThe exported malloc's path, raising RuntimeError "
      "with the message the C++ exception would carry (for tests)."},
-    {"lane_take", lane_take, METH_VARARGS,
+    {"lane_take", (PyCFunction)(void (*)(void))lane_take, METH_FASTCALL,
      "lane_take(device, ptr=0, requested=0) -> (hits, live)\n--\n\nTake the parked block back from "
      "the device's lane: the times it was handed out since, and whether it is out now (graphpool's "
      "settle call); then arm the lane for the block graphpool parked at ptr (0: none), the only one "
