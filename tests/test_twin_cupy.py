@@ -6,6 +6,7 @@ module itself (install, malloc, stream following, uninstall) on the simulated de
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +50,8 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
     twins.use_sim_as_cuda()
     _settle()
     gcupy.install()
+    if request.param == "c":  # (a shim refusing the twin's stream capsule would fall back unseen)
+        assert gcupy._hooks is not None and gcupy._hooks is gcupy._c_hooks
     try:
         yield fake
     finally:
@@ -628,8 +631,164 @@ def test_a_block_cupy_parked_is_not_handed_to_pytorch(cp: Any) -> None:
         ptr = a.data.ptr
         del a
         assert shim.lane_state(0)["state"] == "parked"
-        p = lib.graphpool_torch_malloc(4096, 0, s.ptr)  # PyTorch's request: its hooks serve it
+        asked: list[int] = []
+
+        def query(stream: int | None, out: Any) -> int:
+            asked.append(stream or 0)
+            out[0] = 0
+            return 0
+
+        fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
+        shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
+        try:
+            p = lib.graphpool_torch_malloc(4096, 0, s.ptr)  # PyTorch's request: its hooks serve it
+            assert asked == []  # (the lane does not even ask whether s is capturing)
+        finally:
+            shim.lane_query(0, runtime.get().device(0).capture_query_address())
         assert shim.lane_state(0)["hits"] == 0
         assert p != ptr or shim.lane_state(0)["state"] == "empty"  # taken back by graphpool first
         lib.graphpool_torch_free(p, 4096, 0, s.ptr)
+        lane = shim.lane_state(0)
+        assert lane["state"] == "parked" and (lane["ptr"], lane["kind"]) == (p, "torch")  # PyTorch's now
+    _settle()
+
+
+def test_a_block_freed_on_another_stream_than_cupys_last_is_not_parked_for_that_stream(cp: Any) -> None:
+    """The shim parks a block CuPy frees only when it is the one its hooks handed out last
+    (the lane then serves that block's stream): a block from an earlier malloc on another
+    stream is never handed to the stream of the last one."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with s1:
+        a = cp.empty(4096, dtype=np.uint8)
+    with s2:
+        b = cp.empty(8192, dtype=np.uint8)  # CuPy's last hand-out, on s2
+    a_ptr = a.data.ptr
+    del a  # not the last hand-out: the lane does not take it
+    lane = shim.lane_state(0)
+    assert not (lane["state"] == "parked" and lane["ptr"] == a_ptr)
+    with s2:
+        c = cp.empty(4096, dtype=np.uint8)  # s1's block, unsynchronized: never for s2
+        assert c.data.ptr != a_ptr
+    del b, c
+    _settle()
+
+
+@pytest.fixture
+def entry(cp: Any) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """The shim, its CuPy entry points (called as CuPy's Cython calls them: GIL held, a set
+    exception raised) and CuPy's stream capsule; graphpool's own hooks are set again after."""
+    if not c_path(cp):
+        pytest.skip("the shim's CuPy entry points")
+    shim = twins.torch_shim_or_skip()
+    m, f = shim.cupy_entry_points()
+    malloc = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(m)
+    free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(f)
+    capsule = cp.cuda.stream.__pyx_capi__["get_current_stream_ptr"]
+    hooks = gcupy._c_hooks
+    assert hooks is not None
+    try:
+        yield shim, malloc, free, capsule
+    finally:
+        shim.set_cupy_hooks(hooks.malloc_on, hooks.free, capsule)
+
+
+def test_set_cupy_hooks_checks_its_arguments_and_keeps_the_hooks_it_had(entry: Any) -> None:
+    shim, malloc, free, capsule = entry
+    for args in ((1, print, capsule), (print, 1, capsule), (print, print, object())):
+        with pytest.raises(TypeError):
+            shim.set_cupy_hooks(*args)
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    other = new_capsule(1, b"int (void)", None)  # another signature: never called
+    with pytest.raises(TypeError, match="intptr_t"):
+        shim.set_cupy_hooks(print, print, other)
+    p = malloc(None, 4096, 0)  # graphpool's hooks still serve
+    assert p > 0
+    free(None, p, 0)
+
+
+def test_the_cupy_entry_points_check_what_the_hooks_answer(entry: Any) -> None:
+    """A malloc hook answering no address (0, -1) or no integer fails with an exception set
+    (CuPy raises it); a free of 0 or -1 (CuPy's failed malloc) calls no hook; a free hook's
+    negative answer parks nothing and leaves no exception behind."""
+    shim, malloc, free, capsule = entry
+    answer: list[Any] = [0]
+    freed: list[int] = []
+
+    def free_hook(ptr: int, device: int) -> Any:
+        freed.append(ptr)
+        return answer[0]
+
+    for bad, err in ((0, RuntimeError), (-1, RuntimeError), ("x", TypeError)):
+        shim.set_cupy_hooks(lambda size, device, stream, bad=bad: bad, free_hook, capsule)
+        with pytest.raises(err):
+            malloc(None, 64, 0)
+    free(None, 0, 0)
+    free(None, ctypes_minus_one(), 0)
+    assert freed == []
+    answer[0] = -5
+    free(None, 0x1000, 0)  # (PYFUNCTYPE raises an exception left set)
+    assert freed == [0x1000]
+
+
+def ctypes_minus_one() -> int:
+    """(void *)-1 as ctypes passes a c_void_p argument."""
+    return (1 << 64) - 1
+
+
+def test_cupy_hooks_set_after_close_are_called_again(entry: Any) -> None:
+    """``close()`` (at exit) drops every hook, after which a free does nothing, also once the
+    PyTorch hooks are set again; hooks set again afterwards serve again."""
+    import graphpool.torch as gtorch
+
+    shim, malloc, free, capsule = entry
+    freed: list[int] = []
+    shim.close()
+    try:
+        shim.set_hooks(*gtorch.hooks())  # the PyTorch hooks only: CuPy's free has no hook
+        free(None, 0x1000, 0)
+        shim.close()
+        shim.set_cupy_hooks(lambda size, device, stream: 0x2000, lambda p, d: freed.append(p), capsule)
+        free(None, 0x1000, 0)
+        assert freed == [0x1000]
+    finally:
+        shim.set_hooks(*gtorch.hooks())
+
+
+def test_a_hand_out_noted_out_of_order_is_never_parked_for_the_wrong_stream(cp: Any, entry: Any) -> None:
+    """Another thread's CuPy malloc may run between a malloc hook's answer and the shim's
+    note of it (the hook may drop the GIL): the hooks' last hand-out is then not the one the
+    shim noted last, with its stream. The lane parks a freed block only when both agree, so
+    a block freed on one stream is never handed to the other stream's next request."""
+    shim, malloc, free, capsule = entry
+    hooks = gcupy._c_hooks
+    assert hooks is not None
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    inner: list[int] = []
+    outer = [True]
+
+    def malloc_on(size: int, device: int, stream: int) -> int:
+        ptr = hooks.malloc_on(size, device, stream)
+        if outer[0]:  # "another thread", on s2, before this answer is noted
+            outer[0] = False
+            with s2:
+                inner.append(malloc(None, 8192, 0))
+        return ptr
+
+    shim.set_cupy_hooks(malloc_on, hooks.free, capsule)
+    with s1:
+        a = malloc(None, 4096, 0)  # noted last, with s1; the hooks handed out inner[0] last
+    shim.set_cupy_hooks(hooks.malloc_on, hooks.free, capsule)
+    free(None, inner[0], 0)  # the hooks' last hand-out, freed on s2
+    lane = shim.lane_state(0)
+    assert not (lane["state"] == "parked" and lane["ptr"] == inner[0])
+    with s1:
+        b = malloc(None, 8192, 0)  # s2's block, unsynchronized: never for s1
+        assert b != inner[0]
+    free(None, a, 0)
+    free(None, b, 0)
     _settle()
