@@ -792,3 +792,42 @@ def test_a_hand_out_noted_out_of_order_is_never_parked_for_the_wrong_stream(cp: 
     free(None, a, 0)
     free(None, b, 0)
     _settle()
+
+
+def test_a_block_cupy_parks_during_pytorchs_capture_query_is_not_handed_to_pytorch(
+    cp: Any, entry: Any
+) -> None:
+    """The lane checks its block again after the capture query (no lock held while asking):
+    a block CuPy parked meanwhile, of the same size and stream, is not PyTorch's to take."""
+    import graphpool.torch as gtorch
+    from graphpool.tools.benchkit import torch_entry_points
+
+    shim, malloc, free, capsule = entry
+    shim.set_hooks(*gtorch.hooks())
+    lib = torch_entry_points()
+    s = cp.cuda.Stream(non_blocking=True)
+    p = lib.graphpool_torch_malloc(4096, 0, s.ptr)
+    lib.graphpool_torch_free(p, 4096, 0, s.ptr)
+    assert (shim.lane_state(0)["state"], shim.lane_state(0)["kind"]) == ("parked", "torch")
+    parked: list[int] = []
+
+    def query(stream: int | None, out: Any) -> int:
+        if not parked:  # CuPy, meanwhile: the same size on the same stream, dropped
+            parked.append(0)
+            with s:
+                q = malloc(None, 4096, 0)
+                free(None, q, 0)
+            parked[0] = q
+        out[0] = 0
+        return 0
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
+    shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
+    try:
+        r = lib.graphpool_torch_malloc(4096, 0, s.ptr)
+    finally:
+        shim.lane_query(0, runtime.get().device(0).capture_query_address())
+    assert parked[0] != 0
+    assert shim.lane_state(0)["hits"] == 0  # served by the hooks, not by the lane
+    lib.graphpool_torch_free(r, 4096, 0, s.ptr)
+    _settle()
