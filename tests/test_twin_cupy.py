@@ -831,3 +831,109 @@ def test_a_block_cupy_parks_during_pytorchs_capture_query_is_not_handed_to_pytor
     assert shim.lane_state(0)["hits"] == 0  # served by the hooks, not by the lane
     lib.graphpool_torch_free(r, 4096, 0, s.ptr)
     _settle()
+
+
+@pytest.mark.parametrize("missing", ["CFunctionAllocator", "capsule signature", "shim hook", "stream attribute"])
+def test_the_c_path_is_used_exactly_where_cupy_and_the_shim_have_all_it_needs(
+    cp: Any, missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``install()`` hands CuPy a ``CFunctionAllocator`` over the shim only where CuPy has the
+    class and exports ``get_current_stream_ptr`` with the signature the shim calls, and the
+    shim has the CuPy entry points; else ``PythonFunctionAllocator`` serves. A CuPy whose
+    ``cuda.stream`` is not yet an attribute has it imported."""
+    if not c_path(cp):
+        pytest.skip("a CuPy and a shim with the C path")
+    import sys
+    import types
+
+    from graphpool import lanes
+
+    gcupy.uninstall()
+    stream_module = cp.cuda.stream
+    if missing == "CFunctionAllocator":
+        monkeypatch.delattr(cp.cuda.memory, "CFunctionAllocator")
+    elif missing == "capsule signature":
+        new_capsule = ctypes.pythonapi.PyCapsule_New
+        new_capsule.restype = ctypes.py_object
+        new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+        other = new_capsule(1, b"int (void)", None)  # never called
+        monkeypatch.setattr(stream_module, "__pyx_capi__", {"get_current_stream_ptr": other})
+    elif missing == "shim hook":
+        monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
+    else:
+        monkeypatch.delattr(cp.cuda, "stream")
+        monkeypatch.setitem(sys.modules, "cupy.cuda.stream", stream_module)
+    gcupy.install()
+    assert native(cp)
+    assert (gcupy._hooks is gcupy._c_hooks) == (missing == "stream attribute")
+    a = cp.ones(1024, dtype=np.float32)
+    assert float(a.sum()) == 1024.0
+    del a
+
+
+def test_an_array_outliving_uninstall_goes_back_also_when_freed_first_after_install(cp: Any) -> None:
+    """The C path's hooks are the process's: an array made before ``uninstall()`` and freed
+    after ``install()``, before any new allocation, goes back to graphpool."""
+    base = gp.memory_allocated()
+    a = cp.ones(1 << 12, dtype=np.float32)
+    gcupy.uninstall()
+    gcupy.install()
+    del a
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
+def test_a_block_freed_after_a_routing_change_is_not_parked(cp: Any) -> None:
+    """The hooks park a freed block only while the route they used last is current: after
+    any routing change the next request must ask graphpool where it goes, so no lane may
+    answer it."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        routing.invalidate()
+        del a
+        lane = shim.lane_state(0)
+        assert not (lane["state"] == "parked" and lane["ptr"] == ptr)
+    _settle()
+
+
+def test_the_lane_binder_with_lanes_turned_off_or_a_shim_without_lanes(
+    cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Binding the allocator a lane already serves keeps its parked block; ``GRAPHPOOL_LANE=0``
+    at a later binder turns the lanes already bound off (every call then goes to the hooks);
+    a shim without lanes gives no binder."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    import types
+
+    from graphpool import lanes
+
+    shim = twins.torch_shim_or_skip()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        del a
+        assert shim.lane_state(0)["state"] == "parked"
+        bind = lanes.binder("test")
+        assert bind is not None
+        bind(0, lanes._owners[0])  # the allocator it serves: nothing to settle
+        assert (shim.lane_state(0)["state"], shim.lane_state(0)["ptr"]) == ("parked", ptr)
+        monkeypatch.setenv("GRAPHPOOL_LANE", "0")
+        try:
+            assert lanes.binder("test") is None
+            b = cp.empty(4096, dtype=np.uint8)  # graphpool's hooks, not the lane
+            assert shim.lane_state(0)["hits"] == 0
+            del b
+        finally:
+            shim.set_lanes_enabled(True)
+    monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
+    assert lanes.binder("test") is None
+    _settle()

@@ -543,6 +543,86 @@ MUTANTS = (
 )
 
 
+# Stop 19 (issue 27): the CuPy C path's Python side (hooks.give_back, CupyHooks, lanes,
+# cupy._c_allocator) and the replay checker's plans (graphs.py). Each runs its files whole.
+HOOKS = "hooks.py"
+LANES = "lanes.py"
+CUPY = "cupy.py"
+GRAPHS = "graphs.py"
+T19_HOOKS = (
+    "tests/test_twin_cupy.py",
+    "tests/test_torch_lane.py",
+    "tests/test_twin_cupy_capture.py",
+    "tests/test_twin_cupy_pinned.py",
+)
+T19_GRAPHS = (
+    "tests/property/test_checker_differential.py",
+    "tests/scenarios/test_replay_plans.py",
+    "tests/scenarios/test_replay_checker.py",
+)
+_S19 = "stop 19: "
+STOP19 = (
+    Mutant(_S19 + "give_back parks any freed block", HOOKS, "    if ptr == recent:\n", "    if True:\n", T19_HOOKS),
+    Mutant(_S19 + "give_back: the last route's allocator unchecked", HOOKS, "last is not None and last.route.alloc is a and last", "last is not None and last", T19_HOOKS),
+    Mutant(_S19 + "give_back: the last route's generation unchecked", HOOKS, "and last.route.generation == _routes.generation:\n            return a.park(ptr)", ":\n            return a.park(ptr)", T19_HOOKS),
+    Mutant(_S19 + "give_back: never queued behind a parked block", HOOKS, "    if a.parking():\n        return a.park(ptr, False)", "    if False:\n        return a.park(ptr, False)", T19_HOOKS),
+    Mutant(_S19 + "give_back: a non-recent block parked", HOOKS, "return a.park(ptr, False)  # queued", "return a.park(ptr)  # queued", T19_HOOKS),
+    Mutant(_S19 + "malloc_on: the last stream unchecked", HOOKS, "if last is not None and last.raw == raw and last.device == device", "if last is not None and last.device == device", T19_HOOKS),
+    Mutant(_S19 + "malloc_on: the last device unchecked", HOOKS, "last.raw == raw and last.device == device and size != 0", "last.raw == raw and size != 0", T19_HOOKS),
+    Mutant(_S19 + "malloc_on: size 0 on the fast path", HOOKS, "last.raw == raw and last.device == device and size != 0", "last.raw == raw and last.device == device", T19_HOOKS),
+    Mutant(_S19 + "malloc_on: the generation unchecked", HOOKS, "            if route.generation == _routes.generation:\n                ptr = route.alloc.malloc(size, stream=route.handle)\n                self._recent = ptr\n                return ptr\n        return self._miss", "            if True:\n                ptr = route.alloc.malloc(size, stream=route.handle)\n                self._recent = ptr\n                return ptr\n        return self._miss", T19_HOOKS),
+    Mutant(_S19 + "malloc_on: the fast path's hand-out not noted", HOOKS, "                self._recent = ptr\n                return ptr\n        return self._miss", "                return ptr\n        return self._miss", T19_HOOKS),
+    Mutant(_S19 + "_miss: a new allocator never bound", HOOKS, "        if old is not a:\n", "        if False:\n", T19_HOOKS),
+    Mutant(_S19 + "_miss: a retired allocator listed again", HOOKS, "if old is not None and old not in self._retired:", "if old is not None:", T19_HOOKS),
+    Mutant(_S19 + "_miss: the replaced allocator not retired", HOOKS, "if old is not None and old not in self._retired:", "if False:", T19_HOOKS),
+    Mutant(_S19 + "_miss: no bind", HOOKS, "            if self._bind is not None:\n                self._bind(device, a)", "            pass", T19_HOOKS),
+    Mutant(_S19 + "_miss: the hand-out not noted", HOOKS, "        self._recent = ptr\n        return ptr\n\n    def free", "        return ptr\n\n    def free", T19_HOOKS),
+    Mutant(_S19 + "_miss: size 0 to the allocator", HOOKS, "        if size == 0:\n            return 0\n        ptr = a.malloc", "        ptr = a.malloc", T19_HOOKS),
+    Mutant(_S19 + "CupyHooks.free: a retired allocator's free block taken", HOOKS, "if block is not None and block.allocated:\n                    old.free_owned", "if block is not None:\n                    old.free_owned", T19_HOOKS),
+    Mutant(_S19 + "CupyHooks.free: retired allocators never asked", HOOKS, "        if self._retired:\n", "        if False:\n", T19_HOOKS),
+    Mutant(_S19 + "CupyHooks.free: never parks", HOOKS, 'by graphpool")\n        return give_back(a, ptr, self._recent, self._last)', 'by graphpool")\n        return give_back(a, ptr, 0, self._last)', T19_HOOKS),
+    Mutant(_S19 + "lanes.enabled: either variable suffices", LANES, '!= "0" and os.environ.get("GRAPHPOOL_TORCH_LANE"', '!= "0" or os.environ.get("GRAPHPOOL_TORCH_LANE"', T19_HOOKS),
+    Mutant(_S19 + "lanes.binder: lanes left enabled when turned off", LANES, "        mod.set_lanes_enabled(False)\n", "", T19_HOOKS),
+    Mutant(_S19 + "lanes.binder: a stand-in shim without lanes used", LANES, 'if not hasattr(mod, "lane_take"):', "if False:", T19_HOOKS),
+    Mutant(_S19 + "lanes.bind: the same allocator bound again", LANES, "            if old is a:\n                return\n", "", T19_HOOKS),
+    Mutant(_S19 + "lanes.bind: the previous allocator not settled", LANES, "                old.set_lane(None)  # settles", "                pass  # settles", T19_HOOKS),
+    Mutant(_S19 + "_c_allocator: no capsule not refused", CUPY, "    if capsule is None:\n        return None\n    try:\n        shim = lanes", "    try:\n        shim = lanes", T19_HOOKS),
+    Mutant(_S19 + "_c_allocator: a shim without set_cupy_hooks", CUPY, 'if not hasattr(shim, "set_cupy_hooks"):', "if False:", T19_HOOKS),
+    Mutant(_S19 + "_c_allocator: new hooks at each install", CUPY, "    hooks = _c_hooks\n    if hooks is None:", "    hooks = None\n    if hooks is None:", T19_HOOKS),
+    Mutant(_S19 + "_c_allocator: a refused capsule raises", CUPY, "    except TypeError:  # CuPy's stream function", "    except ValueError:  # CuPy's stream function", T19_HOOKS),
+    Mutant(_S19 + "_c_allocator: CuPy without CFunctionAllocator", CUPY, "    if cfa is None:\n        return None", "    if cfa is None:\n        pass", T19_HOOKS),
+    Mutant(_S19 + "_c_allocator: cuda.stream not imported", CUPY, "    if not isinstance(stream_module, types.ModuleType):", "    if False:", T19_HOOKS),
+    Mutant(_S19 + "_extent: a footprint kept across a reset", GRAPHS, "if kept is not None and kept[0] is rec:", "if kept is not None:", T19_GRAPHS),
+    Mutant(_S19 + "_extent: touching ranges merged", GRAPHS, "if ends and ptr < ends[-1]:", "if ends and ptr <= ends[-1]:", T19_GRAPHS),
+    Mutant(_S19 + "_extent: a contained range shortens its merge", GRAPHS, "            if end > ends[-1]:\n                ends[-1] = end", "            ends[-1] = end", T19_GRAPHS),
+    Mutant(_S19 + "_extent: not kept", GRAPHS, "    g._extent = (rec, (starts, ends))\n", "", T19_GRAPHS),
+    Mutant(_S19 + "_meets: a range ending at ptr meets", GRAPHS, "bisect.bisect_right(ends, ptr)", "bisect.bisect_left(ends, ptr)", T19_GRAPHS),
+    Mutant(_S19 + "_meets: a range starting at the end meets", GRAPHS, "starts[i] < ptr + size", "starts[i] <= ptr + size", T19_GRAPHS),
+    Mutant(_S19 + "_plan: the graph its own mate", GRAPHS, "if (h := r()) is not None and h is not g and", "if (h := r()) is not None and", T19_GRAPHS),
+    Mutant(_S19 + "_plan: a mate's every meeting range listed", GRAPHS, "                plan.meets.append((r, hit[0], hit[1]))\n                break", "                plan.meets.append((r, hit[0], hit[1]))", T19_GRAPHS),
+    Mutant(_S19 + "_plan: outputs handed out again kept", GRAPHS, "if block.serial == serial and _meets(mine, block.ptr, block.size)", "if _meets(mine, block.ptr, block.size)", T19_GRAPHS),
+    Mutant(_S19 + "_plan: outputs outside the footprint kept", GRAPHS, "if block.serial == serial and _meets(mine, block.ptr, block.size)", "if block.serial == serial", T19_GRAPHS),
+    Mutant(_S19 + "_plan: the producer among the writers", GRAPHS, "if r is not prod and _meets(_extent(h), ptr, size)", "if _meets(_extent(h), ptr, size)", T19_GRAPHS),
+    Mutant(_S19 + "_plan: every mate a writer", GRAPHS, "if r is not prod and _meets(_extent(h), ptr, size)", "if r is not prod", T19_GRAPHS),
+    Mutant(_S19 + "_plan: quiet without clobbers", GRAPHS, "not (plan.meets or plan.inputs or plan.clobbers)", "not (plan.meets or plan.inputs)", T19_GRAPHS),
+    Mutant(_S19 + "_plan: quiet without inputs", GRAPHS, "not (plan.meets or plan.inputs or plan.clobbers)", "not (plan.meets or plan.clobbers)", T19_GRAPHS),
+    Mutant(_S19 + "_check_replay: a stale plan used", GRAPHS, "if plan is None or mates is None or plan.version != mates.version:", "if plan is None or mates is None:", T19_GRAPHS),
+    Mutant(_S19 + "_check_replay: catch up on the same stream", GRAPHS, "if h is not None and h._event_stale and h._last_stream is not s:", "if h is not None and h._event_stale:", T19_GRAPHS),
+    Mutant(_S19 + "_check_replay: no catching up", GRAPHS, "if h is not None and h._event_stale and h._last_stream is not s:", "if False:", T19_GRAPHS),
+    Mutant(_S19 + "_check_replay: a quiet plan checked", GRAPHS, "    if plan.quiet:\n        return\n", "", T19_GRAPHS),
+    Mutant(_S19 + "check 2: a writer replayed with the producer", GRAPHS, "h._last_tick > prod._last_tick:", "h._last_tick >= prod._last_tick:", T19_GRAPHS),
+    Mutant(_S19 + "check 3: a mate replayed at the same tick", GRAPHS, "if h is None or h._last_tick <= tick:", "if h is None or h._last_tick < tick:", T19_GRAPHS),
+    Mutant(_S19 + "_catch_up: a stream of another library caught up", GRAPHS, "if hs is not None and hs != s and hs._source is None:", "if hs is not None and hs != s:", T19_GRAPHS),
+    Mutant(_S19 + "_catch_up: same stream caught up", GRAPHS, "if hs is not None and hs != s and hs._source is None:", "if hs is not None and hs._source is None:", T19_GRAPHS),
+    Mutant(_S19 + "_catch_up: the pool never marked as on two streams", GRAPHS, "        if key not in _streams_of:\n            with _checks_lock:\n                _streams_of.add(key)\n", "", T19_GRAPHS),
+    Mutant(_S19 + "gone: a collected mate leaves the version", GRAPHS, "                del mates[ident]\n                mates.version = next(_versions)\n", "                del mates[ident]\n", T19_GRAPHS),
+    Mutant(_S19 + "_register: a new mate leaves the version", GRAPHS, "        mates[ident] = weakref.ref(g, gone)\n        mates.version = next(_versions)\n", "        mates[ident] = weakref.ref(g, gone)\n", T19_GRAPHS),
+    Mutant(_S19 + "_unregister: the plan kept", GRAPHS, "        g._plan = g._extent = None\n", "", T19_GRAPHS),
+    Mutant(_S19 + "_unregister: a leaving mate leaves the version", GRAPHS, "                del mates[id(g)]\n                mates.version = next(_versions)\n", "                del mates[id(g)]\n", T19_GRAPHS),
+)
+MUTANTS = (*MUTANTS, *STOP19)
+
+
 def run(tests: tuple[str, ...]) -> bool:
     """Whether ``tests`` pass."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *tests]
