@@ -937,3 +937,47 @@ def test_the_lane_binder_with_lanes_turned_off_or_a_shim_without_lanes(
     monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
     assert lanes.binder("test") is None
     _settle()
+
+
+
+def test_a_block_the_lane_handed_out_freed_after_a_routing_change_goes_back(cp: Any) -> None:
+    """A routing change turns the lane off: the free of the array the lane handed out then
+    reaches the hooks while graphpool still counts that block as parked; it is queued behind
+    the parked block's settling, not refused, and nothing is lost."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    base = gp.memory_allocated()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        del a
+        b = cp.empty(4096, dtype=np.uint8)
+        assert b.data.ptr == ptr and shim.lane_state(0)["hits"] == 1  # the lane's
+        routing.invalidate()
+        del b
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
+def test_a_free_while_a_block_is_parked_is_queued_behind_it(cp: Any) -> None:
+    """Parking changes no address: with the last array's block parked, the free of its
+    neighbour is queued behind that block's, and the next request of that size gets what it
+    would get were nothing parked (the two merged, served from the lower address)."""
+    if not native(cp):
+        pytest.skip("parking serves the compiled hooks")
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        x = cp.empty(4096, dtype=np.uint8)
+        y = cp.empty(4096, dtype=np.uint8)
+        x_ptr, y_ptr = x.data.ptr, y.data.ptr
+        assert y_ptr == x_ptr + 4096  # (neighbours in one segment)
+        del y  # the last hand-out: parked
+        del x  # queued behind it
+        z = cp.empty(4096, dtype=np.uint8)
+        assert z.data.ptr == x_ptr
+        del z
+    _settle()
