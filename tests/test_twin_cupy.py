@@ -745,7 +745,7 @@ def test_cupy_hooks_set_after_close_are_called_again(entry: Any) -> None:
     PyTorch hooks are set again; hooks set again afterwards serve again."""
     import graphpool.torch as gtorch
 
-    shim, malloc, free, capsule = entry
+    shim, _malloc, free, capsule = entry
     freed: list[int] = []
     shim.close()
     try:
@@ -802,7 +802,7 @@ def test_a_block_cupy_parks_during_pytorchs_capture_query_is_not_handed_to_pytor
     import graphpool.torch as gtorch
     from graphpool.tools.benchkit import torch_entry_points
 
-    shim, malloc, free, capsule = entry
+    shim, malloc, free, _capsule = entry
     shim.set_hooks(*gtorch.hooks())
     lib = torch_entry_points()
     s = cp.cuda.Stream(non_blocking=True)
@@ -833,7 +833,9 @@ def test_a_block_cupy_parks_during_pytorchs_capture_query_is_not_handed_to_pytor
     _settle()
 
 
-@pytest.mark.parametrize("missing", ["CFunctionAllocator", "capsule signature", "shim hook", "stream attribute"])
+@pytest.mark.parametrize(
+    "missing", ["CFunctionAllocator", "capsule signature", "shim hook", "stream attribute"]
+)
 def test_the_c_path_is_used_exactly_where_cupy_and_the_shim_have_all_it_needs(
     cp: Any, missing: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -937,7 +939,6 @@ def test_the_lane_binder_with_lanes_turned_off_or_a_shim_without_lanes(
     monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
     assert lanes.binder("test") is None
     _settle()
-
 
 
 def test_a_block_the_lane_handed_out_freed_after_a_routing_change_goes_back(cp: Any) -> None:
