@@ -6,6 +6,7 @@ module itself (install, malloc, stream following, uninstall) on the simulated de
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +50,8 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
     twins.use_sim_as_cuda()
     _settle()
     gcupy.install()
+    if request.param == "c":  # (a shim refusing the twin's stream capsule would fall back unseen)
+        assert gcupy._hooks is not None and gcupy._hooks is gcupy._c_hooks
     try:
         yield fake
     finally:
@@ -628,10 +631,356 @@ def test_a_block_cupy_parked_is_not_handed_to_pytorch(cp: Any) -> None:
         ptr = a.data.ptr
         del a
         assert shim.lane_state(0)["state"] == "parked"
-        p = lib.graphpool_torch_malloc(4096, 0, s.ptr)  # PyTorch's request: its hooks serve it
+        asked: list[int] = []
+
+        def query(stream: int | None, out: Any) -> int:
+            asked.append(stream or 0)
+            out[0] = 0
+            return 0
+
+        fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
+        shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
+        try:
+            p = lib.graphpool_torch_malloc(4096, 0, s.ptr)  # PyTorch's request: its hooks serve it
+            assert asked == []  # (the lane does not even ask whether s is capturing)
+        finally:
+            shim.lane_query(0, runtime.get().device(0).capture_query_address())
         assert shim.lane_state(0)["hits"] == 0
         assert p != ptr or shim.lane_state(0)["state"] == "empty"  # taken back by graphpool first
         lib.graphpool_torch_free(p, 4096, 0, s.ptr)
+        lane = shim.lane_state(0)
+        assert lane["state"] == "parked" and (lane["ptr"], lane["kind"]) == (p, "torch")  # PyTorch's now
+    _settle()
+
+
+def test_a_block_freed_on_another_stream_than_cupys_last_is_not_parked_for_that_stream(cp: Any) -> None:
+    """The shim parks a block CuPy frees only when it is the one its hooks handed out last
+    (the lane then serves that block's stream): a block from an earlier malloc on another
+    stream is never handed to the stream of the last one."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    with s1:
+        a = cp.empty(4096, dtype=np.uint8)
+    with s2:
+        b = cp.empty(8192, dtype=np.uint8)  # CuPy's last hand-out, on s2
+    a_ptr = a.data.ptr
+    del a  # not the last hand-out: the lane does not take it
+    lane = shim.lane_state(0)
+    assert not (lane["state"] == "parked" and lane["ptr"] == a_ptr)
+    with s2:
+        c = cp.empty(4096, dtype=np.uint8)  # s1's block, unsynchronized: never for s2
+        assert c.data.ptr != a_ptr
+    del b, c
+    _settle()
+
+
+@pytest.fixture
+def entry(cp: Any) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """The shim, its CuPy entry points (called as CuPy's Cython calls them: GIL held, a set
+    exception raised) and CuPy's stream capsule; graphpool's own hooks are set again after."""
+    if not c_path(cp):
+        pytest.skip("the shim's CuPy entry points")
+    shim = twins.torch_shim_or_skip()
+    m, f = shim.cupy_entry_points()
+    malloc = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(m)
+    free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(f)
+    capsule = cp.cuda.stream.__pyx_capi__["get_current_stream_ptr"]
+    hooks = gcupy._c_hooks
+    assert hooks is not None
+    try:
+        yield shim, malloc, free, capsule
+    finally:
+        shim.set_cupy_hooks(hooks.malloc_on, hooks.free, capsule)
+
+
+def test_set_cupy_hooks_checks_its_arguments_and_keeps_the_hooks_it_had(entry: Any) -> None:
+    shim, malloc, free, capsule = entry
+    for args in ((1, print, capsule), (print, 1, capsule), (print, print, object())):
+        with pytest.raises(TypeError):
+            shim.set_cupy_hooks(*args)
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    other = new_capsule(1, b"int (void)", None)  # another signature: never called
+    with pytest.raises(TypeError, match="intptr_t"):
+        shim.set_cupy_hooks(print, print, other)
+    p = malloc(None, 4096, 0)  # graphpool's hooks still serve
+    assert p > 0
+    free(None, p, 0)
+
+
+def test_the_cupy_entry_points_check_what_the_hooks_answer(entry: Any) -> None:
+    """A malloc hook answering no address (0, -1) or no integer fails with an exception set
+    (CuPy raises it); a free of 0 or -1 (CuPy's failed malloc) calls no hook; a free hook's
+    negative answer parks nothing and leaves no exception behind."""
+    shim, malloc, free, capsule = entry
+    answer: list[Any] = [0]
+    freed: list[int] = []
+
+    def free_hook(ptr: int, device: int) -> Any:
+        freed.append(ptr)
+        return answer[0]
+
+    for bad, err in ((0, RuntimeError), (-1, RuntimeError), ("x", TypeError)):
+        shim.set_cupy_hooks(lambda size, device, stream, bad=bad: bad, free_hook, capsule)
+        with pytest.raises(err):
+            malloc(None, 64, 0)
+    free(None, 0, 0)
+    free(None, ctypes_minus_one(), 0)
+    assert freed == []
+    answer[0] = -5
+    free(None, 0x1000, 0)  # (PYFUNCTYPE raises an exception left set)
+    assert freed == [0x1000]
+
+
+def ctypes_minus_one() -> int:
+    """(void *)-1 as ctypes passes a c_void_p argument."""
+    return (1 << 64) - 1
+
+
+def test_cupy_hooks_set_after_close_are_called_again(entry: Any) -> None:
+    """``close()`` (at exit) drops every hook, after which a free does nothing, also once the
+    PyTorch hooks are set again; hooks set again afterwards serve again."""
+    import graphpool.torch as gtorch
+
+    shim, _malloc, free, capsule = entry
+    freed: list[int] = []
+    shim.close()
+    try:
+        shim.set_hooks(*gtorch.hooks())  # the PyTorch hooks only: CuPy's free has no hook
+        free(None, 0x1000, 0)
+        shim.close()
+        shim.set_cupy_hooks(lambda size, device, stream: 0x2000, lambda p, d: freed.append(p), capsule)
+        free(None, 0x1000, 0)
+        assert freed == [0x1000]
+    finally:
+        shim.set_hooks(*gtorch.hooks())
+
+
+def test_a_hand_out_noted_out_of_order_is_never_parked_for_the_wrong_stream(cp: Any, entry: Any) -> None:
+    """Another thread's CuPy malloc may run between a malloc hook's answer and the shim's
+    note of it (the hook may drop the GIL): the hooks' last hand-out is then not the one the
+    shim noted last, with its stream. The lane parks a freed block only when both agree, so
+    a block freed on one stream is never handed to the other stream's next request."""
+    shim, malloc, free, capsule = entry
+    hooks = gcupy._c_hooks
+    assert hooks is not None
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    inner: list[int] = []
+    outer = [True]
+
+    def malloc_on(size: int, device: int, stream: int) -> int:
+        ptr = hooks.malloc_on(size, device, stream)
+        if outer[0]:  # "another thread", on s2, before this answer is noted
+            outer[0] = False
+            with s2:
+                inner.append(malloc(None, 8192, 0))
+        return ptr
+
+    shim.set_cupy_hooks(malloc_on, hooks.free, capsule)
+    with s1:
+        a = malloc(None, 4096, 0)  # noted last, with s1; the hooks handed out inner[0] last
+    shim.set_cupy_hooks(hooks.malloc_on, hooks.free, capsule)
+    free(None, inner[0], 0)  # the hooks' last hand-out, freed on s2
+    lane = shim.lane_state(0)
+    assert not (lane["state"] == "parked" and lane["ptr"] == inner[0])
+    with s1:
+        b = malloc(None, 8192, 0)  # s2's block, unsynchronized: never for s1
+        assert b != inner[0]
+    free(None, a, 0)
+    free(None, b, 0)
+    _settle()
+
+
+def test_a_block_cupy_parks_during_pytorchs_capture_query_is_not_handed_to_pytorch(
+    cp: Any, entry: Any
+) -> None:
+    """The lane checks its block again after the capture query (no lock held while asking):
+    a block CuPy parked meanwhile, of the same size and stream, is not PyTorch's to take."""
+    import graphpool.torch as gtorch
+    from graphpool.tools.benchkit import torch_entry_points
+
+    shim, malloc, free, _capsule = entry
+    shim.set_hooks(*gtorch.hooks())
+    lib = torch_entry_points()
+    s = cp.cuda.Stream(non_blocking=True)
+    p = lib.graphpool_torch_malloc(4096, 0, s.ptr)
+    lib.graphpool_torch_free(p, 4096, 0, s.ptr)
+    assert (shim.lane_state(0)["state"], shim.lane_state(0)["kind"]) == ("parked", "torch")
+    parked: list[int] = []
+
+    def query(stream: int | None, out: Any) -> int:
+        if not parked:  # CuPy, meanwhile: the same size on the same stream, dropped
+            parked.append(0)
+            with s:
+                q = malloc(None, 4096, 0)
+                free(None, q, 0)
+            parked[0] = q
+        out[0] = 0
+        return 0
+
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
+    shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
+    try:
+        r = lib.graphpool_torch_malloc(4096, 0, s.ptr)
+    finally:
+        shim.lane_query(0, runtime.get().device(0).capture_query_address())
+    assert parked[0] != 0
+    assert shim.lane_state(0)["hits"] == 0  # served by the hooks, not by the lane
+    lib.graphpool_torch_free(r, 4096, 0, s.ptr)
+    _settle()
+
+
+@pytest.mark.parametrize(
+    "missing", ["CFunctionAllocator", "capsule signature", "shim hook", "stream attribute"]
+)
+def test_the_c_path_is_used_exactly_where_cupy_and_the_shim_have_all_it_needs(
+    cp: Any, missing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``install()`` hands CuPy a ``CFunctionAllocator`` over the shim only where CuPy has the
+    class and exports ``get_current_stream_ptr`` with the signature the shim calls, and the
+    shim has the CuPy entry points; else ``PythonFunctionAllocator`` serves. A CuPy whose
+    ``cuda.stream`` is not yet an attribute has it imported."""
+    if not c_path(cp):
+        pytest.skip("a CuPy and a shim with the C path")
+    import sys
+    import types
+
+    from graphpool import lanes
+
+    gcupy.uninstall()
+    stream_module = cp.cuda.stream
+    if missing == "CFunctionAllocator":
+        monkeypatch.delattr(cp.cuda.memory, "CFunctionAllocator")
+    elif missing == "capsule signature":
+        new_capsule = ctypes.pythonapi.PyCapsule_New
+        new_capsule.restype = ctypes.py_object
+        new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+        other = new_capsule(1, b"int (void)", None)  # never called
+        monkeypatch.setattr(stream_module, "__pyx_capi__", {"get_current_stream_ptr": other})
+    elif missing == "shim hook":
+        monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
+    else:
+        monkeypatch.delattr(cp.cuda, "stream")
+        monkeypatch.setitem(sys.modules, "cupy.cuda.stream", stream_module)
+    gcupy.install()
+    assert native(cp)
+    assert (gcupy._hooks is gcupy._c_hooks) == (missing == "stream attribute")
+    a = cp.ones(1024, dtype=np.float32)
+    assert float(a.sum()) == 1024.0
+    del a
+
+
+def test_an_array_outliving_uninstall_goes_back_also_when_freed_first_after_install(cp: Any) -> None:
+    """The C path's hooks are the process's: an array made before ``uninstall()`` and freed
+    after ``install()``, before any new allocation, goes back to graphpool."""
+    base = gp.memory_allocated()
+    a = cp.ones(1 << 12, dtype=np.float32)
+    gcupy.uninstall()
+    gcupy.install()
+    del a
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
+def test_a_block_freed_after_a_routing_change_is_not_parked(cp: Any) -> None:
+    """The hooks park a freed block only while the route they used last is current: after
+    any routing change the next request must ask graphpool where it goes, so no lane may
+    answer it."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        routing.invalidate()
+        del a
+        lane = shim.lane_state(0)
+        assert not (lane["state"] == "parked" and lane["ptr"] == ptr)
+    _settle()
+
+
+def test_the_lane_binder_with_lanes_turned_off_or_a_shim_without_lanes(
+    cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Binding the allocator a lane already serves keeps its parked block; ``GRAPHPOOL_LANE=0``
+    at a later binder turns the lanes already bound off (every call then goes to the hooks);
+    a shim without lanes gives no binder."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    import types
+
+    from graphpool import lanes
+
+    shim = twins.torch_shim_or_skip()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        del a
+        assert shim.lane_state(0)["state"] == "parked"
+        bind = lanes.binder("test")
+        assert bind is not None
+        bind(0, lanes._owners[0])  # the allocator it serves: nothing to settle
+        assert (shim.lane_state(0)["state"], shim.lane_state(0)["ptr"]) == ("parked", ptr)
+        monkeypatch.setenv("GRAPHPOOL_LANE", "0")
+        try:
+            assert lanes.binder("test") is None
+            b = cp.empty(4096, dtype=np.uint8)  # graphpool's hooks, not the lane
+            assert shim.lane_state(0)["hits"] == 0
+            del b
+        finally:
+            shim.set_lanes_enabled(True)
+    monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
+    assert lanes.binder("test") is None
+    _settle()
+
+
+def test_a_block_the_lane_handed_out_freed_after_a_routing_change_goes_back(cp: Any) -> None:
+    """A routing change turns the lane off: the free of the array the lane handed out then
+    reaches the hooks while graphpool still counts that block as parked; it is queued behind
+    the parked block's settling, not refused, and nothing is lost."""
+    if not c_path(cp):
+        pytest.skip("the lane serves CuPy's CFunctionAllocator path only")
+    shim = twins.torch_shim_or_skip()
+    base = gp.memory_allocated()
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        a = cp.empty(4096, dtype=np.uint8)
+        ptr = a.data.ptr
+        del a
+        b = cp.empty(4096, dtype=np.uint8)
+        assert b.data.ptr == ptr and shim.lane_state(0)["hits"] == 1  # the lane's
+        routing.invalidate()
+        del b
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
+def test_a_free_while_a_block_is_parked_is_queued_behind_it(cp: Any) -> None:
+    """Parking changes no address: with the last array's block parked, the free of its
+    neighbour is queued behind that block's, and the next request of that size gets what it
+    would get were nothing parked (the two merged, served from the lower address)."""
+    if not native(cp):
+        pytest.skip("parking serves the compiled hooks")
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        x = cp.empty(4096, dtype=np.uint8)
+        y = cp.empty(4096, dtype=np.uint8)
+        x_ptr, y_ptr = x.data.ptr, y.data.ptr
+        assert y_ptr == x_ptr + 4096  # (neighbours in one segment)
+        del y  # the last hand-out: parked
+        del x  # queued behind it
+        z = cp.empty(4096, dtype=np.uint8)
+        assert z.data.ptr == x_ptr
+        del z
     _settle()
 
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the mutants are source lines, quoted whole)
 """Hand-made mutants of the PyTorch shim's native lane (src/graphpool/_torch_shim.cpp), stop 18.
 
 Each entry: (id, where, old text, new text, occurrence) -- ``occurrence`` picks which of
@@ -199,6 +200,146 @@ MUTANTS: list[tuple[str, str, str, str, int | None]] = [
         "if ((device == -1 && PyErr_Occurred()) || device_arg((int)device) < 0) {",
         "if (device == -1 && PyErr_Occurred()) {",
         0,
+    ),
+]
+
+# Stop 19: the CuPy entry points (graphpool_cupy_malloc/free) and the lane's framework kind.
+KIND_CHECK = "l.stream != stream || l.kind != kind) {"
+CUPY_PARK = "lane_park(ptr, (size_t)requested, device, nullptr, KIND_CUPY);"
+CUPY_FREE_GUARD = "|| ptr == nullptr || ptr == kFailed || lane_free(ptr, device)) {"
+MUTANTS += [
+    ("D01", "lane_malloc first check", KIND_CHECK, "l.stream != stream) {", 0),
+    ("D02", "lane_malloc second check", KIND_CHECK, "l.stream != stream) {", 1),
+    ("D03", "lane_park", "if (kind == KIND_CUPY) {", "if (false) {", None),
+    ("D04", "lane_park", "if (l.cupy_ptr != ptr) {", "if (false) {", None),
+    ("D05", "lane_park", "stream = l.cupy_stream;", "", None),
+    ("D06", "lane_park", "    l.kind = kind;\n", "", None),
+    ("D07", "lane_note_cupy", "    l.cupy_ptr = ptr;\n", "", None),
+    ("D08", "lane_note_cupy", "    l.cupy_stream = stream;\n", "", None),
+    (
+        "D09",
+        "cupy_malloc",
+        "if (g_cupy_malloc == nullptr || g_cupy_stream == nullptr) {",
+        "if (g_cupy_malloc == nullptr) {",
+        None,
+    ),
+    ("D10", "cupy_malloc", "if (raw == -1 && PyErr_Occurred()) {", "if (false) {", None),
+    ("D11", "cupy_malloc", "if (raw == -1 && PyErr_Occurred()) {", "if (raw == -1) {", None),
+    (
+        "D12",
+        "cupy_malloc",
+        "    if (p != nullptr) {\n        return p;\n    }\n    PyObject *args[3];",
+        "    PyObject *args[3];",
+        None,
+    ),
+    (
+        "D13",
+        "cupy_malloc",
+        "    if (r == nullptr) {\n        return kFailed;",
+        "    if (false) {\n        return kFailed;",
+        None,
+    ),
+    (
+        "D14",
+        "cupy_malloc",
+        "    Py_DECREF(r);\n    if (PyErr_Occurred()) {",
+        "    Py_DECREF(r);\n    if (false) {",
+        None,
+    ),
+    ("D15", "cupy_malloc", "if (p == nullptr || p == kFailed) {", "if (p == nullptr) {", None),
+    ("D16", "cupy_malloc", "if (p == nullptr || p == kFailed) {", "if (p == kFailed) {", None),
+    ("D17", "cupy_malloc", "    lane_note_cupy(p, device, stream);\n", "", None),
+    (
+        "D18",
+        "cupy_malloc",
+        "void *p = lane_malloc(size, device, stream, KIND_CUPY);",
+        "void *p = lane_malloc(size, device, stream, KIND_TORCH);",
+        None,
+    ),
+    (
+        "D19",
+        "cupy_free",
+        "    if (g_cupy_free == nullptr) {\n        return;",
+        "    if (false) {\n        return;",
+        None,
+    ),
+    (
+        "D20",
+        "cupy_free",
+        "    if (r == nullptr) {\n        PyErr_WriteUnraisable",
+        "    if (false) {\n        PyErr_WriteUnraisable",
+        None,
+    ),
+    ("D21", "cupy_free", "    if (PyLong_Check(r)) { /* parked", "    if (false) { /* parked", None),
+    (
+        "D22",
+        "cupy_free",
+        "} else if (requested != 0) {\n            " + CUPY_PARK,
+        "} else {\n            " + CUPY_PARK,
+        None,
+    ),
+    (
+        "D23",
+        "cupy_free",
+        "            PyErr_Clear();\n        } else if (requested != 0) {\n            lane_park(ptr, (size_t)requested, device, nullptr",
+        "        } else if (requested != 0) {\n            lane_park(ptr, (size_t)requested, device, nullptr",
+        None,
+    ),
+    ("D24", "cupy_free", CUPY_PARK, "lane_park(ptr, (size_t)requested, device, nullptr, KIND_TORCH);", None),
+    ("D25", "graphpool_cupy_free", CUPY_FREE_GUARD, "|| ptr == nullptr || lane_free(ptr, device)) {", None),
+    ("D26", "graphpool_cupy_free", CUPY_FREE_GUARD, "|| ptr == kFailed || lane_free(ptr, device)) {", None),
+    ("D27", "graphpool_cupy_free", CUPY_FREE_GUARD, "|| ptr == nullptr || ptr == kFailed) {", None),
+    (
+        "D28",
+        "graphpool_cupy_free",
+        "if (g_closed || !Py_IsInitialized() || ptr == nullptr || ptr == kFailed",
+        "if (!Py_IsInitialized() || ptr == nullptr || ptr == kFailed",
+        None,
+    ),
+    (
+        "D29",
+        "set_cupy_hooks",
+        "if (!PyCallable_Check(m) || !PyCallable_Check(f)) {",
+        "if (!PyCallable_Check(m)) {",
+        1,
+    ),
+    (
+        "D30",
+        "set_cupy_hooks",
+        "if (!PyCallable_Check(m) || !PyCallable_Check(f)) {",
+        "if (!PyCallable_Check(f)) {",
+        1,
+    ),
+    (
+        "D31",
+        "set_cupy_hooks",
+        "    if (fn == nullptr) {\n        PyErr_Clear();",
+        "    if (false) {\n        PyErr_Clear();",
+        None,
+    ),
+    (
+        "D32",
+        "set_cupy_hooks",
+        "PyCapsule_IsValid(capsule, kStreamSignature) ?",
+        "PyCapsule_IsValid(capsule, nullptr) ?",
+        None,
+    ),
+    ("D33", "set_cupy_hooks", "    g_closed = 0;\n", "", 1),
+    ("D34", "close", "    g_cupy_stream = nullptr;\n    Py_RETURN_NONE;", "    Py_RETURN_NONE;", None),
+    ("D35", "lane_state", 'l.kind == KIND_CUPY ? "cupy" : "torch"', '"cupy"', None),
+    (
+        "D36",
+        "torch malloc",
+        "void *p = lane_malloc(size, device, stream, KIND_TORCH);",
+        "void *p = lane_malloc(size, device, stream, KIND_CUPY);",
+        None,
+    ),
+    (
+        "D37",
+        "torch free",
+        "lane_park(ptr, (size_t)requested, device, stream, KIND_TORCH);",
+        "lane_park(ptr, (size_t)requested, device, stream, KIND_CUPY);",
+        None,
     ),
 ]
 
