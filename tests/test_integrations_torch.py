@@ -326,7 +326,8 @@ class _FakeShim:
     def set_hooks(self, *hooks: Any) -> None:
         self.hooks = hooks
 
-    def close(self) -> None:
+    def close(self, framework: str | None = None) -> None:
+        assert framework in (None, "torch")  # (a refused install closes PyTorch's hooks alone)
         self.closed += 1
 
 

@@ -489,7 +489,7 @@ def test_buffer_of_finds_the_buffer_behind_an_array_or_says_why_not(cp: Any) -> 
             gcupy.buffer_of(a)
         assert str(info.value) == (
             f"{type(a).__name__} has no DeviceBuffer behind it: graphpool serves CuPy through "
-            "CuPy's PythonFunctionAllocator, which keeps none; set "
+            "CuPy's CFunctionAllocator or PythonFunctionAllocator, which keep none; set "
             "graphpool.cupy.use_function_allocator = True before install() to share CuPy arrays"
         )
     else:
@@ -1001,3 +1001,35 @@ def test_graphpool_cupy_c_0_steps_around_the_c_path(cp: Any, monkeypatch: pytest
     b = cp.ones(16, dtype=np.float32)
     assert type(b.data.mem).__name__ == "CFunctionAllocatorMemory"
     del b
+
+
+def test_closing_pytorchs_entry_points_leaves_cupys_served(cp: Any) -> None:
+    """A refused ``graphpool.torch.install()`` closes the shim's PyTorch entry points alone
+    (``close("torch")``): CuPy's arrays are still freed and served through the C path."""
+    if not c_path(cp):
+        pytest.skip("CuPy's C path only")
+    shim = twins.torch_shim_or_skip()
+    base = gp.memory_allocated()
+    a = cp.ones(1 << 12, dtype=np.float32)
+    shim.close("torch")
+    del a
+    gc.collect()
+    gp.memory_stats()
+    assert gp.memory_allocated() == base  # freed, not dropped by a closed shim
+    b = cp.ones(1 << 10, dtype=np.float32)
+    assert float(b.sum()) == 1024.0
+    del b
+    with pytest.raises(ValueError, match="'torch', 'cupy' or nothing"):
+        shim.close("numba")
+
+
+def test_the_free_rule_is_a_registered_handoff() -> None:
+    """The hooks' free rule (``give_back``) hands a block to the allocator: in the plain build
+    a guarded signal handler waits while it runs, as it waits in the hooks' ``free``."""
+    from graphpool import hooks
+    from graphpool.policy import interrupts
+
+    code = getattr(hooks.give_back, "__code__", None)
+    if code is None:
+        pytest.skip("compiled: a handoff has no bytecode a handler could run in")
+    assert code in interrupts._handoffs

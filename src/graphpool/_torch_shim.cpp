@@ -46,7 +46,7 @@
  * get_current_stream_ptr, handed over by set_cupy_hooks). The same lanes serve it: a lane
  * keys on the framework's raw stream handle, which both frameworks take from CUDA. The
  * hooks are graphpool.hooks.CupyHooks' malloc_on(size, device, stream) and
- * free_parking(ptr, device); a failed malloc returns (void *)-1 with the Python exception
+ * free(ptr, device); a failed malloc returns (void *)-1 with the Python exception
  * set (CuPy's Cython caller checks for an exception on -1), and a free of -1 or 0 is
  * ignored, so a CuPy built to ignore the error still fails cleanly.
  */
@@ -56,13 +56,14 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 
 static PyObject *g_malloc = nullptr; /* hook(size, device, stream) -> int */
 static PyObject *g_free = nullptr;   /* hook(ptr, size, device, stream) -> int (parked) or None */
-static volatile int g_closed = 0;    /* set by close(): the interpreter is going away */
+static volatile int g_closed = 0;    /* set by close() (PyTorch's entry points): exit, or a refused install */
 
 /* ------------------------------------------------------------------ the lane */
 
@@ -230,7 +231,8 @@ static bool call_malloc(size_t size, int device, void *stream, void **out, std::
 typedef intptr_t (*current_stream_t)(void); /* CuPy's get_current_stream_ptr */
 
 static PyObject *g_cupy_malloc = nullptr;  /* CupyHooks.malloc_on(size, device, stream) -> int */
-static PyObject *g_cupy_free = nullptr;    /* CupyHooks.free_parking(ptr, device) -> int (parked) */
+static PyObject *g_cupy_free = nullptr;    /* CupyHooks.free(ptr, device) -> int (parked) */
+static volatile int g_cupy_closed = 0;     /* set by close() or close("cupy") (CuPy's entry points) */
 static current_stream_t g_cupy_stream = nullptr;
 static void *const kFailed = (void *)(intptr_t)-1; /* a failed malloc, the exception set */
 /* Note the block CuPy's malloc hook handed out and its stream: a free hook that parks a block
@@ -247,13 +249,17 @@ static void lane_note_cupy(void *ptr, int device, void *stream) {
 
 /* (GIL held) The block for CuPy, or kFailed with the exception set. */
 static void *cupy_malloc(size_t size, int device) {
+    if (g_cupy_closed) {
+        PyErr_SetString(PyExc_RuntimeError, "graphpool.cupy: allocation after graphpool's shim was closed (exit)");
+        return kFailed;
+    }
     if (g_cupy_malloc == nullptr || g_cupy_stream == nullptr) {
         PyErr_SetString(PyExc_RuntimeError,
                         "graphpool.cupy: no allocator hook is set (call graphpool.cupy.install())");
         return kFailed;
     }
     intptr_t raw = g_cupy_stream();
-    if (raw == -1 && PyErr_Occurred()) {
+    if (PyErr_Occurred()) { /* (CuPy's function never fails; one that did is not trusted) */
         return kFailed;
     }
     void *stream = (void *)raw;
@@ -266,9 +272,12 @@ static void *cupy_malloc(size_t size, int device) {
     args[1] = PyLong_FromLong(device);
     args[2] = PyLong_FromVoidPtr(stream);
     PyObject *r = nullptr;
+    PyObject *hook = g_cupy_malloc; /* owned for the call: set_cupy_hooks or close may run meanwhile */
+    Py_INCREF(hook);
     if (args[0] != nullptr && args[1] != nullptr && args[2] != nullptr) {
-        r = PyObject_Vectorcall(g_cupy_malloc, args, 3, nullptr);
+        r = PyObject_Vectorcall(hook, args, 3, nullptr);
     }
+    Py_DECREF(hook);
     Py_XDECREF(args[0]);
     Py_XDECREF(args[1]);
     Py_XDECREF(args[2]);
@@ -297,15 +306,19 @@ static void cupy_free(void *ptr, int device) {
     args[0] = PyLong_FromVoidPtr(ptr);
     args[1] = PyLong_FromLong(device);
     PyObject *r = nullptr;
+    PyObject *hook = g_cupy_free; /* owned for the call, as cupy_malloc's */
+    Py_INCREF(hook);
     if (args[0] != nullptr && args[1] != nullptr) {
-        r = PyObject_Vectorcall(g_cupy_free, args, 2, nullptr);
+        r = PyObject_Vectorcall(hook, args, 2, nullptr);
     }
     Py_XDECREF(args[0]);
     Py_XDECREF(args[1]);
     if (r == nullptr) {
-        PyErr_WriteUnraisable(g_cupy_free);
+        PyErr_WriteUnraisable(hook);
+        Py_DECREF(hook);
         return;
     }
+    Py_DECREF(hook);
     if (PyLong_Check(r)) { /* parked: its requested size (0: queued, not parked) */
         unsigned long long requested = PyLong_AsUnsignedLongLong(r);
         if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -388,7 +401,7 @@ GRAPHPOOL_EXPORT void *graphpool_cupy_malloc(void *, size_t size, int device) {
 }
 
 GRAPHPOOL_EXPORT void graphpool_cupy_free(void *, void *ptr, int device) {
-    if (g_closed || !Py_IsInitialized() || ptr == nullptr || ptr == kFailed || lane_free(ptr, device)) {
+    if (g_cupy_closed || !Py_IsInitialized() || ptr == nullptr || ptr == kFailed || lane_free(ptr, device)) {
         return;
     }
     PyGILState_STATE st = PyGILState_Ensure();
@@ -417,13 +430,30 @@ static PyObject *set_hooks(PyObject *, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *close_shim(PyObject *, PyObject *) {
-    g_closed = 1;
-    Py_CLEAR(g_malloc);
-    Py_CLEAR(g_free);
-    Py_CLEAR(g_cupy_malloc);
-    Py_CLEAR(g_cupy_free);
-    g_cupy_stream = nullptr;
+/* close(): both frameworks' entry points (exit); close("torch") or close("cupy"): one (a
+   refused install closes only its own framework's). */
+static PyObject *close_shim(PyObject *, PyObject *args) {
+    const char *which = nullptr;
+    if (!PyArg_ParseTuple(args, "|z:close", &which)) {
+        return nullptr;
+    }
+    bool torch = which == nullptr || strcmp(which, "torch") == 0;
+    bool cupy = which == nullptr || strcmp(which, "cupy") == 0;
+    if (!torch && !cupy) {
+        PyErr_Format(PyExc_ValueError, "close: 'torch', 'cupy' or nothing (both), not '%s'", which);
+        return nullptr;
+    }
+    if (torch) {
+        g_closed = 1;
+        Py_CLEAR(g_malloc);
+        Py_CLEAR(g_free);
+    }
+    if (cupy) {
+        g_cupy_closed = 1;
+        Py_CLEAR(g_cupy_malloc);
+        Py_CLEAR(g_cupy_free);
+        g_cupy_stream = nullptr;
+    }
     Py_RETURN_NONE;
 }
 
@@ -453,7 +483,7 @@ static PyObject *set_cupy_hooks(PyObject *, PyObject *args) {
     Py_XSETREF(g_cupy_malloc, m);
     Py_XSETREF(g_cupy_free, f);
     g_cupy_stream = (current_stream_t)fn;
-    g_closed = 0;
+    g_cupy_closed = 0;
     Py_RETURN_NONE;
 }
 
@@ -588,13 +618,14 @@ static PyMethodDef methods[] = {
     {"set_hooks", set_hooks, METH_VARARGS,
      "set_hooks(malloc, free)\n--\n\nThe Python callables the exported C functions call."},
     {"set_cupy_hooks", set_cupy_hooks, METH_VARARGS,
-     "set_cupy_hooks(malloc_on, free_parking, current_stream_capsule)\n--\n\nThe CuPy hooks the exported "
+     "set_cupy_hooks(malloc_on, free, current_stream_capsule)\n--\n\nThe CuPy hooks the exported "
      "graphpool_cupy_malloc/free call, and CuPy's get_current_stream_ptr (its exported capsule)."},
     {"cupy_entry_points", cupy_entry_points, METH_NOARGS,
      "cupy_entry_points() -> (malloc, free)\n--\n\nThe addresses of graphpool_cupy_malloc and "
      "graphpool_cupy_free, for CuPy's CFunctionAllocator."},
-    {"close", close_shim, METH_NOARGS,
-     "close()\n--\n\nDrop the hooks: from now on malloc fails and free does nothing (exit)."},
+    {"close", close_shim, METH_VARARGS,
+     "close(framework=None)\n--\n\nDrop the hooks of both frameworks (exit), or of 'torch' or 'cupy' "
+     "alone: from then on their malloc fails and their free does nothing, until hooks are set again."},
     {"try_malloc", try_malloc, METH_VARARGS,
      "try_malloc(size, device, stream)\n--\n\nThe exported malloc's path, raising RuntimeError "
      "with the message the C++ exception would carry (for tests)."},
@@ -609,7 +640,7 @@ static PyMethodDef methods[] = {
     {"lanes_off", lanes_off, METH_NOARGS,
      "lanes_off()\n--\n\nEvery call goes to the hooks until graphpool parks again (routing changed)."},
     {"set_lanes_enabled", set_lanes_enabled, METH_O,
-     "set_lanes_enabled(on)\n--\n\nFalse: the lanes never answer (GRAPHPOOL_TORCH_LANE=0)."},
+     "set_lanes_enabled(on)\n--\n\nFalse: the lanes never answer (GRAPHPOOL_LANE=0 or GRAPHPOOL_TORCH_LANE=0)."},
     {"lane_state", lane_state, METH_O, "lane_state(device) -> dict\n--\n\nThe device's lane (for tests)."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -78,9 +78,11 @@ _previous: Any = None
 """CuPy's allocator before ``install()``."""
 _allocator: Any = None
 """What ``install()`` handed ``cupy.cuda.set_allocator``: the ``malloc`` of a CuPy
-``PythonFunctionAllocator`` over ``_hooks`` where CuPy has that class, else ``malloc``."""
+``CFunctionAllocator`` over the shim (``_c_allocator``) or of a ``PythonFunctionAllocator``
+over ``_hooks`` where CuPy has those classes, else ``malloc``."""
 _hooks: CupyHooks | None = None
-"""The compiled entry points (graphpool.hooks) that CuPy's ``PythonFunctionAllocator`` calls."""
+"""The compiled hooks (graphpool.hooks) that CuPy's allocator reaches: through the shim's C
+functions (CuPy's ``CFunctionAllocator``) or directly (its ``PythonFunctionAllocator``)."""
 use_c_allocator = True
 """False (or ``GRAPHPOOL_CUPY_C=0`` in the environment): ``install()`` hands CuPy a
 ``PythonFunctionAllocator`` over the compiled hooks even where CuPy has ``CFunctionAllocator``
@@ -147,15 +149,16 @@ def buffer_of(array: Any) -> DeviceBuffer:
     was allocated while graphpool was CuPy's allocator: to share it with another process
     (``buffer_of(a).ipc_handle()``), or to ``record_stream`` it. The array may start inside
     the buffer (a view): its offset is ``a.data.ptr - buffer_of(a).ptr``. TypeError otherwise,
-    also for arrays served through CuPy's ``PythonFunctionAllocator`` (the fast path, which keeps
-    no DeviceBuffer): set ``use_function_allocator = True`` before ``install()`` to share arrays."""
+    also for arrays served through CuPy's ``CFunctionAllocator`` or ``PythonFunctionAllocator``
+    (the fast paths, which keep no DeviceBuffer): set ``use_function_allocator = True`` before
+    ``install()`` to share arrays."""
     pointer = getattr(array, "data", array)
     owner = getattr(getattr(pointer, "mem", None), "_owner", None)
     if not isinstance(owner, DeviceBuffer):
         if _installed and _hooks is not None:
             raise TypeError(
                 f"{type(array).__name__} has no DeviceBuffer behind it: graphpool serves CuPy through "
-                "CuPy's PythonFunctionAllocator, which keeps none; set "
+                "CuPy's CFunctionAllocator or PythonFunctionAllocator, which keep none; set "
                 "graphpool.cupy.use_function_allocator = True before install() to share CuPy arrays"
             )
         raise TypeError(

@@ -212,6 +212,6 @@ class TorchHooks:
 
 # Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded
 # signal handler waits until it is there (policy/interrupts.py, "Handoffs").
-interrupts.handoff(CupyHooks.free, TorchHooks.free)
+interrupts.handoff(CupyHooks.free, TorchHooks.free, give_back)
 
 __all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks", "give_back"]

@@ -249,7 +249,7 @@ def install() -> None:
             plugged = torch.cuda.memory.CUDAPluggableAllocator(shim.__file__, _MALLOC, _FREE)
             torch.cuda.memory.change_current_allocator(plugged)
         except Exception as e:
-            shim.close()
+            shim.close("torch")  # (CuPy's hooks in the same shim stay)
             raise RuntimeError(
                 f"graphpool.torch.install(): PyTorch refused graphpool's allocator ({e}); "
                 "install() must run before PyTorch's first CUDA allocation"
