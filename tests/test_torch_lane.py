@@ -10,7 +10,6 @@ run in Python alone.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +20,7 @@ import graphpool as gp
 from graphpool import routing, runtime
 from graphpool.device.protocol import CAPTURE_MODE_GLOBAL
 from graphpool.tools.benchkit import torch_entry_points
-from twins import torch_shim_or_skip
+from twins import counting_query, lane_query_from, torch_shim_or_skip
 
 
 class Counted:
@@ -184,36 +183,29 @@ def test_the_lane_asks_the_capture_query_only_for_a_request_it_could_serve(
     p = lib.graphpool_torch_malloc(1000, 0, s.handle)
     lib.graphpool_torch_free(p, 1000, 0, s.handle)  # (binds the lane) parked
     asked: list[int] = []
-
-    def query(stream: int | None, out: Any) -> int:
-        asked.append(stream or 0)
-        out[0] = 0
-        return 0
-
-    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
-    shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
-    q = lib.graphpool_torch_malloc(2048, 0, s.handle)  # another size
-    lib.graphpool_torch_free(q, 2048, 0, s.handle)
-    q = lib.graphpool_torch_malloc(1000, 0, t.handle)  # another stream
-    lib.graphpool_torch_free(q, 1000, 0, t.handle)
-    assert asked == []
-    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
-    lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked on s again
-    assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p and asked == [s.handle]  # the lane's
-    q = lib.graphpool_torch_malloc(1000, 0, s.handle)  # its block is out: nothing to serve
-    assert asked == [s.handle]
-    lib.graphpool_torch_free(q, 1000, 0, s.handle)
-    lib.graphpool_torch_free(p, 1000, 0, s.handle)
-    gp.memory_stats()  # (carries out the queued frees)
-    p = lib.graphpool_torch_malloc(1000, 0, s.handle)
-    lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked
-    assert shim.lane_state(0)["state"] == "parked"
-    routing.invalidate()  # the lane is off
-    r = lib.graphpool_torch_malloc(1000, 0, s.handle)
-    assert asked == [s.handle]
-    lib.graphpool_torch_free(r, 1000, 0, s.handle)
-    gp.memory_stats()  # settled while fn lives
-    shim.lane_query(0, 0)
+    with lane_query_from(shim, counting_query(asked)):
+        q = lib.graphpool_torch_malloc(2048, 0, s.handle)  # another size
+        lib.graphpool_torch_free(q, 2048, 0, s.handle)
+        q = lib.graphpool_torch_malloc(1000, 0, t.handle)  # another stream
+        lib.graphpool_torch_free(q, 1000, 0, t.handle)
+        assert asked == []
+        p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked on s again
+        assert lib.graphpool_torch_malloc(1000, 0, s.handle) == p and asked == [s.handle]  # the lane's
+        q = lib.graphpool_torch_malloc(1000, 0, s.handle)  # its block is out: nothing to serve
+        assert asked == [s.handle]
+        lib.graphpool_torch_free(q, 1000, 0, s.handle)
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)
+        gp.memory_stats()  # (carries out the queued frees)
+        p = lib.graphpool_torch_malloc(1000, 0, s.handle)
+        lib.graphpool_torch_free(p, 1000, 0, s.handle)  # parked
+        assert shim.lane_state(0)["state"] == "parked"
+        routing.invalidate()  # the lane is off
+        r = lib.graphpool_torch_malloc(1000, 0, s.handle)
+        assert asked == [s.handle]
+        lib.graphpool_torch_free(r, 1000, 0, s.handle)
+        gp.memory_stats()  # settled while the query is ours
+        shim.lane_query(0, 0)
 
 
 def test_the_lane_takes_back_only_its_own_block_and_only_while_enabled_and_on(

@@ -6,7 +6,6 @@ module itself (install, malloc, stream following, uninstall) on the simulated de
 
 from __future__ import annotations
 
-import ctypes
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -632,19 +631,9 @@ def test_a_block_cupy_parked_is_not_handed_to_pytorch(cp: Any) -> None:
         del a
         assert shim.lane_state(0)["state"] == "parked"
         asked: list[int] = []
-
-        def query(stream: int | None, out: Any) -> int:
-            asked.append(stream or 0)
-            out[0] = 0
-            return 0
-
-        fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
-        shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
-        try:
+        with twins.lane_query_from(shim, twins.counting_query(asked)):
             p = lib.graphpool_torch_malloc(4096, 0, s.ptr)  # PyTorch's request: its hooks serve it
             assert asked == []  # (the lane does not even ask whether s is capturing)
-        finally:
-            shim.lane_query(0, runtime.get().device(0).capture_query_address())
         assert shim.lane_state(0)["hits"] == 0
         assert p != ptr or shim.lane_state(0)["state"] == "empty"  # taken back by graphpool first
         lib.graphpool_torch_free(p, 4096, 0, s.ptr)
@@ -684,8 +673,7 @@ def entry(cp: Any) -> Iterator[tuple[Any, Any, Any, Any]]:
         pytest.skip("the shim's CuPy entry points")
     shim = twins.torch_shim_or_skip()
     m, f = shim.cupy_entry_points()
-    malloc = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(m)
-    free = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)(f)
+    malloc, free = twins.CUPY_C_MALLOC(m), twins.CUPY_C_FREE(f)
     capsule = cp.cuda.stream.__pyx_capi__["get_current_stream_ptr"]
     hooks = gcupy._c_hooks
     assert hooks is not None
@@ -700,10 +688,8 @@ def test_set_cupy_hooks_checks_its_arguments_and_keeps_the_hooks_it_had(entry: A
     for args in ((1, print, capsule), (print, 1, capsule), (print, print, object())):
         with pytest.raises(TypeError):
             shim.set_cupy_hooks(*args)
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    other = new_capsule(1, b"int (void)", None)  # another signature: never called
+    name = b"int (void)"
+    other = twins.make_capsule(1, name)  # another signature: never called
     with pytest.raises(TypeError, match="intptr_t"):
         shim.set_cupy_hooks(print, print, other)
     p = malloc(None, 4096, 0)  # graphpool's hooks still serve
@@ -716,6 +702,7 @@ def test_the_cupy_entry_points_check_what_the_hooks_answer(entry: Any) -> None:
     (CuPy raises it); a free of 0 or -1 (CuPy's failed malloc) calls no hook; a free hook's
     negative answer parks nothing and leaves no exception behind."""
     shim, malloc, free, capsule = entry
+    assert malloc(None, 0, 0) == 0  # no bytes: a null pointer, no hook asked (CuPy never asks)
     answer: list[Any] = [0]
     freed: list[int] = []
 
@@ -821,12 +808,8 @@ def test_a_block_cupy_parks_during_pytorchs_capture_query_is_not_handed_to_pytor
         out[0] = 0
         return 0
 
-    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
-    shim.lane_query(0, ctypes.cast(fn, ctypes.c_void_p).value)
-    try:
+    with twins.lane_query_from(shim, query):
         r = lib.graphpool_torch_malloc(4096, 0, s.ptr)
-    finally:
-        shim.lane_query(0, runtime.get().device(0).capture_query_address())
     assert parked[0] != 0
     assert shim.lane_state(0)["hits"] == 0  # served by the hooks, not by the lane
     lib.graphpool_torch_free(r, 4096, 0, s.ptr)
@@ -855,10 +838,8 @@ def test_the_c_path_is_used_exactly_where_cupy_and_the_shim_have_all_it_needs(
     if missing == "CFunctionAllocator":
         monkeypatch.delattr(cp.cuda.memory, "CFunctionAllocator")
     elif missing == "capsule signature":
-        new_capsule = ctypes.pythonapi.PyCapsule_New
-        new_capsule.restype = ctypes.py_object
-        new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-        other = new_capsule(1, b"int (void)", None)  # never called
+        name = b"int (void)"
+        other = twins.make_capsule(1, name)  # never called
         monkeypatch.setattr(stream_module, "__pyx_capi__", {"get_current_stream_ptr": other})
     elif missing == "shim hook":
         monkeypatch.setattr(lanes, "shim", lambda who="": types.SimpleNamespace())
@@ -1023,13 +1004,23 @@ def test_closing_pytorchs_entry_points_leaves_cupys_served(cp: Any) -> None:
         shim.close("numba")
 
 
-def test_the_free_rule_is_a_registered_handoff() -> None:
-    """The hooks' free rule (``give_back``) hands a block to the allocator: in the plain build
-    a guarded signal handler waits while it runs, as it waits in the hooks' ``free``."""
+def test_the_hooks_are_registered_handoffs() -> None:
+    """The hooks hand blocks between the allocator and a framework (``give_back``, the frees
+    and the mallocs): in the plain build a guarded signal handler waits while one runs, so a
+    Ctrl-C never loses the block between the two."""
     from graphpool import hooks
     from graphpool.policy import interrupts
 
-    code = getattr(hooks.give_back, "__code__", None)
-    if code is None:
+    fns = (
+        hooks.give_back,
+        hooks.CupyHooks.free,
+        hooks.CupyHooks.malloc,
+        hooks.CupyHooks.malloc_on,
+        hooks.CupyHooks._miss,
+        hooks.TorchHooks.free,
+        hooks.TorchHooks.malloc,
+    )
+    codes = [getattr(fn, "__code__", None) for fn in fns]
+    if codes[0] is None:
         pytest.skip("compiled: a handoff has no bytecode a handler could run in")
-    assert code in interrupts._handoffs
+    assert all(code in interrupts._handoffs for code in codes)

@@ -73,6 +73,34 @@ def torch_shim_or_skip() -> Any:
         pytest.skip(f"plain-Python install: no PyTorch shim ({e})")
 
 
+CaptureQuery = Callable[[Any, Any], int]
+"""A capture query as the shim's lane calls it: ``query(stream, out) -> 0`` with ``out[0]``
+the capture's id (0: none)."""
+
+
+@contextlib.contextmanager
+def lane_query_from(shim: Any, query: CaptureQuery, device: int = 0) -> Iterator[None]:
+    """Inside the block the shim's lane of ``device`` asks ``query`` (Python, through ctypes)
+    whether a stream captures; after it, the device's own query again."""
+    fn = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_ulonglong))(query)
+    shim.lane_query(device, ctypes.cast(fn, ctypes.c_void_p).value)
+    try:
+        yield
+    finally:
+        shim.lane_query(device, runtime.get().device(device).capture_query_address())
+
+
+def counting_query(asked: list[int]) -> CaptureQuery:
+    """A capture query that notes each stream it is asked about and says none captures."""
+
+    def query(stream: int | None, out: Any) -> int:
+        asked.append(stream or 0)
+        out[0] = 0
+        return 0
+
+    return query
+
+
 def use_sim_as_cuda() -> None:
     runtime.set_backend("cuda", backend=SimAsCuda())
 
@@ -82,6 +110,22 @@ def _sim(device: int) -> Any:
 
 
 # =============================================================================== CuPy
+CUPY_C_MALLOC = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+"""CuPy's ``CFunctionAllocator`` malloc, called as CuPy's Cython calls it: the GIL held, and
+an exception the function sets raised."""
+CUPY_C_FREE = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+"""CuPy's ``CFunctionAllocator`` free, called the same way."""
+
+
+def make_capsule(address: int, name: bytes) -> Any:
+    """A ``PyCapsule`` of the C function at ``address`` named ``name`` (as Cython exports one in
+    a module's ``__pyx_capi__``). ``name`` must outlive the capsule: the caller keeps it."""
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+    new_capsule.restype = ctypes.py_object
+    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return new_capsule(address, name, None)
+
+
 def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool = True) -> types.ModuleType:
     """A fresh fake ``cupy`` module (its own per-thread state and default pool).
 
@@ -320,9 +364,6 @@ def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool
             mem = PythonFunctionAllocatorMemory(int(size), self._malloc_func, self._free_func, _device())
             return MemoryPointer(mem, 0)
 
-    c_malloc_type = ctypes.PYFUNCTYPE(ctypes.c_ssize_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    c_free_type = ctypes.PYFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
-
     class CFunctionAllocatorMemory:
         """CuPy's: ``malloc(param, size, device)`` made the memory (not for size 0; an
         exception it sets is raised, the address kept 0); ``free(param, ptr, device)`` when
@@ -337,11 +378,11 @@ def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool
                 0,
             )
             if size > 0:
-                self.ptr = int(c_malloc_type(malloc_func)(param, size, device_id))
+                self.ptr = int(CUPY_C_MALLOC(malloc_func)(param, size, device_id))
 
         def __del__(self) -> None:
             if self.ptr:
-                c_free_type(self._free_func)(self._param, self.ptr, self.device_id)
+                CUPY_C_FREE(self._free_func)(self._param, self.ptr, self.device_id)
 
     class CFunctionAllocator:
         """CuPy's allocator over two C functions (addresses), on CuPy's current device."""
@@ -370,10 +411,7 @@ def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool
             stream_module = types.ModuleType("cupy.cuda.stream")
             current_ptr = ctypes.CFUNCTYPE(ctypes.c_ssize_t)(lambda: int(get_current_stream().ptr))
             name = b"intptr_t (void)"  # the signature CuPy's Cython names its exported function by
-            new_capsule = ctypes.pythonapi.PyCapsule_New
-            new_capsule.restype = ctypes.py_object
-            new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-            capsule = new_capsule(ctypes.cast(current_ptr, ctypes.c_void_p), name, None)
+            capsule = make_capsule(ctypes.cast(current_ptr, ctypes.c_void_p).value or 0, name)
             stream_module._keep = (current_ptr, name)  # type: ignore[attr-defined]  # the capsule's
             stream_module.__pyx_capi__ = {"get_current_stream_ptr": capsule}  # type: ignore[attr-defined]
             cuda.stream = stream_module  # type: ignore[attr-defined]

@@ -166,6 +166,21 @@ static void lane_park(void *ptr, size_t requested, int device, void *stream, int
     l.on = true;
 }
 
+/* A free hook answered ``r`` for ``ptr`` (GIL held): a positive int is the requested size of
+   the block graphpool parked, which the lane then keeps; anything else (0: queued; a negative
+   or non-int answer) parks nothing. */
+static void park_answered(PyObject *r, void *ptr, int device, void *stream, int kind) {
+    if (!PyLong_Check(r)) {
+        return;
+    }
+    unsigned long long requested = PyLong_AsUnsignedLongLong(r);
+    if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear(); /* (a negative answer: not parked) */
+    } else if (requested != 0) {
+        lane_park(ptr, (size_t)requested, device, stream, kind);
+    }
+}
+
 /* The message of the current Python exception ("Type: text"), which is cleared. */
 static std::string take_error(void) {
     PyObject *type, *value, *tb;
@@ -319,14 +334,7 @@ static void cupy_free(void *ptr, int device) {
         return;
     }
     Py_DECREF(hook);
-    if (PyLong_Check(r)) { /* parked: its requested size (0: queued, not parked) */
-        unsigned long long requested = PyLong_AsUnsignedLongLong(r);
-        if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-        } else if (requested != 0) {
-            lane_park(ptr, (size_t)requested, device, nullptr, KIND_CUPY);
-        }
-    }
+    park_answered(r, ptr, device, nullptr, KIND_CUPY);
     Py_DECREF(r);
 }
 
@@ -376,13 +384,8 @@ GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, v
         }
         if (r == nullptr) {
             PyErr_WriteUnraisable(g_free);
-        } else if (PyLong_Check(r)) { /* parked: its requested size (0: queued, not parked) */
-            unsigned long long requested = PyLong_AsUnsignedLongLong(r);
-            if (requested == (unsigned long long)-1 && PyErr_Occurred()) {
-                PyErr_Clear(); /* (a negative answer: not parked) */
-            } else if (requested != 0) {
-                lane_park(ptr, (size_t)requested, device, stream, KIND_TORCH);
-            }
+        } else {
+            park_answered(r, ptr, device, stream, KIND_TORCH);
         }
         Py_XDECREF(r);
     }
@@ -391,8 +394,8 @@ GRAPHPOOL_EXPORT void graphpool_torch_free(void *ptr, size_t size, int device, v
 
 /* CuPy's CFunctionAllocator: the GIL is held (CuPy calls from Python-level code). */
 GRAPHPOOL_EXPORT void *graphpool_cupy_malloc(void *, size_t size, int device) {
-    if (!Py_IsInitialized()) {
-        return nullptr; /* (the interpreter is gone; CuPy allocates nothing then) */
+    if (size == 0 || !Py_IsInitialized()) {
+        return nullptr; /* (CuPy asks for bytes only; none at all when the interpreter is gone) */
     }
     PyGILState_STATE st = PyGILState_Ensure();
     void *p = cupy_malloc(size, device);

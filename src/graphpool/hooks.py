@@ -210,8 +210,17 @@ class TorchHooks:
         return give_back(a, ptr, self._recent, self._last)
 
 
-# Plain-Python build: a framework's free hands its block to the allocator's queue; a guarded
-# signal handler waits until it is there (policy/interrupts.py, "Handoffs").
-interrupts.handoff(CupyHooks.free, TorchHooks.free, give_back)
+# Plain-Python build: a framework's free hands its block to the allocator's queue, and its
+# malloc hands the allocator's block to the framework; a guarded signal handler waits until
+# the block is there (policy/interrupts.py, "Handoffs").
+interrupts.handoff(
+    CupyHooks.free,
+    TorchHooks.free,
+    give_back,
+    CupyHooks.malloc,
+    CupyHooks.malloc_on,
+    CupyHooks._miss,
+    TorchHooks.malloc,
+)
 
 __all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks", "give_back"]
