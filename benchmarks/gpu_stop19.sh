@@ -34,6 +34,6 @@ c = cupy.ones(10); print("after oom", float(c.sum())); gp.check_invariants(); pr
 PY
 cat "$OUT/cpath.txt"
 (cd $B && PYTHONPATH=$B/src:$DEP timeout ${TEST_TIMEOUT:-90} python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_integrations_cupy.py tests/test_twin_cupy_capture.py tests/scenarios/test_replay_plans.py \
-  tests/scenarios/test_replay_checker.py > "$OUT/pytest_gpu_part.txt" 2>&1)
+  ${TESTS:-tests/test_integrations_cupy.py tests/test_twin_cupy_capture.py tests/scenarios/test_replay_plans.py \
+  tests/scenarios/test_replay_checker.py} > "$OUT/pytest_gpu_part.txt" 2>&1)
 tail -2 "$OUT/pytest_gpu_part.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu_part.txt" | head
