@@ -446,3 +446,63 @@ def test_cuda_core_buffers_inside_use_mem_pool_come_from_the_pool(core: Any) -> 
     buf.close(s)
     other.close(s)
     s.sync()
+
+
+def test_a_closed_buffer_is_reused_on_its_stream_and_the_route_follows_the_stream(core: Any) -> None:
+    """The raw path: a buffer closed on its own stream comes back at the next allocate of the
+    same size there (the allocator's cache, as for the CuPy and PyTorch hooks); a buffer of
+    another stream does not take it; a set_backend between calls finds the route anew."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    dev = core.Device(0)
+    s, t = dev.create_stream(), dev.create_stream()
+    buf = mr.allocate(4096, stream=s)
+    ptr = int(buf.handle)
+    buf.close(s)
+    on_t = mr.allocate(4096, stream=t)
+    assert int(on_t.handle) != ptr and _segment_of(int(on_t.handle))["stream"] == t.handle
+    again = mr.allocate(4096, stream=s)
+    assert int(again.handle) == ptr
+    again.close(s)
+    on_t.close(t)
+    twins.use_sim_as_cuda()  # a new runtime: the kept route is stale
+    fresh = mr.allocate(4096, stream=dev.create_stream())
+    assert _segment_of(int(fresh.handle))["stream"] != 0
+    fresh.close()
+    gp.check_invariants()
+
+
+def test_a_graphpool_stream_of_another_device_is_refused(core: Any) -> None:
+    mr = gcore.GraphpoolMemoryResource(0)
+    base = gp.memory_allocated(0)
+    with pytest.raises(ValueError, match="belongs to device 1"):
+        mr.allocate(512, stream=gp.Stream(device=1))
+    buf = mr.allocate(512, stream=gp.Stream(device=0))
+    assert gp.memory_allocated(0) == base + 512
+    buf.close()
+    gc.collect()
+    assert gp.memory_allocated(0) == base
+
+
+def test_a_failing_buffer_constructor_gives_the_block_back(
+    core: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuda.core raising while it wraps the address: the block goes back and nothing is kept
+    for the address (a later deallocate of it does nothing)."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    gc.collect()
+    base = gp.memory_allocated()
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("no buffer today")
+
+    if not hasattr(core.Buffer, "from_handle"):
+        pytest.skip("cuda.core 0.1 builds Buffer with its constructor; from_handle is the call tested")
+    monkeypatch.setattr(core.Buffer, "from_handle", staticmethod(broken))
+    monkeypatch.setattr(gcore, "_cls", None)  # the class reads cuda.core's Buffer when made
+    mr = gcore.GraphpoolMemoryResource(0)
+    with pytest.raises(RuntimeError, match="no buffer today"):
+        mr.allocate(4096, stream=s)
+    assert gp.memory_allocated() == base
+    assert not mr._blocks
+    gp.check_invariants()

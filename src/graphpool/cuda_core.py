@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 from graphpool import runtime
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.framework_captures import CaptureHooks
-from graphpool.memory import alloc
+from graphpool.hooks import Kept, give_back
+from graphpool.policy import interrupts
+from graphpool.routing import Route, routes
 from graphpool.streams import (
     CU_STREAM_LEGACY,
     CU_STREAM_PER_THREAD,
@@ -33,6 +35,7 @@ from graphpool.streams import (
 if TYPE_CHECKING:
     from cuda.core import MemoryResource
 
+_routes = routes
 _lock = threading.Lock()
 _cls: type[MemoryResource] | None = None
 
@@ -63,80 +66,110 @@ def stream_handle(stream: Any) -> int:
     raise TypeError(f"cannot tell the CUDA stream of {type(stream).__name__}")
 
 
+def _find(device: int, raw: int, name: str) -> Route:
+    """The route for stream handle ``raw`` of ``device``, of the object of type ``name`` (for
+    messages): the resource's slow path. The backend checked to be "cuda" and the handle
+    resolved as every entry point resolves one (``streams.resolve_handle``: the per-thread
+    default stream refused)."""
+    generation = _routes.generation  # read first: a set_backend from now on makes it stale
+    if runtime.get().name != "cuda":
+        raise RuntimeError("GraphpoolMemoryResource needs graphpool's 'cuda' backend")
+    handle = resolve_handle(raw, "GraphpoolMemoryResource.allocate", name)
+    return Route(handle, runtime.allocator(device), generation)
+
+
 def _make_class() -> type[MemoryResource]:
     MemoryResource, Buffer = _cuda_core()
+    from_handle = getattr(Buffer, "from_handle", None)  # absent in cuda.core 0.1
 
     class GraphpoolMemoryResource(MemoryResource):  # type: ignore[misc, valid-type]
-        """A cuda.core MemoryResource drawing device memory from graphpool's caching allocator."""
+        """A cuda.core MemoryResource drawing device memory from graphpool's caching allocator.
+
+        Calls the allocator's raw ``malloc`` and ``drop`` with the stream's handle, as the
+        CuPy and PyTorch hooks do (hooks.py): no DeviceBuffer or graphpool Stream per buffer.
+        The route used last is kept (``hooks.Kept``), so a run of buffers on one stream costs a
+        handle read and two comparisons before the allocator's malloc.
+        """
 
         def __init__(self, device_id: int | None = None) -> None:
             super().__init__()
             index = runtime.current_device_index() if device_id is None else int(device_id)
             runtime.get().check_index(index)
             self._device_id = index
-            self._buffers: dict[int, Any] = {}
-
-        def _stream(self, stream: Any) -> Stream:
-            if stream is None:
-                return current_stream(self._device_id)
-            if isinstance(stream, Stream):
-                return stream
-            what = "GraphpoolMemoryResource.allocate"
-            handle = resolve_handle(stream_handle(stream), what, type(stream).__name__)
-            return Stream._wrap(self._device_id, handle)
+            self._blocks: dict[int, Route] = {}  # address -> the route it was allocated on
+            self._last: Kept | None = None
+            self._recent = 0  # the address allocate handed out last
 
         def allocate(self, size: int, stream: Any = None) -> Any:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""
-            if runtime.get().name != "cuda":
-                raise RuntimeError("GraphpoolMemoryResource needs graphpool's 'cuda' backend")
+            if stream is None:
+                raw = current_stream(self._device_id).handle
+            else:
+                raw = stream_handle(stream)
+            last = self._last
+            if last is not None and last.raw == raw and last.route.generation == _routes.generation:
+                route = last.route
+            else:
+                if isinstance(stream, Stream):  # graphpool's own: its backend and device checked
+                    stream._check_backend()
+                    if stream.device != self._device_id:
+                        raise ValueError(
+                            f"GraphpoolMemoryResource of device {self._device_id}: {stream!r} "
+                            f"belongs to device {stream.device}"
+                        )
+                route = _find(self._device_id, raw, type(stream).__name__)  # raises: refused stream/backend
+                self._last = Kept(self._device_id, raw, route)
             if size == 0:  # a null buffer; nothing to track (all share the address 0)
-                if hasattr(Buffer, "from_handle"):
-                    return Buffer.from_handle(0, 0, mr=self)
+                if from_handle is not None:
+                    return from_handle(0, 0, mr=self)
                 return Buffer(0, 0, self)
-            buf = alloc(size, stream=self._stream(stream))
-            ptr = buf.ptr
-            self._buffers[ptr] = buf
+            ptr = route.alloc.malloc(size, stream=route.handle)
+            self._recent = ptr
+            self._blocks[ptr] = route
             try:
-                with_stream = stream is not None and hasattr(stream, "__cuda_stream__")
-                if with_stream and hasattr(Buffer, "from_handle"):
+                if from_handle is None:
+                    return Buffer(ptr, size, self)  # cuda.core 0.1
+                if stream is not None and hasattr(stream, "__cuda_stream__"):
                     try:
-                        return Buffer.from_handle(ptr, size, mr=self, stream=stream)
+                        return from_handle(ptr, size, mr=self, stream=stream)
                     except TypeError:  # 0.x: no stream keyword
                         pass
-                if hasattr(Buffer, "from_handle"):
-                    return Buffer.from_handle(ptr, size, mr=self)
-                return Buffer(ptr, size, self)  # cuda.core 0.1
+                return from_handle(ptr, size, mr=self)
             except BaseException:
-                self._buffers.pop(ptr, None)
+                if self._blocks.pop(ptr, None) is not None:
+                    route.alloc.drop(ptr)
                 raise
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
             """Return a buffer to graphpool; ``stream``'s work so far finishes before reuse.
 
-            Never takes the allocator's lock (it may run from a finalizer): the DeviceBuffer
-            is dropped and its free is queued. CUDA's per-thread default stream (2) is not
-            refused, unlike everywhere else: a deallocation cannot fail cleanly (cuda.core
-            deallocates from its buffers' finalizers, with the default stream, which is the
-            per-thread one under per-thread default streams, and a refusal there leaks the
-            memory). Its handle names the calling thread's stream only in this call, and the
-            free is carried out later, maybe on another thread; so reuse waits for the legacy
-            default stream instead, which CUDA orders after the work queued so far on every
-            blocking stream, every thread's per-thread default stream included.
+            Never takes the allocator's lock (it may run from a finalizer): the free is
+            queued (``hooks.give_back``: parked if it is the block handed out last). CUDA's
+            per-thread default stream (2) is not refused, unlike everywhere else: a
+            deallocation cannot fail cleanly (cuda.core deallocates from its buffers'
+            finalizers, with the default stream, which is the per-thread one under per-thread
+            default streams, and a refusal there leaks the memory). Its handle names the
+            calling thread's stream only in this call, and the free is carried out later,
+            maybe on another thread; so reuse waits for the legacy default stream instead,
+            which CUDA orders after the work queued so far on every blocking stream, every
+            thread's per-thread default stream included.
             """
-            if int(ptr) == 0:  # a null buffer holds nothing
+            address = int(ptr)
+            if address == 0:  # a null buffer holds nothing
                 return
-            buf = self._buffers.pop(int(ptr), None)
-            if buf is None:
+            route = self._blocks.pop(address, None)
+            if route is None:
                 return
             if stream is not None:
                 handle = stream_handle(stream)
                 if handle in (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
                     handle = LEGACY_STREAM  # (graphpool's name of the legacy stream)
-                if handle != buf.stream.handle:
+                if handle != route.handle:
                     # Reuse waits for the freeing stream's work, as after record_stream. No
-                    # wait_stream: were ``stream`` capturing, the buffer's stream would join it.
-                    buf._free_after(handle)
-            del buf
+                    # wait_stream: were ``stream`` capturing, the block's stream would join it.
+                    route.alloc.defer_free(address, handle)
+                    return
+            give_back(route.alloc, address, self._recent, self._last)
 
         @property
         def is_device_accessible(self) -> bool:
@@ -157,6 +190,9 @@ def _make_class() -> type[MemoryResource]:
         def __repr__(self) -> str:
             return f"<graphpool.cuda_core.GraphpoolMemoryResource device={self._device_id}>"
 
+    # Plain-Python build: between the allocator's answer and the resource's table, a guarded
+    # signal handler waits (policy/interrupts.py, "Handoffs"), so a Ctrl-C loses no block.
+    interrupts.handoff(GraphpoolMemoryResource.allocate, GraphpoolMemoryResource.deallocate)
     GraphpoolMemoryResource.__module__ = __name__
     GraphpoolMemoryResource.__qualname__ = "GraphpoolMemoryResource"
     return GraphpoolMemoryResource
