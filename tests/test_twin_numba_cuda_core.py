@@ -458,15 +458,18 @@ def test_a_closed_buffer_is_reused_on_its_stream_and_the_route_follows_the_strea
     buf = mr.allocate(4096, stream=s)
     ptr = int(buf.handle)
     buf.close(s)
+    assert runtime.allocator(0).parking()  # the block handed out last: parked (hooks.give_back)
     on_t = mr.allocate(4096, stream=t)
     assert int(on_t.handle) != ptr and _segment_of(int(on_t.handle))["stream"] == t.handle
     again = mr.allocate(4096, stream=s)
     assert int(again.handle) == ptr
     again.close(s)
     on_t.close(t)
-    twins.use_sim_as_cuda()  # a new runtime: the kept route is stale
-    fresh = mr.allocate(4096, stream=dev.create_stream())
-    assert _segment_of(int(fresh.handle))["stream"] != 0
+    legacy = mr.allocate(4096)  # graphpool's current stream: the legacy stream (0)
+    legacy.close()
+    twins.use_sim_as_cuda()  # a new runtime: the kept route (same handle 0) is stale
+    fresh = mr.allocate(4096)
+    assert _segment_of(int(fresh.handle))["stream"] == 0  # a segment of the new runtime
     fresh.close()
     gp.check_invariants()
 
