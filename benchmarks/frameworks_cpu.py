@@ -266,7 +266,8 @@ def main() -> int:
             if v:
                 summary[f"{k} | {name}"] = {"min": min(v), "median": statistics.median(v), "runs": len(v)}
                 print(
-                    f"  {name:<8} min {min(v):8.3f} us  median {statistics.median(v):8.3f} us  ({len(v)} runs)"
+                    f"  {name:<8} min {min(v):8.3f} us  "
+                    f"median {statistics.median(v):8.3f} us  ({len(v)} runs)"
                 )
     for name in trees:
         r = runs[name]
