@@ -53,7 +53,9 @@ def test_arrays_allocate_through_graphpool(cp: Any) -> None:
     assert gp.memory_allocated() == base + 4 * (1 << 20)
     import graphpool.cupy as gcupy
 
-    if gcupy._hooks is not None:  # CuPy's PythonFunctionAllocator over graphpool's hooks
+    if gcupy._hooks is not None and gcupy._hooks is gcupy._c_hooks:  # the shim's C functions
+        assert type(a.data.mem).__name__ == "CFunctionAllocatorMemory"
+    elif gcupy._hooks is not None:  # CuPy's PythonFunctionAllocator over graphpool's hooks
         assert type(a.data.mem).__name__ == "PythonFunctionAllocatorMemory"
     else:
         assert isinstance(a.data.mem, cp.cuda.UnownedMemory)
