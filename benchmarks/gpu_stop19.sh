@@ -22,6 +22,7 @@ for case in ${CASES:-cupy replay}; do
 done
 PYTHONPATH=$B/src:$DEP timeout 40 python3 - > "$OUT/cpath.txt" 2>&1 <<'PY'
 import graphpool as gp, graphpool.cupy as gc, cupy
+gc.use_c_allocator = True  # (opt-in since run 15)
 gp.set_backend("cuda"); gc.install()
 a = cupy.ones(1000, dtype=cupy.float32); p = a.data.ptr; del a
 b = cupy.ones(1000, dtype=cupy.float32)

@@ -44,6 +44,7 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
         monkeypatch.setattr(gcupy, name, value)
     monkeypatch.setattr(gcupy, "_hooks", None)
     monkeypatch.setattr(gcupy, "_c_hooks", None)  # (the shim's hooks: made again for this twin)
+    monkeypatch.setattr(gcupy, "use_c_allocator", request.param == "c")  # (off by default)
     monkeypatch.setattr(gcupy, "_gp_streams", {})
     monkeypatch.setattr(gcupy, "_cp_streams", {})
     twins.use_sim_as_cuda()
@@ -965,23 +966,31 @@ def test_a_free_while_a_block_is_parked_is_queued_behind_it(cp: Any) -> None:
     _settle()
 
 
-def test_graphpool_cupy_c_0_steps_around_the_c_path(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``GRAPHPOOL_CUPY_C=0``: install() hands CuPy the PythonFunctionAllocator path even where
-    the C path is available."""
+def test_the_c_path_is_opt_in(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default install() hands CuPy the PythonFunctionAllocator path even where the C path
+    is available; ``GRAPHPOOL_CUPY_C=1`` or ``use_c_allocator = True`` chooses the C path."""
     if not c_path(cp):
         pytest.skip("the C path is not available with this twin")
     gcupy.uninstall()
-    monkeypatch.setenv("GRAPHPOOL_CUPY_C", "0")
+    monkeypatch.setattr(gcupy, "use_c_allocator", False)
+    monkeypatch.delenv("GRAPHPOOL_CUPY_C", raising=False)
     gcupy.install()
     a = cp.ones(16, dtype=np.float32)
     assert type(a.data.mem).__name__ == "PythonFunctionAllocatorMemory"
     del a
     gcupy.uninstall()
-    monkeypatch.delenv("GRAPHPOOL_CUPY_C")
+    monkeypatch.setenv("GRAPHPOOL_CUPY_C", "1")
     gcupy.install()
     b = cp.ones(16, dtype=np.float32)
     assert type(b.data.mem).__name__ == "CFunctionAllocatorMemory"
     del b
+    gcupy.uninstall()
+    monkeypatch.setenv("GRAPHPOOL_CUPY_C", "0")
+    monkeypatch.setattr(gcupy, "use_c_allocator", True)
+    gcupy.install()
+    c = cp.ones(16, dtype=np.float32)
+    assert type(c.data.mem).__name__ == "CFunctionAllocatorMemory"
+    del c
 
 
 def test_closing_pytorchs_entry_points_leaves_cupys_served(cp: Any) -> None:

@@ -149,12 +149,15 @@ def main() -> dict[str, Any]:
     cur = torch.cuda.current_stream()
     r = torch.ones(1 << 16, device="cuda")
     kept = r.data_ptr()
+    gc.collect()  # (before the spin: a collection of this process can take longer than it)
     with torch.cuda.stream(torch.cuda.ExternalStream(side.handle)):
-        cuda_spin(side)
+        cuda_spin(side, cycles=2_000_000_000)  # about 1 s
+        spun = gp.Event()
+        spun.record(side)
         out["record_stream"] = _try(lambda t=r: t.record_stream(torch.cuda.current_stream()))
     del r
-    gc.collect()
     again = torch.empty(1 << 16, device="cuda")
+    out["record_stream_side_busy"] = not spun.query()  # else the check below proves nothing
     out["record_stream_block_held"] = again.data_ptr() != kept and cur == torch.cuda.current_stream()
     del again
     side.synchronize()

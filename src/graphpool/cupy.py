@@ -83,11 +83,14 @@ over ``_hooks`` where CuPy has those classes, else ``malloc``."""
 _hooks: CupyHooks | None = None
 """The compiled hooks (graphpool.hooks) that CuPy's allocator reaches: through the shim's C
 functions (CuPy's ``CFunctionAllocator``) or directly (its ``PythonFunctionAllocator``)."""
-use_c_allocator = True
-"""False (or ``GRAPHPOOL_CUPY_C=0`` in the environment): ``install()`` hands CuPy a
-``PythonFunctionAllocator`` over the compiled hooks even where CuPy has ``CFunctionAllocator``
-and graphpool's compiled shim is installed (for comparisons, graphpool.tools.frameworks_bench,
-or to step around the C path). Read at ``install()``."""
+use_c_allocator = False
+"""True (or ``GRAPHPOOL_CUPY_C=1`` in the environment): ``install()`` hands CuPy a
+``CFunctionAllocator`` over the compiled shim's C entry points where CuPy has that class and
+the shim is installed, instead of the ``PythonFunctionAllocator`` over the compiled hooks.
+Off by default: on an H100 (benchmarks/results/2026-12-05-h100-run14/) the C path served a
+repeated ``cupy.empty`` + drop at 0.98-1.01x CuPy's own pool (the default path 1.30-1.39x),
+but two CuPy programs ran 1.15-1.49x CuPy's pool against 1.00-1.30x on the default path, in
+three runs, with the lane on and off; why is not known yet. Read at ``install()``."""
 _c_hooks: CupyHooks | None = None
 """The hooks the shim's C entry points call, once made (``_c_allocator``)."""
 use_function_allocator = False
@@ -349,7 +352,7 @@ def install() -> None:
         _calls = (cuda.runtime.getDevice, cuda.get_current_stream, cuda.UnownedMemory, cuda.MemoryPointer)
         _previous = cupy.cuda.get_allocator()
         native = getattr(getattr(cuda, "memory", None), "PythonFunctionAllocator", None)
-        c_ok = use_c_allocator and os.environ.get("GRAPHPOOL_CUPY_C", "1") != "0"
+        c_ok = use_c_allocator or os.environ.get("GRAPHPOOL_CUPY_C", "0") == "1"
         c_path = _c_allocator(cupy) if c_ok and not use_function_allocator else None
         if c_path is not None:
             _hooks, _allocator = c_path
