@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Stop 19's last device call (issue 27), lean for a short budget: build this tree only, the
 # frameworks bench's cupy case (CuPy's pool; graphpool through CFunctionAllocator and the
-# shim's lane; graphpool through PythonFunctionAllocator, "graphpool-hooks") and replay case,
+# shim's lane, "graphpool-c"; graphpool through PythonFunctionAllocator, the default) and replay case,
 # a check of the CuPy C path on real CuPy, then the GPU-marked CuPy, replay and lane tests.
 # Carry .whl. Logs under $OUT.
 set -u

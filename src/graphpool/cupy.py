@@ -3,13 +3,14 @@
 ``install()`` makes every CuPy allocation come from graphpool, on CuPy's current stream
 and device, so arrays made inside ``gp.graph(...)`` land in the graph's private pool
 and a block freed by CuPy is reused only as docs/behaviour.rst allows. Where CuPy has
-``cupy.cuda.memory.CFunctionAllocator`` and graphpool's compiled shim is installed, CuPy calls
-the shim's C functions, which read CuPy's current stream in C, hand a block graphpool parked
-to the next array of its size and stream without calling Python (graphpool.lanes), and
-otherwise call graphpool's compiled hooks (graphpool.hooks). Where CuPy has only
 ``cupy.cuda.memory.PythonFunctionAllocator`` (CuPy 9 and later), CuPy builds its memory
-objects in Cython and calls those hooks with the size and device, and frees by address when
-it drops the memory; elsewhere ``malloc`` below serves
+objects in Cython and calls graphpool's compiled hooks (graphpool.hooks) with the size and
+device, and frees by address when it drops the memory. Opt-in (``use_c_allocator``,
+``GRAPHPOOL_CUPY_C=1``), where CuPy has ``cupy.cuda.memory.CFunctionAllocator`` and
+graphpool's compiled shim is installed, CuPy calls the shim's C functions instead, which read
+CuPy's current stream in C, hand a block graphpool parked to the next array of its size and
+stream without calling Python (graphpool.lanes), and otherwise call the same hooks. Elsewhere
+``malloc`` below serves
 (CuPy's ``UnownedMemory`` over a graphpool DeviceBuffer). It also registers a
 stream follower (``graphpool.routing``) so that ``gp.stream(s)`` and ``gp.graph(g)`` make
 ``s`` (or the capturing stream) CuPy's current stream too, and give CuPy back its own on
