@@ -157,11 +157,13 @@ def _make_class() -> type[MemoryResource]:
             address = int(ptr)
             if address == 0:  # a null buffer holds nothing
                 return
+            # The stream read before the block leaves the table: a stream that cannot be read
+            # raises with the block still the buffer's (a later close gives it back).
+            handle = -1 if stream is None else stream_handle(stream)
             route = self._blocks.pop(address, None)
             if route is None:
                 return
             if stream is not None:
-                handle = stream_handle(stream)
                 if handle in (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
                     handle = LEGACY_STREAM  # (graphpool's name of the legacy stream)
                 if handle != route.handle:
