@@ -104,19 +104,23 @@ def _make_class() -> type[MemoryResource]:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""
             if stream is None:
                 raw = current_stream(self._device_id).handle
+            elif isinstance(stream, Stream):
+                # graphpool's own: its backend and device checked at every call, as the kept
+                # route below is keyed by the handle alone (0, the legacy stream's, is every
+                # device's)
+                stream._check_backend()
+                if stream.device != self._device_id:
+                    raise ValueError(
+                        f"GraphpoolMemoryResource of device {self._device_id}: {stream!r} "
+                        f"belongs to device {stream.device}"
+                    )
+                raw = stream.handle
             else:
                 raw = stream_handle(stream)
             last = self._last
             if last is not None and last.raw == raw and last.route.generation == _routes.generation:
                 route = last.route
             else:
-                if isinstance(stream, Stream):  # graphpool's own: its backend and device checked
-                    stream._check_backend()
-                    if stream.device != self._device_id:
-                        raise ValueError(
-                            f"GraphpoolMemoryResource of device {self._device_id}: {stream!r} "
-                            f"belongs to device {stream.device}"
-                        )
                 route = _find(self._device_id, raw, type(stream).__name__)  # raises: refused stream/backend
                 self._last = Kept(self._device_id, raw, route)
             if size == 0:  # a null buffer; nothing to track (all share the address 0)
