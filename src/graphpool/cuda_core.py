@@ -14,6 +14,7 @@ than it was allocated for is reused only after that stream's work queued so far.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,10 @@ def _make_class() -> type[MemoryResource]:
 
         def allocate(self, size: int, stream: Any = None) -> Any:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""
+            if type(size) is not int:  # read once, refused as gp.alloc refuses it (a bool, a float)
+                if isinstance(size, bool) or not hasattr(size, "__index__"):
+                    raise TypeError(f"size must be an int number of bytes, not {type(size).__name__}")
+                size = operator.index(size)
             if stream is None:
                 raw = current_stream(self._device_id).handle
             elif isinstance(stream, Stream):
