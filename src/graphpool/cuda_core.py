@@ -152,8 +152,9 @@ def _make_class() -> type[MemoryResource]:
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
             """Return a buffer to graphpool; ``stream``'s work so far finishes before reuse.
 
-            Never takes the allocator's lock (it may run from a finalizer): the free is
-            queued (``hooks.give_back``: parked if it is the block handed out last). CUDA's
+            Never waits for the allocator's lock (it may run from a finalizer): the free is
+            queued, or parked if it is the block handed out last and the lock is free
+            (``hooks.give_back``, ``CachingAllocator.park``). CUDA's
             per-thread default stream (2) is not refused, unlike everywhere else: a
             deallocation cannot fail cleanly (cuda.core deallocates from its buffers'
             finalizers, with the default stream, which is the per-thread one under per-thread
