@@ -20,8 +20,8 @@ import pytest
 import graphpool as gp
 from graphpool import runtime
 from graphpool.cuda_core import stream_handle
-from graphpool.streams import cuda_stream_handle
 from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.streams import cuda_stream_handle
 
 _PROPER = object()
 
