@@ -565,3 +565,14 @@ def test_a_numpy_integer_size_is_read_once_as_an_int(core: Any) -> None:
     assert int(null.handle) == 0
     buf.close(s)
     null.close(s)
+
+
+def test_the_resources_allocate_and_deallocate_are_handoffs(core: Any) -> None:
+    """Both builds (cuda_core.py is never compiled): a guarded signal landing in ``allocate``
+    between the allocator's answer and the resource's table, or in ``deallocate`` between the
+    table and the allocator's queue, waits until the block has its owner."""
+    from graphpool.policy import interrupts
+
+    cls = gcore.resource_class()
+    for fn in (cls.allocate, cls.deallocate):
+        assert fn.__code__ in interrupts._handoffs, fn

@@ -202,8 +202,9 @@ def _make_class() -> type[MemoryResource]:
         def __repr__(self) -> str:
             return f"<graphpool.cuda_core.GraphpoolMemoryResource device={self._device_id}>"
 
-    # Plain-Python build: between the allocator's answer and the resource's table, a guarded
-    # signal handler waits (policy/interrupts.py, "Handoffs"), so a Ctrl-C loses no block.
+    # Both builds (this module is never compiled): between the allocator's answer and the
+    # resource's table, a guarded signal handler waits (policy/interrupts.py, "Handoffs"), so a
+    # Ctrl-C loses no block.
     interrupts.handoff(GraphpoolMemoryResource.allocate, GraphpoolMemoryResource.deallocate)
     GraphpoolMemoryResource.__module__ = __name__
     GraphpoolMemoryResource.__qualname__ = "GraphpoolMemoryResource"
