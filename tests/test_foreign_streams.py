@@ -7,6 +7,8 @@ device, as a CuPy, PyTorch or cuda.core stream wraps a ``cudaStream_t``.
 
 from __future__ import annotations
 
+import collections
+import enum
 import gc
 import sys
 import types
@@ -19,6 +21,7 @@ import graphpool as gp
 from graphpool import runtime
 from graphpool.cuda_core import stream_handle
 from graphpool.device.protocol import LEGACY_STREAM
+from graphpool.streams import cuda_stream_handle
 
 _PROPER = object()
 
@@ -200,6 +203,29 @@ def test_a_wrong_protocol_answer_is_a_type_error(sim: Any, answer: Any, match: s
             call()
     assert gp.current_stream().handle == LEGACY_STREAM
     buf.free()
+
+
+class _Version(enum.IntEnum):
+    ZERO = 0
+
+
+class _Handle(int):
+    """An int subclass, as a binding's handle type may be."""
+
+
+_Answer = collections.namedtuple("_Answer", "version handle")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [(_Version.ZERO, 0x1000), (0, _Handle(0x1000)), _Answer(0, 0x1000), (True - 1, 0x1000)],
+    ids=["int-enum-version", "int-subclass-handle", "namedtuple", "computed-zero"],
+)
+def test_int_and_tuple_subclasses_in_a_protocol_answer_are_read_as_ints(sim: Any, answer: Any) -> None:
+    """Answers the check for the common ``(0, handle)`` lets by (not exactly a tuple of
+    ints) take the full check, which accepts them and gives the handle as a plain int."""
+    got = cuda_stream_handle(ForeignStream(0, answer=answer))
+    assert got == 0x1000 and type(got) is int
 
 
 @pytest.mark.parametrize("bad", [0, 0x1000, "stream", 1.5, object(), gp.Event])

@@ -21,6 +21,9 @@ from graphpool.device.protocol import CAPTURE_MODE_RELAXED
 from graphpool.errors import DoubleFreeError
 from graphpool.tools import scenarios
 
+_C_ALLOCATOR_DEFAULT = gcupy.use_c_allocator
+"""The module's own value, read at collection, before any fixture sets it."""
+
 
 def _settle() -> None:
     gc.collect()
@@ -972,7 +975,8 @@ def test_the_c_path_is_opt_in(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     if not c_path(cp):
         pytest.skip("the C path is not available with this twin")
     gcupy.uninstall()
-    monkeypatch.setattr(gcupy, "use_c_allocator", False)
+    assert _C_ALLOCATOR_DEFAULT is False
+    monkeypatch.setattr(gcupy, "use_c_allocator", _C_ALLOCATOR_DEFAULT)
     monkeypatch.delenv("GRAPHPOOL_CUPY_C", raising=False)
     gcupy.install()
     a = cp.ones(16, dtype=np.float32)

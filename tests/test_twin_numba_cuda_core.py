@@ -509,3 +509,70 @@ def test_a_failing_buffer_constructor_gives_the_block_back(
     assert gp.memory_allocated() == base
     assert not mr._blocks
     gp.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [object(), types.SimpleNamespace(__cuda_stream__=lambda: (1, 5))],
+    ids=["no-stream", "protocol-version-1"],
+)
+def test_a_close_on_a_stream_that_cannot_be_read_loses_nothing(core: Any, bad: Any) -> None:
+    """``deallocate`` with a stream it cannot read raises TypeError and keeps the block with
+    its buffer, which a later close gives back."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    gc.collect()
+    base = gp.memory_allocated()
+    buf = mr.allocate(4096, stream=s)
+    with pytest.raises(TypeError):
+        buf.close(bad)
+    assert gp.memory_allocated() == base + 4096
+    buf.close(s)
+    gc.collect()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
+def test_a_graphpool_stream_of_another_device_is_refused_after_a_kept_route(core: Any) -> None:
+    """The route kept for the legacy stream's handle (0) of the resource's device does not let
+    device 1's legacy stream (the same handle) through."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    mr.allocate(512).close()  # kept: handle 0 of device 0
+    base = (gp.memory_allocated(0), gp.memory_allocated(1))
+    with pytest.raises(ValueError, match="belongs to device 1"):
+        mr.allocate(512, stream=gp.default_stream(1))
+    assert (gp.memory_allocated(0), gp.memory_allocated(1)) == base
+
+
+@pytest.mark.parametrize("size", [False, True, 0.0, 512.0, "512", None])
+def test_a_size_that_is_not_an_integer_is_a_type_error(core: Any, size: Any) -> None:
+    """As ``gp.alloc``: a bool or a non-integer size is refused, also where it equals 0."""
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    base = gp.memory_allocated()
+    with pytest.raises(TypeError, match="size must be an int number of bytes"):
+        mr.allocate(size, stream=s)
+    assert gp.memory_allocated() == base and not mr._blocks
+
+
+def test_a_numpy_integer_size_is_read_once_as_an_int(core: Any) -> None:
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    base = gp.memory_allocated()
+    buf = mr.allocate(np.int64(4096), stream=s)
+    assert gp.memory_allocated() == base + 4096 and buf.size == 4096
+    null = mr.allocate(np.int32(0), stream=s)
+    assert int(null.handle) == 0
+    buf.close(s)
+    null.close(s)
+
+
+def test_the_resources_allocate_and_deallocate_are_handoffs(core: Any) -> None:
+    """Both builds (cuda_core.py is never compiled): a guarded signal landing in ``allocate``
+    between the allocator's answer and the resource's table, or in ``deallocate`` between the
+    table and the allocator's queue, waits until the block has its owner."""
+    from graphpool.policy import interrupts
+
+    cls = gcore.resource_class()
+    for fn in (cls.allocate, cls.deallocate):
+        assert fn.__code__ in interrupts._handoffs, fn

@@ -133,9 +133,10 @@ def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool
     CuPy 9 and later do; graphpool.cupy uses it where present, and its own ``malloc``
     elsewhere. ``c_function_allocator`` (with it): whether it also has CuPy's
     ``CFunctionAllocator`` and exports ``get_current_stream_ptr`` in
-    ``cuda.stream.__pyx_capi__``, which graphpool.cupy prefers where its compiled shim is
-    installed. The twin calls the C functions with the GIL held, as CuPy's Cython does, and
-    raises the exception a failed malloc sets."""
+    ``cuda.stream.__pyx_capi__``, which graphpool.cupy uses where its compiled shim is
+    installed and the C path is asked for (``use_c_allocator``, ``GRAPHPOOL_CUPY_C=1``). The
+    twin calls the C functions with the GIL held, as CuPy's Cython does, and raises the
+    exception a failed malloc sets."""
     cp = types.ModuleType("cupy")
     cuda = types.ModuleType("cupy.cuda")
     cp.cuda = cuda  # type: ignore[attr-defined]

@@ -14,6 +14,7 @@ than it was allocated for is reused only after that stream's work queued so far.
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -102,21 +103,29 @@ def _make_class() -> type[MemoryResource]:
 
         def allocate(self, size: int, stream: Any = None) -> Any:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""
+            if type(size) is not int:  # read once, refused as gp.alloc refuses it (a bool, a float)
+                if isinstance(size, bool) or not hasattr(size, "__index__"):
+                    raise TypeError(f"size must be an int number of bytes, not {type(size).__name__}")
+                size = operator.index(size)
             if stream is None:
                 raw = current_stream(self._device_id).handle
+            elif isinstance(stream, Stream):
+                # graphpool's own: its backend and device checked at every call, as the kept
+                # route below is keyed by the handle alone (0, the legacy stream's, is every
+                # device's)
+                stream._check_backend()
+                if stream.device != self._device_id:
+                    raise ValueError(
+                        f"GraphpoolMemoryResource of device {self._device_id}: {stream!r} "
+                        f"belongs to device {stream.device}"
+                    )
+                raw = stream.handle
             else:
                 raw = stream_handle(stream)
             last = self._last
             if last is not None and last.raw == raw and last.route.generation == _routes.generation:
                 route = last.route
             else:
-                if isinstance(stream, Stream):  # graphpool's own: its backend and device checked
-                    stream._check_backend()
-                    if stream.device != self._device_id:
-                        raise ValueError(
-                            f"GraphpoolMemoryResource of device {self._device_id}: {stream!r} "
-                            f"belongs to device {stream.device}"
-                        )
                 route = _find(self._device_id, raw, type(stream).__name__)  # raises: refused stream/backend
                 self._last = Kept(self._device_id, raw, route)
             if size == 0:  # a null buffer; nothing to track (all share the address 0)
@@ -143,8 +152,9 @@ def _make_class() -> type[MemoryResource]:
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
             """Return a buffer to graphpool; ``stream``'s work so far finishes before reuse.
 
-            Never takes the allocator's lock (it may run from a finalizer): the free is
-            queued (``hooks.give_back``: parked if it is the block handed out last). CUDA's
+            Never waits for the allocator's lock (it may run from a finalizer): the free is
+            queued, or parked if it is the block handed out last and the lock is free
+            (``hooks.give_back``, ``CachingAllocator.park``). CUDA's
             per-thread default stream (2) is not refused, unlike everywhere else: a
             deallocation cannot fail cleanly (cuda.core deallocates from its buffers'
             finalizers, with the default stream, which is the per-thread one under per-thread
@@ -157,11 +167,13 @@ def _make_class() -> type[MemoryResource]:
             address = int(ptr)
             if address == 0:  # a null buffer holds nothing
                 return
+            # The stream read before the block leaves the table: a stream that cannot be read
+            # raises with the block still the buffer's (a later close gives it back).
+            handle = -1 if stream is None else stream_handle(stream)
             route = self._blocks.pop(address, None)
             if route is None:
                 return
             if stream is not None:
-                handle = stream_handle(stream)
                 if handle in (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
                     handle = LEGACY_STREAM  # (graphpool's name of the legacy stream)
                 if handle != route.handle:
@@ -190,8 +202,9 @@ def _make_class() -> type[MemoryResource]:
         def __repr__(self) -> str:
             return f"<graphpool.cuda_core.GraphpoolMemoryResource device={self._device_id}>"
 
-    # Plain-Python build: between the allocator's answer and the resource's table, a guarded
-    # signal handler waits (policy/interrupts.py, "Handoffs"), so a Ctrl-C loses no block.
+    # Both builds (this module is never compiled): between the allocator's answer and the
+    # resource's table, a guarded signal handler waits (policy/interrupts.py, "Handoffs"), so a
+    # Ctrl-C loses no block.
     interrupts.handoff(GraphpoolMemoryResource.allocate, GraphpoolMemoryResource.deallocate)
     GraphpoolMemoryResource.__module__ = __name__
     GraphpoolMemoryResource.__qualname__ = "GraphpoolMemoryResource"

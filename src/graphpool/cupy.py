@@ -90,8 +90,9 @@ use_c_allocator = False
 the shim is installed, instead of the ``PythonFunctionAllocator`` over the compiled hooks.
 Off by default: on an H100 (benchmarks/results/2026-12-05-h100-run14/) the C path served a
 repeated ``cupy.empty`` + drop at 0.98-1.01x CuPy's own pool (the default path 1.30-1.39x),
-but two CuPy programs ran 1.15-1.49x CuPy's pool against 1.00-1.30x on the default path, in
-three runs, with the lane on and off; why is not known yet. Read at ``install()``."""
+but two CuPy programs ran 1.15-1.32x slower on it than on the default path in all eight
+comparisons (three calls, the lanes on and off; 1.15-1.49x CuPy's pool against 1.00-1.30x with
+the lanes on); why is not known yet. Read at ``install()``."""
 _c_hooks: CupyHooks | None = None
 """The hooks the shim's C entry points call, once made (``_c_allocator``)."""
 use_function_allocator = False
