@@ -28,15 +28,24 @@ def test_sides_alternate_and_ratios_divide_by_the_frameworks_pool(monkeypatch: p
     monkeypatch.setattr(fb, "_spawn", spawn)
     out = fb.compare("numba", {"new": "/a", "old": "/b"}, processes=2)
     assert calls == [("numba", "/a"), ("graphpool", "/a"), ("graphpool", "/b")] + [
-        ("graphpool", "/b"),
         ("graphpool", "/a"),
+        ("graphpool", "/b"),
         ("numba", "/a"),
-    ]
+    ]  # rotated: over three rounds each side would run once in each slot
     row = out["rows"]["device_array"]
     assert row["numba min (us)"] == 2.0 and row["numba median (us)"] == 3.0
     assert row["graphpool[new]/numba (median)"] == pytest.approx(2.0 / 3.0)
     assert row["graphpool[old]/numba (min)"] == pytest.approx(0.5)
     assert out["errors"] == {}
+
+
+def test_over_as_many_rounds_as_sides_each_side_runs_once_in_each_slot() -> None:
+    sides = [("a", "a", "/"), ("b", "b", "/"), ("c", "c", "/")]
+    orders = [[label for label, _, _ in fb._order(sides, p)] for p in range(6)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]] and orders[3:] == orders[:3]
+    for slot in range(3):
+        assert sorted(order[slot] for order in orders[:3]) == ["a", "b", "c"]
+    assert [label for label, _, _ in fb._order(sides[:2], 1)] == ["b", "a"]  # two sides alternate
 
 
 def test_a_failed_worker_is_reported_not_averaged(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,9 @@
 framework's own pool: ``python -m graphpool.tools.frameworks_bench`` (GPU only).
 
 Each measurement runs in fresh worker processes, one allocator ("side") per process, the
-sides taking turns process by process (A, B, C, then C, B, A, ...): PyTorch and Numba take
-their allocator once per process, and alternating processes share the host's drift. Every
+sides taking turns process by process, their order rotated each round (A, B, C, then B, C,
+A, then C, A, B, ...): PyTorch and Numba take their allocator once per process, and
+interleaved processes share the host's drift. Every
 side reports the per-call time of several timed runs; the table gives the minimum and the
 median over all of a side's runs, and each graphpool side's ratio to the framework's own
 pool (its time divided by the pool's: above 1, graphpool is slower).
@@ -348,6 +349,15 @@ def _spawn(case: str, side: str, src: str, number: int, rounds: int, timeout: fl
     return dict(json.loads(lines[-1]))
 
 
+def _order(sides: list[tuple[str, str, str]], p: int) -> list[tuple[str, str, str]]:
+    """The order the sides run in for process round ``p``: rotated by ``p``, so that over as
+    many rounds as there are sides each side runs once in each slot (run 14 saw one machine's
+    times move up to 2x between calls: a side always run in the middle slot would carry a
+    slot's drift into its ratio)."""
+    k = p % len(sides) if sides else 0
+    return sides[k:] + sides[:k]
+
+
 def compare(
     case: str,
     trees: dict[str, str],
@@ -357,8 +367,9 @@ def compare(
     timeout: float = 240.0,
     skipped: list[dict[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """Run ``case`` for every side, processes alternating; min and median per side and
-    measurement, and each side's ratio to the framework's own pool."""
+    """Run ``case`` for every side, the sides' order rotating process by process (``_order``:
+    give as many processes as sides, or a multiple, for each side to take each slot); min and
+    median per side and measurement, and each side's ratio to the framework's own pool."""
     first = next(iter(trees.values()))
     sides: list[tuple[str, str, str]] = []  # (label, worker side, graphpool src)
     if NATIVE[case]:
@@ -377,7 +388,7 @@ def compare(
     runs: dict[str, dict[str, list[float]]] = {label: {} for label, _, _ in sides}
     errors: dict[str, str] = {}
     for p in range(processes):
-        for label, side, src in sides if p % 2 == 0 else sides[::-1]:
+        for label, side, src in _order(sides, p):
             got = _spawn(case, side, src, number, rounds, timeout)
             if "error" in got:
                 errors[label] = str(got["error"])
@@ -498,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="frameworks_bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", action="append", choices=CASES, help="run only these cases")
     ap.add_argument("--tree", action="append", default=[], help="NAME=PATH: measure the graphpool at PATH")
-    ap.add_argument("--processes", type=int, default=2, help="worker processes per side (alternating)")
+    ap.add_argument(
+        "--processes", type=int, default=2, help="worker processes per side (the sides' order rotates)"
+    )
     ap.add_argument("--number", type=int, default=2000, help="calls per timed run")
     ap.add_argument("--rounds", type=int, default=5, help="timed runs per process")
     ap.add_argument("--json", help="also write the results there")
