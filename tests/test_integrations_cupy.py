@@ -15,8 +15,11 @@ from graphpool import routing, runtime
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def cp() -> Any:
+@pytest.fixture(params=["default", "c"])
+def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """CuPy with graphpool installed: the default path (``PythonFunctionAllocator`` over the
+    compiled hooks), and the opt-in C path (``use_c_allocator``: CuPy's ``CFunctionAllocator``
+    over the shim), which an install without the compiled shim replaces by the default."""
     reason = cuda_unusable()
     if reason is not None:
         pytest.skip(reason)
@@ -28,7 +31,13 @@ def cp() -> Any:
     gc.collect()
     gp.synchronize()
     gp.empty_cache()
+    monkeypatch.setattr(gcupy, "use_c_allocator", request.param == "c")
     gcupy.install()
+    has_c = hasattr(cupy.cuda.memory, "CFunctionAllocator")
+    if request.param == "c" and gp.compiled() and has_c:  # (the compiled install has the shim)
+        assert gcupy._hooks is not None and gcupy._hooks is gcupy._c_hooks
+    elif request.param == "default":
+        assert gcupy._hooks is None or gcupy._hooks is not gcupy._c_hooks
     try:
         yield cupy
     finally:
