@@ -43,6 +43,7 @@ from graphpool.streams import (
     current_stream,
     record_listeners,
     stream,
+    sync_listeners,
     synchronize,
     wait_listeners,
 )
@@ -495,6 +496,10 @@ _streams_of: set[tuple[int, PoolId]] = set()
 theirs records an event (its mates on other streams may have to wait for it). A pool whose
 graphs all replay on one stream needs none: stream order settles every question."""
 _clocks: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+_host: dict[tuple[int, int], int] = {}
+"""Per stream, the last replay mark the host is known to have waited for (``note_sync``): a
+mate's replay at or below it is finished, whatever its done event says (a late event may
+stand behind later work on its stream)."""
 
 
 def set_replay_checks(mode: str) -> None:
@@ -576,6 +581,23 @@ def note_wait(s: Stream, event: Event) -> None:
         for k, v in event.clock.items():
             if mine.get(k, 0) < v:
                 mine[k] = v
+
+
+def note_sync(device: int, handle: int | None, event: Event | None) -> None:
+    """The host waited for stream ``handle`` of ``device`` (every stream of it: None), or for
+    ``event``: the replays noted there so far are finished (``_host``)."""
+    if _checks == "off":
+        return
+    if event is not None:
+        done: Iterable[tuple[tuple[int, int], int]] = (getattr(event, "clock", None) or {}).items()
+    elif handle is not None:
+        k = (device, handle)
+        done = ((k, _clocks.get(k, {}).get(k, 0)),)
+    else:
+        done = tuple((k, c.get(k, 0)) for k, c in _clocks.items() if k[0] == device)
+    for k, mark in done:
+        if mark and _host.get(k, 0) < mark:
+            _host[k] = mark
 
 
 def _overlaps(a: Iterable[tuple[int, int]] | None, b_ptr: int, b_size: int) -> tuple[int, int] | None:
@@ -705,8 +727,9 @@ def _finished(h: CUDAGraph, s: Stream) -> bool:
     if h._last_stream is None or h._last_stream == s:
         return True
     seen = _clocks.get((s.device, s.handle), {})
-    if seen.get((h._last_stream.device, h._last_stream.handle), 0) >= h._last_mark:
-        return True
+    hk = (h._last_stream.device, h._last_stream.handle)
+    if seen.get(hk, 0) >= h._last_mark or _host.get(hk, 0) >= h._last_mark:
+        return True  # ordered before ``s``, or the host waited for it
     if h._event_stale and h._last_stream._source is None:
         return False  # its last replay has no event (its stream was capturing): may still run
     if h._done_event is None:
@@ -852,3 +875,4 @@ def _mark_done(g: CUDAGraph) -> None:
 # The checker hears about event records and waits from streams.py (which never imports us).
 record_listeners.append(note_record)
 wait_listeners.append(note_wait)
+sync_listeners.append(note_sync)

@@ -31,6 +31,10 @@ import arrows point one way (as with the stream followers of ``graphpool.routing
 
 wait_listeners: list[Callable[[Stream, Event], None]] = []
 """Called as ``listener(stream, event)`` after ``stream`` is made to wait for ``event``."""
+sync_listeners: list[Callable[[int, int | None, Event | None], None]] = []
+"""Called as ``listener(device, handle, event)`` after the host waited: for the work queued so
+far on stream ``handle`` of ``device`` (``Stream.synchronize``), on every stream of the device
+(``synchronize``: handle None), or for ``event`` (``Event.synchronize``: handle None)."""
 
 
 def _index(device: Any) -> int:
@@ -134,6 +138,8 @@ class Stream:
     def synchronize(self) -> None:
         """Wait until all work queued on this stream is done."""
         _unsafe("synchronize a stream", self._dev().stream_synchronize, self.handle)
+        for listener in sync_listeners:
+            listener(self.device, self.handle, None)
 
     def wait_event(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``."""
@@ -232,6 +238,8 @@ class Event:
         """Wait until the recorded work is done."""
         self._check_backend()
         _unsafe("synchronize an event", runtime.get().device(self.device).event_synchronize, self.handle)
+        for listener in sync_listeners:
+            listener(self.device, None, self)
 
     def __copy__(self) -> Event:
         raise TypeError(
@@ -446,7 +454,10 @@ def as_stream(obj: object, what: str, device: int | None = None) -> Stream:
 
 def synchronize(device: int | None = None) -> None:
     """Wait until all work on ``device`` (default: current) is done."""
-    _unsafe("synchronize the device", runtime.get().device(_index(device)).device_synchronize)
+    index = _index(device)
+    _unsafe("synchronize the device", runtime.get().device(index).device_synchronize)
+    for listener in sync_listeners:
+        listener(index, None, None)
 
 
 _CAPTURE_REFUSALS = (

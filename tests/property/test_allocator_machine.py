@@ -816,6 +816,9 @@ class AllocatorMachine(RuleBasedStateMachine):
             side.process()  # Events are polled at the next malloc (never during capture)
         after = a.memory_stats()
         refused_now = dev.refused > refused or getattr(dev, "managed_refused", 0) > m_refused
+        # a user upstream that raised once, in this call, is refused as the driver is: the
+        # retry synchronized the pending events too
+        refused_now = refused_now or (up is not None and mode == "raise_once" and up.mode == "ok")
         if refused_now and not self.world_active():
             side.sync_all()  # the out-of-memory retry waited for every pending event first
             if fits_after_sync:

@@ -239,6 +239,44 @@ def test_a_graph_that_replayed_alone_is_waited_for_once_a_mate_joins(backend: An
     settle()
 
 
+@pytest.mark.parametrize("wait", ["stream", "event", "device", "none"])
+def test_a_mate_the_host_waited_for_is_finished_however_late_its_event(backend: Any, wait: str) -> None:
+    """g0 replays alone on s0 (no done event); the host waits for it (``s0.synchronize()``, an
+    event recorded after it, or ``gp.synchronize()``); slow work is queued on s0 after; g1
+    joins the pool and replays on s1. g0's late event stands behind the slow work, but the
+    host saw g0 finish: nothing is reported. Without the wait, g0 may still run: reported."""
+    xp = backend.xp
+    settle()
+    gp.set_replay_checks("raise")
+    pool, s, s0, s1, a, g0, g1 = _lone_graph_with_a_temporary(xp)
+    s0.wait_stream(s)
+    with gp.stream(s0):
+        g0.replay()  # alone: nothing asks when it is done
+        done = s0.record_event()
+    if wait == "stream":
+        s0.synchronize()
+    elif wait == "event":
+        done.synchronize()
+    elif wait == "device":
+        gp.synchronize()
+    backend.spin(s0)  # later work on s0, still running when g1 asks about g0
+    with gp.stream(s):
+        g1.capture_begin(pool)
+        c = a + 2
+        g1.capture_end()
+    s1.wait_stream(s)
+    with gp.stream(s1):
+        if wait == "none":
+            with pytest.raises(gp.ReplayHazardError, match="may still run"):
+                g1.replay()
+            s1.wait_stream(s0)
+        g1.replay()
+    gp.synchronize()
+    assert float(c.sum().item()) == 3.0 * N
+    del a, c, g0, g1
+    settle()
+
+
 def _count_calls(monkeypatch: Any, dev: Any, name: str, calls: list[str]) -> None:
     """Append ``name`` to ``calls`` at each call of ``dev.<name>`` (which still runs)."""
     real = getattr(dev, name)
