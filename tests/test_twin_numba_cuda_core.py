@@ -396,6 +396,14 @@ def test_stream_handle_forms(core: Any) -> None:
     assert gcore.stream_handle(types.SimpleNamespace(handle=77)) == 77
     with pytest.raises(TypeError, match="cannot tell the CUDA stream"):
         gcore.stream_handle(object())
+    for bad in (-5, True):  # never a stream: refused before any device call is made with it
+        with pytest.raises(ValueError, match="non-negative int"):
+            gcore.stream_handle(bad)
+    mr = gcore.GraphpoolMemoryResource(0)
+    base = gp.memory_allocated()
+    with pytest.raises(ValueError, match="non-negative int"):
+        mr.allocate(512, stream=-5)
+    assert gp.memory_allocated() == base
 
 
 def test_refused_on_the_real_simulator(core: Any) -> None:

@@ -56,7 +56,9 @@ def _cuda_core() -> tuple[Any, Any]:
 def stream_handle(stream: Any) -> int:
     """The raw ``cudaStream_t`` of a cuda.core Stream/GraphBuilder, a protocol object or an int."""
     if isinstance(stream, int):
-        return stream
+        if isinstance(stream, bool) or stream < 0:  # (as cuda_stream_handle refuses them)
+            raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
+        return int(stream)
     if isinstance(stream, Stream):
         return stream.handle
     if getattr(stream, "__cuda_stream__", None) is not None:
