@@ -15,11 +15,11 @@ from graphpool import routing, runtime
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(params=["default", "c"])
+@pytest.fixture(params=["hooks", "c"])
 def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """CuPy with graphpool installed: the default path (``PythonFunctionAllocator`` over the
-    compiled hooks), and the opt-in C path (``use_c_allocator``: CuPy's ``CFunctionAllocator``
-    over the shim), which an install without the compiled shim replaces by the default."""
+    """CuPy with graphpool installed: the default C path (``use_c_allocator``: CuPy's
+    ``CFunctionAllocator`` over the shim), which an install without the compiled shim replaces
+    by the hooks path, and the hooks path (``PythonFunctionAllocator`` over the compiled hooks)."""
     reason = cuda_unusable()
     if reason is not None:
         pytest.skip(reason)
@@ -36,7 +36,7 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Any:
     has_c = hasattr(cupy.cuda.memory, "CFunctionAllocator")
     if request.param == "c" and gp.compiled() and has_c:  # (the compiled install has the shim)
         assert gcupy._hooks is not None and gcupy._hooks is gcupy._c_hooks
-    elif request.param == "default":
+    elif request.param == "hooks":
         assert gcupy._hooks is None or gcupy._hooks is not gcupy._c_hooks
     try:
         yield cupy

@@ -47,7 +47,7 @@ def cp(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
         monkeypatch.setattr(gcupy, name, value)
     monkeypatch.setattr(gcupy, "_hooks", None)
     monkeypatch.setattr(gcupy, "_c_hooks", None)  # (the shim's hooks: made again for this twin)
-    monkeypatch.setattr(gcupy, "use_c_allocator", request.param == "c")  # (off by default)
+    monkeypatch.setattr(gcupy, "use_c_allocator", request.param == "c")  # (on by default)
     monkeypatch.setattr(gcupy, "_gp_streams", {})
     monkeypatch.setattr(gcupy, "_cp_streams", {})
     twins.use_sim_as_cuda()
@@ -969,32 +969,31 @@ def test_a_free_while_a_block_is_parked_is_queued_behind_it(cp: Any) -> None:
     _settle()
 
 
-def test_the_c_path_is_opt_in(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default install() hands CuPy the PythonFunctionAllocator path even where the C path
-    is available; ``GRAPHPOOL_CUPY_C=1`` or ``use_c_allocator = True`` chooses the C path."""
+def test_the_c_path_is_the_default_the_environment_decides(cp: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default install() hands CuPy the C path (``CFunctionAllocator``) where it is
+    available; ``use_c_allocator = False`` gives the PythonFunctionAllocator path, and
+    ``GRAPHPOOL_CUPY_C``, where set, decides over either ("0": hooks, "1": C)."""
     if not c_path(cp):
         pytest.skip("the C path is not available with this twin")
     gcupy.uninstall()
-    assert _C_ALLOCATOR_DEFAULT is False
-    monkeypatch.setattr(gcupy, "use_c_allocator", _C_ALLOCATOR_DEFAULT)
+    assert _C_ALLOCATOR_DEFAULT is True
     monkeypatch.delenv("GRAPHPOOL_CUPY_C", raising=False)
-    gcupy.install()
-    a = cp.ones(16, dtype=np.float32)
-    assert type(a.data.mem).__name__ == "PythonFunctionAllocatorMemory"
-    del a
-    gcupy.uninstall()
-    monkeypatch.setenv("GRAPHPOOL_CUPY_C", "1")
-    gcupy.install()
-    b = cp.ones(16, dtype=np.float32)
-    assert type(b.data.mem).__name__ == "CFunctionAllocatorMemory"
-    del b
-    gcupy.uninstall()
-    monkeypatch.setenv("GRAPHPOOL_CUPY_C", "0")
-    monkeypatch.setattr(gcupy, "use_c_allocator", True)
-    gcupy.install()
-    c = cp.ones(16, dtype=np.float32)
-    assert type(c.data.mem).__name__ == "CFunctionAllocatorMemory"
-    del c
+    for flag, env, kind in (
+        (_C_ALLOCATOR_DEFAULT, None, "CFunctionAllocatorMemory"),
+        (False, None, "PythonFunctionAllocatorMemory"),
+        (True, "0", "PythonFunctionAllocatorMemory"),
+        (False, "1", "CFunctionAllocatorMemory"),
+    ):
+        monkeypatch.setattr(gcupy, "use_c_allocator", flag)
+        if env is None:
+            monkeypatch.delenv("GRAPHPOOL_CUPY_C", raising=False)
+        else:
+            monkeypatch.setenv("GRAPHPOOL_CUPY_C", env)
+        gcupy.install()
+        a = cp.ones(16, dtype=np.float32)
+        assert type(a.data.mem).__name__ == kind, (flag, env)
+        del a
+        gcupy.uninstall()
 
 
 def test_closing_pytorchs_entry_points_leaves_cupys_served(cp: Any) -> None:

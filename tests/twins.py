@@ -134,7 +134,7 @@ def make_cupy(python_function_allocator: bool = True, c_function_allocator: bool
     elsewhere. ``c_function_allocator`` (with it): whether it also has CuPy's
     ``CFunctionAllocator`` and exports ``get_current_stream_ptr`` in
     ``cuda.stream.__pyx_capi__``, which graphpool.cupy uses where its compiled shim is
-    installed and the C path is asked for (``use_c_allocator``, ``GRAPHPOOL_CUPY_C=1``). The
+    installed (by default: ``use_c_allocator``; ``GRAPHPOOL_CUPY_C=0`` opts out). The
     twin calls the C functions with the GIL held, as CuPy's Cython does, and raises the
     exception a failed malloc sets."""
     cp = types.ModuleType("cupy")

@@ -5,12 +5,12 @@ and device, so arrays made inside ``gp.graph(...)`` land in the graph's private 
 and a block freed by CuPy is reused only as docs/behaviour.rst allows. Where CuPy has
 ``cupy.cuda.memory.PythonFunctionAllocator`` (CuPy 9 and later), CuPy builds its memory
 objects in Cython and calls graphpool's compiled hooks (graphpool.hooks) with the size and
-device, and frees by address when it drops the memory. Opt-in (``use_c_allocator``,
-``GRAPHPOOL_CUPY_C=1``), where CuPy has ``cupy.cuda.memory.CFunctionAllocator`` and
-graphpool's compiled shim is installed, CuPy calls the shim's C functions instead, which read
-CuPy's current stream in C, hand a block graphpool parked to the next array of its size and
-stream without calling Python (graphpool.lanes), and otherwise call the same hooks. Elsewhere
-``malloc`` below serves
+device, and frees by address when it drops the memory. Where CuPy also has
+``cupy.cuda.memory.CFunctionAllocator`` and graphpool's compiled shim is installed (the
+default, ``use_c_allocator``; ``GRAPHPOOL_CUPY_C=0`` opts out), CuPy calls the shim's C
+functions instead, which read CuPy's current stream in C, hand a block graphpool parked to the
+next array of its size and stream without calling Python (graphpool.lanes), and otherwise call
+the same hooks. Elsewhere ``malloc`` below serves
 (CuPy's ``UnownedMemory`` over a graphpool DeviceBuffer). It also registers a
 stream follower (``graphpool.routing``) so that ``gp.stream(s)`` and ``gp.graph(g)`` make
 ``s`` (or the capturing stream) CuPy's current stream too, and give CuPy back its own on
@@ -84,15 +84,18 @@ over ``_hooks`` where CuPy has those classes, else ``malloc``."""
 _hooks: CupyHooks | None = None
 """The compiled hooks (graphpool.hooks) that CuPy's allocator reaches: through the shim's C
 functions (CuPy's ``CFunctionAllocator``) or directly (its ``PythonFunctionAllocator``)."""
-use_c_allocator = False
-"""True (or ``GRAPHPOOL_CUPY_C=1`` in the environment): ``install()`` hands CuPy a
-``CFunctionAllocator`` over the compiled shim's C entry points where CuPy has that class and
-the shim is installed, instead of the ``PythonFunctionAllocator`` over the compiled hooks.
-Off by default: on an H100 (benchmarks/results/2026-12-05-h100-run14/) the C path served a
-repeated ``cupy.empty`` + drop at 0.98-1.01x CuPy's own pool (the default path 1.30-1.39x),
-but two CuPy programs ran 1.15-1.32x slower on it than on the default path in all eight
-comparisons (three calls, the lanes on and off; 1.15-1.49x CuPy's pool against 1.00-1.30x with
-the lanes on); why is not known yet. Read at ``install()``."""
+use_c_allocator = True
+"""True (the default): ``install()`` hands CuPy a ``CFunctionAllocator`` over the compiled
+shim's C entry points where CuPy has that class and the shim is installed; False: the
+``PythonFunctionAllocator`` over the compiled hooks. ``GRAPHPOOL_CUPY_C`` in the environment,
+where set, decides instead ("1": the C path, "0": the hooks path). Read at ``install()``.
+On an H100 (benchmarks/results/2026-12-05-h100-run15/, one allocator per process, 8
+processes a side, two runs) a ``cupy.empty`` + drop at 512 B-64 MiB cost 0.77-0.96x CuPy's own
+pool on the C path (min over processes) against 1.28-1.53x on the hooks path, and two CuPy
+programs 0.84-1.11x against 0.93-1.52x (medians). On two other H100 hosts, with 2-3 processes a
+side, the programs ran slower on the C path (1.15-1.73x CuPy's pool against 1.00-1.35x on the
+hooks path); why is not known.
+``GRAPHPOOL_CUPY_C=0`` is the way back."""
 _c_hooks: CupyHooks | None = None
 """The hooks the shim's C entry points call, once made (``_c_allocator``)."""
 use_function_allocator = False
@@ -354,7 +357,8 @@ def install() -> None:
         _calls = (cuda.runtime.getDevice, cuda.get_current_stream, cuda.UnownedMemory, cuda.MemoryPointer)
         _previous = cupy.cuda.get_allocator()
         native = getattr(getattr(cuda, "memory", None), "PythonFunctionAllocator", None)
-        c_ok = use_c_allocator or os.environ.get("GRAPHPOOL_CUPY_C", "0") == "1"
+        env = os.environ.get("GRAPHPOOL_CUPY_C")
+        c_ok = use_c_allocator if env is None else env != "0"
         c_path = _c_allocator(cupy) if c_ok and not use_function_allocator else None
         if c_path is not None:
             _hooks, _allocator = c_path

@@ -99,8 +99,8 @@ def _cupy_worker(side: str, number: int, rounds: int) -> dict[str, list[float]]:
         _gp_install(side)
         import graphpool.cupy as gcupy
 
-        if side.startswith("graphpool-c"):
-            gcupy.use_c_allocator = True  # CuPy's CFunctionAllocator over the shim, for comparison
+        if side.startswith("graphpool-hooks"):
+            gcupy.use_c_allocator = False  # CuPy's PythonFunctionAllocator over the hooks, for comparison
         gcupy.install()
     sync = cupy.cuda.Device().synchronize
     empty, u8 = cupy.empty, cupy.uint8
@@ -384,7 +384,7 @@ def compare(
         label = "graphpool" if len(trees) == 1 else f"graphpool[{name}]"
         sides.append((label, "graphpool", src))
         if case == "cupy" and name == next(iter(trees)):
-            sides.append((label.replace("graphpool", "graphpool-c"), "graphpool-c", src))
+            sides.append((label.replace("graphpool", "graphpool-hooks"), "graphpool-hooks", src))
     runs: dict[str, dict[str, list[float]]] = {label: {} for label, _, _ in sides}
     errors: dict[str, str] = {}
     for p in range(processes):
