@@ -132,3 +132,144 @@ def test_empty_cache_keeps_a_free_end_a_graph_still_writes(exp: CachingAllocator
         if rec is not None:
             a.release_capture(rec)
         dev.destroy_stream(s)
+
+
+def test_the_out_of_memory_retry_never_synchronizes_the_device(exp: CachingAllocator) -> None:
+    """The out-of-memory retry runs inside an allocation, where a capture begun outside graphpool
+    on another stream may be underway unseen (global mode here). It gives the free end another
+    stream took over back to the segment's stream without a device synchronize, which would
+    invalidate that capture (tests/property/test_expandable_machine.py found it): the
+    allocation is refused for want of memory, the capture ends whole, and the idle taker's
+    block went home, so the segment went back."""
+    a = exp
+    dev = a.device
+    home, taker, cap = dev.create_stream(), dev.create_stream(), dev.create_stream()
+    graph = None
+    try:
+        p = a.malloc(4 * MiB, stream=home)
+        a.free(p)  # home's segment, all of it free, home idle
+        q = a.malloc(4 * MiB, stream=taker)  # taken over from the idle home: no mapping of its own
+        assert q == p
+        a.free(q)  # the taker's free block at the end of home's segment
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, on a stream graphpool never saw
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(8 * MiB, stream=taker)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0  # the block went home, and back
+        a.limits = a.limits.with_bytes(None)
+    finally:
+        if graph is None and dev.capture_info(cap)[0]:
+            try:
+                graph = dev.end_capture(cap)
+            except Exception:  # (invalidated: the failure above says why)
+                graph = None
+        if graph is not None:
+            dev.destroy_graph(graph)
+        a.limits = a.limits.with_bytes(None)
+        dev.device_synchronize()
+        for s in (home, taker, cap):
+            dev.destroy_stream(s)
+
+
+def test_the_out_of_memory_retry_shrinks_a_segment_without_a_device_synchronize(
+    exp: CachingAllocator,
+) -> None:
+    """The same retry unmaps the free end of a segment whose start is live (``_shrink``) after
+    the segment stream's work only: a global-mode capture begun unseen on another stream stays
+    valid, the request is refused for want of memory, and the free end is unmapped."""
+    a = exp
+    dev = a.device
+    home, cap = dev.create_stream(), dev.create_stream()
+    graph = None
+    try:
+        live = a.malloc(2 * MiB, stream=home)
+        p = a.malloc(6 * MiB, stream=home)
+        a.free(p)  # the segment's free end
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(12 * MiB, stream=home)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] < reserved  # the free end went back
+        a.free(live)
+    finally:
+        if graph is None and dev.capture_info(cap)[0]:
+            try:
+                graph = dev.end_capture(cap)
+            except Exception:  # (invalidated: the failure above says why)
+                graph = None
+        if graph is not None:
+            dev.destroy_graph(graph)
+        a.limits = a.limits.with_bytes(None)
+        dev.device_synchronize()
+        for s in (home, cap):
+            dev.destroy_stream(s)
+
+
+def _spin(dev: Any, stream: int) -> None:
+    """Queue long-running work on ``stream`` (a kernel that sleeps)."""
+    if hasattr(dev, "launch_sleep"):  # the simulator
+        dev.launch_sleep(stream, rounds=50)
+    else:
+        import graphpool as gp
+        from graphpool.tools.benchkit import cuda_spin
+
+        cuda_spin(gp.Stream._wrap(dev.index, stream))
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole segment", "free end"])
+def test_the_out_of_memory_retry_leaves_a_busy_streams_block_while_a_known_stream_captures(
+    exp: CachingAllocator, whole: bool
+) -> None:
+    """The retry gives a busy stream's taken-over block back to its segment's stream only after
+    a device synchronize, and synchronizes the device only while no stream graphpool holds
+    memory of is capturing: with a capture begun unseen on such a stream, the block stays the
+    busy stream's (its segment, all of it that block, is given back after that stream's work
+    alone), the request is refused for want of memory, and the capture ends whole. With a live
+    block before it (``free end``), the block's granules are unmapped (``_shrink``) after the
+    busy stream's work the same way."""
+    a = exp
+    dev = a.device
+    home, taker, cap = dev.create_stream(), dev.create_stream(), dev.create_stream()
+    gran = dev.vmm_granularity()
+    graph = None
+    try:
+        c = a.malloc(gran, stream=cap)  # graphpool holds memory of cap (a whole granule: no free end)
+        live = None if whole else a.malloc(gran, stream=home)
+        p = a.malloc(4 * MiB, stream=home)
+        a.free(p)
+        q = a.malloc(4 * MiB, stream=taker)  # taken over from the idle home
+        assert q == p
+        _spin(dev, taker)
+        dev.memset(q, 7, 4 * MiB, taker)  # its last use, behind the long work: unmapped only after
+        a.free(q)  # the busy taker's block at the end of home's segment
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(8 * MiB, stream=home)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        # the busy block stayed the taker's, and its memory went back after the taker's work
+        # (a stream synchronize): only cap's granule (and the live one) are left
+        assert a.memory_stats()["reserved_bytes.all.current"] == gran * (1 if whole else 2)
+        a.free(c)
+        if live is not None:
+            a.free(live)
+    finally:
+        if graph is None and dev.capture_info(cap)[0]:
+            try:
+                graph = dev.end_capture(cap)
+            except Exception:  # (invalidated: the failure above says why)
+                graph = None
+        if graph is not None:
+            dev.destroy_graph(graph)
+        a.limits = a.limits.with_bytes(None)
+        dev.device_synchronize()
+        for s in (home, taker, cap):
+            dev.destroy_stream(s)

@@ -404,8 +404,10 @@ def test_guard_wraps_once_and_leaves_non_handlers_alone() -> None:
 
 
 def test_importing_graphpool_guards_the_default_sigint_handler_in_both_builds() -> None:
-    code = (
-        "import signal, graphpool as gp\n"
+    code = (  # (Python's own handler first: a process started in the background inherits SIGINT ignored)
+        "import signal\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "import graphpool as gp\n"
         "h = signal.getsignal(signal.SIGINT)\n"
         "print(gp.compiled(), type(h).__name__, getattr(h, 'handler', None) is signal.default_int_handler)\n"
     )

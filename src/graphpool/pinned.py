@@ -93,7 +93,7 @@ class HostMemory:
     def vmm_map(self, va: int, nbytes: int) -> bool:
         raise GraphpoolError("pinned host memory has no expandable segments")
 
-    def vmm_unmap(self, va: int, nbytes: int) -> None:
+    def vmm_unmap(self, va: int, nbytes: int, stream: int | None = None) -> None:
         raise GraphpoolError("pinned host memory has no expandable segments")
 
     def vmm_release(self, va: int, nbytes: int) -> None:

@@ -185,10 +185,17 @@ MUTANTS = (
     ),
     Mutant(
         "simulator: vmm_unmap does not wait for queued work",
-        SIM_MEMORY,
-        '            capture.check_unsafe("cuMemUnmap")\n            interrupted = self._wait_uninterrupted()\n',
-        '            capture.check_unsafe("cuMemUnmap")\n            interrupted = None\n',
+        SIM,
+        '        capture.check_unsafe("cuMemUnmap")\n        return self._wait_uninterrupted()\n',
+        '        capture.check_unsafe("cuMemUnmap")\n        return None\n',
         (T_FID + "test_vmm_unmap_waits_for_the_queued_work",),
+    ),
+    Mutant(
+        "simulator: vmm_unmap given a stream does not wait for its work",
+        SIM,
+        "            return self._wait_uninterrupted(lambda: not st.queue)\n",
+        "            return None\n",
+        (T_FID + "test_vmm_unmap_given_a_stream_waits_for_it_and_spares_a_capture_elsewhere",),
     ),
     Mutant(
         "simulator: a captured event aliases its stream's live dependencies (an unjoined fork accepted)",

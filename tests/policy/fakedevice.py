@@ -127,7 +127,7 @@ class FakeDevice:
         self.used += nbytes
         return True
 
-    def vmm_unmap(self, va: int, nbytes: int) -> None:
+    def vmm_unmap(self, va: int, nbytes: int, stream: int | None = None) -> None:
         """Waits for all queued work first, as the protocol says (CUDA: a device synchronize)."""
         self.calls.append("unmap")
         self.complete_all()

@@ -254,6 +254,44 @@ def test_vmm_unmap_waits_for_the_queued_work(device: Dev) -> None:
         d.vmm_release(va, 2 * gran)
 
 
+def test_vmm_unmap_given_a_stream_waits_for_it_and_spares_a_capture_elsewhere(device: Dev) -> None:
+    """``vmm_unmap(va, n, stream)`` of a stream the device made waits for that stream's work
+    (a stream synchronize, under the relaxed capture mode), so a global-mode capture underway
+    on another stream stays valid; without a stream it would synchronize the device, which
+    invalidates the capture (the allocator's out-of-memory retry unmaps this way)."""
+    d = device.d
+    gran = d.vmm_granularity()
+    s, other = device.stream(), device.stream()
+    va = d.vmm_reserve(gran)
+    graph = None
+    try:
+        assert d.vmm_map(va, gran) is True
+        e = device.event()
+        device.spin(s)
+        d.memset(va, 5, gran, s)  # queued behind long work, into the granule unmapped below
+        d.record_event(e, s)
+        d.begin_capture(other, GLOBAL)
+        prev = d.exchange_capture_mode(RELAXED)  # as the allocator calls it
+        try:
+            d.vmm_unmap(va, gran, s)
+            done = d.query_event(e)
+        finally:
+            d.exchange_capture_mode(prev)
+        assert done is True, "unmapped while work queued on the memory still ran"
+        assert d.capture_info(other)[0] == CAPTURE_STATUS_ACTIVE, "the capture elsewhere was invalidated"
+        graph = d.end_capture(other)
+    finally:
+        if graph is None and d.capture_info(other)[0]:
+            try:
+                graph = d.end_capture(other)
+            except CUDAError:
+                graph = None
+        if graph is not None:
+            d.destroy_graph(graph)
+        d.device_synchronize()
+        d.vmm_release(va, gran)
+
+
 # =========================================================================== ordering
 def test_a_stream_waiting_on_an_event_runs_after_the_recorded_work(device: Dev) -> None:
     d = device.d

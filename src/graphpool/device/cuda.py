@@ -450,12 +450,29 @@ class CudaDevice:
         return True
 
     @_on_device
-    def vmm_unmap(self, va: int, nbytes: int) -> None:
-        """cudaDeviceSynchronize (unlike cudaFree, cuMemUnmap does not wait for queued work),
-        then cuMemUnmap of each granule (each is its own mapping: ``vmm_map``)."""
+    def vmm_unmap(self, va: int, nbytes: int, stream: int | None = None) -> None:
+        """cudaStreamSynchronize of ``stream`` where this device made it and it is not
+        capturing, else cudaDeviceSynchronize (unlike cudaFree, cuMemUnmap does not wait for
+        queued work), under the relaxed capture mode; then cuMemUnmap of each granule (each is
+        its own mapping: ``vmm_map``)."""
         driver, _ = self._vmm()
-        _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
+        prev = self.exchange_capture_mode(CAPTURE_MODE_RELAXED)
+        try:
+            if stream is not None and self._made_not_capturing(stream):
+                _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream)[0])
+            else:
+                _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
+        finally:
+            self.exchange_capture_mode(prev)
         _dcheck("cuMemUnmap", self._unmap_granules(driver, va, nbytes))
+
+    def _made_not_capturing(self, stream: int) -> bool:
+        """Whether ``create_stream`` made ``stream`` (so the handle is live: never a handle
+        another library may have destroyed) and it is not capturing now."""
+        with self._made_lock:
+            if stream not in self._made:
+                return False
+        return not self.capture_id(stream)
 
     def _unmap_granules(self, driver: Any, va: int, nbytes: int) -> Any:
         """cuMemUnmap each granule of ``[va, va + nbytes)``, going on past a refusal so that a

@@ -74,9 +74,12 @@ class Device(Protocol):
         during capture, like ``malloc``."""
         ...
 
-    def vmm_unmap(self, va: int, nbytes: int) -> None:
-        """Wait for the device's queued work, then unmap ``[va, va + nbytes)`` and give its
-        physical memory back (unsafe during capture, like ``free``)."""
+    def vmm_unmap(self, va: int, nbytes: int, stream: int | None = None) -> None:
+        """Wait for queued work, then unmap ``[va, va + nbytes)`` and give its physical memory
+        back (unsafe during capture, like ``free``). The wait is for ``stream``'s work where
+        ``stream`` is one ``create_stream`` made and is not capturing (the caller knows the
+        memory's last uses were ordered on it), else for all the device's work (a device
+        synchronize, which invalidates a capture underway on any stream)."""
         ...
 
     def vmm_release(self, va: int, nbytes: int) -> None:

@@ -30,7 +30,12 @@ streams the device made are asked (``Device.stream_idle``), never the legacy str
 stream is asked only when it freed a block since it last answered idle (``FreeList.idle_at``:
 one answer covers every block it had freed before). Taken blocks become the taking stream's
 and merge only with its free blocks; ``empty_cache`` gives the free end of a segment back
-to the segment's stream after one device synchronize (``_rehome``), so it can shrink.
+to the segment's stream after one device synchronize (``_rehome``), so it can shrink. The
+out-of-memory retry runs inside an allocation, where a capture begun outside graphpool on
+another stream may be underway unseen and a device synchronize would invalidate it: it gives
+back the blocks of idle streams at once, and the others after a device synchronize only while
+no stream it holds memory of is capturing. Unmapping waits for the stream of the block
+unmapped (``Device.vmm_unmap``), not for the device, where the device made that stream.
 """
 
 from __future__ import annotations
@@ -155,13 +160,20 @@ class Expandable(Segments):
         fl.remove(block)
         return block
 
-    def _rehome(self) -> None:
+    def _rehome(self, wait: bool) -> None:
         """``empty_cache``: the free blocks at the end of an expandable segment that other streams
         took over (``_take_idle``) go back to the segment's stream and merge, after one device
         synchronize (their last uses done), so the segment can shrink or go back whole. Taken
         blocks between live ones stay with the streams that took them: giving them back would
         free nothing, and would strand them if the segment's stream was destroyed (a destroyed
-        stream is never asked whether it is idle, so nothing would take them over again)."""
+        stream is never asked whether it is idle, so nothing would take them over again).
+
+        ``wait`` False (the out-of-memory retry, inside an allocation, where a capture begun
+        outside graphpool may be underway unseen and a device synchronize would invalidate it):
+        the blocks of streams the device says are idle (``stream_idle``) go back with no
+        synchronize; the others only if no stream graphpool holds memory of is capturing now
+        (the capture query), after one device synchronize. A capture on a stream graphpool has
+        never seen is not asked about: docs/behaviour.rst, "Limits of detection"."""
         strays: list[tuple[Block, int]] = []
         for seg in self._exp.values():
             b: Block | None = self._segments[seg.base]
@@ -173,11 +185,40 @@ class Expandable(Segments):
                 b = b.prev
         if not strays:
             return
-        self._synchronize_device()
+        if not wait:
+            device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
+            takers = {b.stream for b, _ in strays}
+            idle = {t for t in takers if bool(device.stream_idle(t))}
+            if idle == takers or self._capture_on_known_streams():
+                strays = [(b, home) for b, home in strays if b.stream in idle]
+            else:
+                wait = True
+        if wait:
+            self._synchronize_device()
         for b, home in strays:  # each still a block of its own: only ``home``'s blocks merge away
             b.free_list.remove(b)
             b.stream = home
             self._merge_free(b)
+
+    def _capture_on_known_streams(self) -> bool:
+        """Whether a stream this allocator holds memory of (its free lists' and segments'
+        streams, the legacy stream aside: it never captures) takes part in a capture now, by
+        the capture query, without adopting it; True if a query fails (a gone stream, or the
+        device cannot tell) or a capture is registered."""
+        if self._world.active:
+            return True
+        streams = {seg.stream for seg in self._exp.values()}
+        for fl in (self._small, self._large):
+            streams.update(fl.bins)
+        for s in streams:
+            if s == LEGACY:
+                continue
+            try:
+                if self._query(s):
+                    return True
+            except GraphpoolError:
+                return True
+        return False
 
     def _round_gran(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the device's mapping granularity (asked once)."""
@@ -301,12 +342,14 @@ class Expandable(Segments):
         if start >= end:
             return
         try:
-            self.device.vmm_unmap(start, end - start)  # first: if it fails, nothing has changed
+            # first: if it fails, nothing changed; after the work of the tail's stream (its last
+            # uses were ordered on it; a stream that took it over may not be the segment's)
+            self.device.vmm_unmap(start, end - start, tail.stream)
         except GraphpoolError:
             raise
         except BaseException:  # a signal handler, perhaps after the unmap took effect: make sure
             try:  # it did, and forget the range either way (unmapped memory is never filed)
-                self._unmap_quietly(start, end - start)
+                self._unmap_quietly(start, end - start, tail.stream)
             finally:
                 self._unmapped_tail(seg, tail, start, end)
             raise
@@ -347,7 +390,7 @@ class Expandable(Segments):
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
             if self._exp:
-                self._rehome()
+                self._rehome(not retry)
             for fl in (self._small, self._large):
                 self._release_free_segments(fl)
             for seg in list(self._exp.values()):  # partly free: unmap their free ends

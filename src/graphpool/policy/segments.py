@@ -315,14 +315,17 @@ class Segments(StreamUses):
                 self._free_memory(
                     block.ptr, block.size, None if owner is None else owner.upstream, block.stream
                 )
-            else:  # a whole free expandable segment: unmap it and give back its range
+            else:  # a whole free expandable segment: unmap it and give back its range, after the
+                # work of its one block's stream (the block's last uses were ordered on it; a stream
+                # that took it over may not be the segment's): no device synchronize, which would
+                # invalidate a capture begun unseen on another stream (Device.vmm_unmap)
                 try:
-                    self.device.vmm_unmap(seg.base, seg.mapped)
+                    self.device.vmm_unmap(seg.base, seg.mapped, block.stream)
                 except GraphpoolError:
                     raise
                 except BaseException:  # perhaps after the unmap took effect: finish it
                     try:
-                        self._unmap_quietly(seg.base, seg.mapped)
+                        self._unmap_quietly(seg.base, seg.mapped, block.stream)
                     finally:
                         self._release_quietly(seg.base, seg.reserved)
                     raise
@@ -333,13 +336,13 @@ class Segments(StreamUses):
             if logs.enabled(logging.DEBUG):
                 self._log_segment("released", block)
 
-    def _unmap_quietly(self, va: int, nbytes: int) -> None:
+    def _unmap_quietly(self, va: int, nbytes: int, stream: int | None = None) -> None:
         """Unmap ``[va, va + nbytes)`` of one of this allocator's reservations if it is mapped: a
         map or unmap that raised may or may not have taken effect. The device refusing (nothing
         mapped there) is the answer, not an error. Safe to repeat: nobody else maps into the
         allocator's reservations."""
         try:
-            self.device.vmm_unmap(va, nbytes)
+            self.device.vmm_unmap(va, nbytes, stream)
         except GraphpoolError:
             pass
 

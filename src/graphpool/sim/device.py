@@ -655,7 +655,7 @@ class SimDevice(MemoryCalls):
             elif cap.status == CAPTURE_STATUS_ACTIVE:
                 cap.add(stream, node)
 
-    def _wait_uninterrupted(self) -> BaseException | None:
+    def _wait_uninterrupted(self, done: Callable[[], bool] | None = None) -> BaseException | None:
         """Run all queued work for ``free`` and ``vmm_unmap``, which then give memory back; return
         the exception that interrupted the wait, for the caller to raise after that.
 
@@ -664,12 +664,14 @@ class SimDevice(MemoryCalls):
         runs handlers: a KeyboardInterrupt (or another exception that is not an ``Exception``)
         raised by one does not stop the wait half-way; the wait goes on, the caller gives the
         memory back, and raises the first such exception after that. A kernel's own error (an
-        ``Exception``) propagates at once, as before.
+        ``Exception``) propagates at once, as before. ``done``: what to wait for instead of
+        every stream being idle (``vmm_unmap`` given a stream: that stream's queue empty).
         """
         interrupted: BaseException | None = None
+        target = self._idle if done is None else done
         while True:
             try:
-                self._run_until(self._idle)
+                self._run_until(target)
                 break
             except Exception:
                 if interrupted is not None:
@@ -679,6 +681,19 @@ class SimDevice(MemoryCalls):
                 if interrupted is None:
                     interrupted = exc
         return interrupted
+
+    def _wait_for_unmap(self, stream: int | None) -> BaseException | None:
+        """``vmm_unmap``'s wait, the lock held: ``stream``'s queued work where this device made
+        it and it is not capturing (graphpool's CUDA device: cudaStreamSynchronize), else all
+        queued work, refused while any stream captures (cudaDeviceSynchronize). What
+        ``_wait_uninterrupted`` returns."""
+        st = self._streams.get(stream) if stream is not None and stream in self._made else None
+        if st is not None and st.capture is None and not st.destroyed:
+            capture.check_unsafe("cuMemUnmap")
+            return self._wait_uninterrupted(lambda: not st.queue)
+        self._refuse_if_device_capturing("cudaDeviceSynchronize")
+        capture.check_unsafe("cuMemUnmap")
+        return self._wait_uninterrupted()
 
     def _idle(self) -> bool:
         return not any(st.queue for st in self._streams.values())

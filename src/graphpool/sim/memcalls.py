@@ -6,10 +6,10 @@ from the streams, events, captures and graphs because they form one self-contain
 they read and write only the device's address ranges (``SimMemory``,
 ``graphpool.sim.memory``), which this class makes (``_init_memory``), and ask just two things
 of the device's queues, both for the calls that give memory back: wait for all queued work
-first (``_wait_uninterrupted``: ``free``, ``host_free`` and ``vmm_unmap``, as cudaFree
-waits), and refuse while a stream of the device captures (``_refuse_if_device_capturing``,
-for ``vmm_unmap``, which synchronizes the device). The copies (``memcpy``, ``read``, ...) are
-work on a stream and stay with the device.
+first (``_wait_uninterrupted``: ``free`` and ``host_free``, as cudaFree waits), and, for
+``vmm_unmap``, wait for the work of the stream it is given or else of the whole device,
+refused then while a stream of the device captures (``_wait_for_unmap``). The copies
+(``memcpy``, ``read``, ...) are work on a stream and stay with the device.
 
 Like the rest of the simulator, this module imports only the device layer and the
 simulator, never the policy.
@@ -61,6 +61,8 @@ class MemoryCalls:
     if TYPE_CHECKING:  # the device's queue calls (graphpool.sim.device.SimDevice)
 
         def _wait_uninterrupted(self) -> BaseException | None: ...
+
+        def _wait_for_unmap(self, stream: int | None) -> BaseException | None: ...
 
         def _refuse_if_device_capturing(self, call: str) -> None: ...
 
@@ -160,12 +162,12 @@ class MemoryCalls:
             capture.check_unsafe("cuMemMap")
             return self._mem.map(va, nbytes)
 
-    def vmm_unmap(self, va: int, nbytes: int) -> None:
-        """Waits for all queued work first (graphpool's CUDA device synchronizes, too)."""
+    def vmm_unmap(self, va: int, nbytes: int, stream: int | None = None) -> None:
+        """Waits for ``stream``'s queued work first where this device made it and it is not
+        capturing, else for all queued work, as graphpool's CUDA device synchronizes the
+        stream or the device (the latter illegal while any stream captures)."""
         with self._lock:
-            self._refuse_if_device_capturing("cudaDeviceSynchronize")
-            capture.check_unsafe("cuMemUnmap")
-            interrupted = self._wait_uninterrupted()
+            interrupted = self._wait_for_unmap(stream)
             self._mem.unmap(va, nbytes)
             if interrupted is not None:
                 raise interrupted
