@@ -134,6 +134,24 @@ def test_empty_cache_keeps_a_free_end_a_graph_still_writes(exp: CachingAllocator
         dev.destroy_stream(s)
 
 
+def _finish(a: CachingAllocator, cap: int, graph: int | None, streams: tuple[int, ...]) -> None:
+    """After a test of the retry beside a capture on ``cap``: end that capture if it still runs
+    (an invalidated one fails to end: the test's failure says why), destroy its graph, lift the
+    limit and destroy ``streams``."""
+    dev = a.device
+    if graph is None and dev.capture_info(cap)[0]:
+        try:
+            graph = dev.end_capture(cap)
+        except Exception:
+            graph = None
+    if graph is not None:
+        dev.destroy_graph(graph)
+    a.limits = a.limits.with_bytes(None)
+    dev.device_synchronize()
+    for s in streams:
+        dev.destroy_stream(s)
+
+
 def test_the_out_of_memory_retry_never_synchronizes_the_device(exp: CachingAllocator) -> None:
     """The out-of-memory retry runs inside an allocation, where a capture begun outside graphpool
     on another stream may be underway unseen (global mode here). It gives the free end another
@@ -161,17 +179,7 @@ def test_the_out_of_memory_retry_never_synchronizes_the_device(exp: CachingAlloc
         assert a.memory_stats()["reserved_bytes.all.current"] == 0  # the block went home, and back
         a.limits = a.limits.with_bytes(None)
     finally:
-        if graph is None and dev.capture_info(cap)[0]:
-            try:
-                graph = dev.end_capture(cap)
-            except Exception:  # (invalidated: the failure above says why)
-                graph = None
-        if graph is not None:
-            dev.destroy_graph(graph)
-        a.limits = a.limits.with_bytes(None)
-        dev.device_synchronize()
-        for s in (home, taker, cap):
-            dev.destroy_stream(s)
+        _finish(a, cap, graph, (home, taker, cap))
 
 
 def test_the_out_of_memory_retry_shrinks_a_segment_without_a_device_synchronize(
@@ -198,17 +206,7 @@ def test_the_out_of_memory_retry_shrinks_a_segment_without_a_device_synchronize(
         assert a.memory_stats()["reserved_bytes.all.current"] < reserved  # the free end went back
         a.free(live)
     finally:
-        if graph is None and dev.capture_info(cap)[0]:
-            try:
-                graph = dev.end_capture(cap)
-            except Exception:  # (invalidated: the failure above says why)
-                graph = None
-        if graph is not None:
-            dev.destroy_graph(graph)
-        a.limits = a.limits.with_bytes(None)
-        dev.device_synchronize()
-        for s in (home, cap):
-            dev.destroy_stream(s)
+        _finish(a, cap, graph, (home, cap))
 
 
 def _spin(dev: Any, stream: int) -> None:
@@ -262,14 +260,4 @@ def test_the_out_of_memory_retry_leaves_a_busy_streams_block_while_a_known_strea
         if live is not None:
             a.free(live)
     finally:
-        if graph is None and dev.capture_info(cap)[0]:
-            try:
-                graph = dev.end_capture(cap)
-            except Exception:  # (invalidated: the failure above says why)
-                graph = None
-        if graph is not None:
-            dev.destroy_graph(graph)
-        a.limits = a.limits.with_bytes(None)
-        dev.device_synchronize()
-        for s in (home, taker, cap):
-            dev.destroy_stream(s)
+        _finish(a, cap, graph, (home, taker, cap))
