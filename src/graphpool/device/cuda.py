@@ -302,8 +302,9 @@ class CudaDevice:
         self._attached: set[int] = set()  # release tokens of this device not yet reported
         self._host_attached: set[int] = set()  # the pinned pool's (attach_host_release)
         self._made: set[int] = set()  # streams create_stream made and nobody destroyed
-        # Held across "made and not destroyed?" and the query that follows, and across a
-        # destroy: no thread asks CUDA about a handle another thread is destroying. Reentrant:
+        # Held across "made and not destroyed?" and the query (or vmm_unmap's wait) that
+        # follows, and across a destroy: no thread asks CUDA about, or waits for, a handle
+        # another thread is destroying (a destroy waits out an unmap's wait). Reentrant:
         # a finalizer run on the asking thread may destroy a stream.
         self._made_lock = threading.RLock()
         self._primary: int | None = None  # the primary context's handle, once owns_stream asked
@@ -458,21 +459,22 @@ class CudaDevice:
         driver, _ = self._vmm()
         prev = self.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
-            if stream is not None and self._made_not_capturing(stream):
-                _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream)[0])
-            else:
+            if stream is None or not self._synchronize_made(stream):
                 _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
         finally:
             self.exchange_capture_mode(prev)
         _dcheck("cuMemUnmap", self._unmap_granules(driver, va, nbytes))
 
-    def _made_not_capturing(self, stream: int) -> bool:
-        """Whether ``create_stream`` made ``stream`` (so the handle is live: never a handle
-        another library may have destroyed) and it is not capturing now."""
+    def _synchronize_made(self, stream: int) -> bool:
+        """cudaStreamSynchronize of ``stream`` where ``create_stream`` made it (so the handle is
+        live: never a handle another library may have destroyed) and it is not capturing now;
+        whether it did. The lock is held across the check, the query and the wait, as
+        ``stream_idle`` holds it: no other thread destroys the handle in between."""
         with self._made_lock:
-            if stream not in self._made:
+            if stream not in self._made or self.capture_id(stream):
                 return False
-        return not self.capture_id(stream)
+            _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream)[0])
+            return True
 
     def _unmap_granules(self, driver: Any, va: int, nbytes: int) -> Any:
         """cuMemUnmap each granule of ``[va, va + nbytes)``, going on past a refusal so that a
