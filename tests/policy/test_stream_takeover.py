@@ -445,3 +445,42 @@ def test_an_expandable_out_of_memory_names_the_granules_it_asked_for() -> None:
     assert (oom["size"], oom["stream"], oom["pool_id"]) == (6 * 1024, A, None)  # the history names its stream
     a.free(x)
     a.check_invariants()
+
+
+@pytest.mark.parametrize("gone", ["taker", "bystander"])
+def test_the_retrys_release_never_asks_about_a_stream_that_may_be_destroyed(gone: str) -> None:
+    """The out-of-memory retry's release, with a taken-over block at a segment's free end whose
+    taker is not idle, must not pass a stream the allocator only holds cached memory of to the
+    capture query: that stream may have been destroyed since (its free blocks outlive it), and
+    a query of a destroyed stream is undefined behaviour in CUDA (it crashed the process on an
+    H200, tests/scenarios/test_foreign_captures.py). Here the destroyed stream is the taker
+    itself (``taker``: never idle again, so its block makes the release ask), or another
+    stream whose free block is cached (``bystander``) while a live taker is busy."""
+    dev, a = _alloc(total=32 * 1024)  # 4 granules of 8 KiB
+    live = a.malloc(8704, stream=A)
+    small = a.malloc(4608, stream=A)
+    end = a.malloc(11264, stream=A)  # 3 granules of 8 KiB mapped
+    a.free(end)
+    taken = a.malloc(11264, stream=B)
+    assert taken == end  # A idle: B took A's free end over
+    a.free(small)
+    c = a.malloc(8192, stream=C)  # the last granule: C's own segment
+    if gone == "bystander":
+        a.free(c)  # C's free block, cached
+        dev.queue_work(B)  # B busy: its block makes the release ask about captures
+        dead = C
+    else:
+        dead = B
+    a.free(taken)
+    dev.destroyed.add(dead)
+    dev.queried.clear()
+    try:
+        a.free(a.malloc(7168, stream=A))  # the retry's release runs (or an OOM after it)
+    except OutOfMemoryError:
+        pass
+    assert dead not in dev.queried, "the retry asked the capture query about a destroyed stream"
+    dev.complete_all()
+    if gone == "taker":
+        a.free(c)
+    a.free(live)
+    a.check_invariants()
