@@ -261,3 +261,39 @@ def test_the_out_of_memory_retry_leaves_a_busy_streams_block_while_a_known_strea
             a.free(live)
     finally:
         _finish(a, cap, graph, (home, taker, cap))
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole segment", "free end"])
+def test_the_out_of_memory_retry_leaves_the_free_memory_of_a_stream_capturing_unseen(
+    exp: CachingAllocator, whole: bool
+) -> None:
+    """A capture begun outside graphpool, not seen yet, on a stream whose free memory graphpool
+    caches (a whole free segment, or the free end of one): the out-of-memory retry on another
+    stream must not unmap that memory, whose unmap would wait for the device (the stream is
+    capturing: no stream synchronize), which invalidates the capture. The allocation is
+    refused for want of memory, the capture ends whole, and nothing is lost."""
+    a = exp
+    dev = a.device
+    home, cap = dev.create_stream(), dev.create_stream()
+    gran = dev.vmm_granularity()
+    graph = live = p = None
+    try:
+        live = None if whole else a.malloc(gran, stream=cap)
+        a.free(a.malloc(gran, stream=cap))  # cap's free memory (its segment, or its free end)
+        p = a.malloc(4 * MiB, stream=home)
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(4 * MiB + gran, stream=home)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+    finally:
+        try:
+            _finish(a, cap, graph, ())
+            for x in (p, live):
+                if x is not None:
+                    a.free(x)
+        finally:
+            for s in (home, cap):
+                dev.destroy_stream(s)
