@@ -198,6 +198,13 @@ MUTANTS = (
         (T_FID + "test_vmm_unmap_given_a_stream_waits_for_it_and_spares_a_capture_elsewhere",),
     ),
     Mutant(
+        "simulator: vmm_unmap given a capturing stream waits for its (empty) queue, not the device",
+        SIM,
+        "        if st is not None and st.capture is None and not st.destroyed:\n",
+        "        if st is not None and not st.destroyed:\n",
+        (T_FID + "test_vmm_unmap_given_a_capturing_stream_waits_for_the_device_which_the_capture_refuses",),
+    ),
+    Mutant(
         "simulator: a captured event aliases its stream's live dependencies (an unjoined fork accepted)",
         SIM,
         "_CaptureMark(cap, dict(cap.covers[stream]))",

@@ -292,6 +292,41 @@ def test_vmm_unmap_given_a_stream_waits_for_it_and_spares_a_capture_elsewhere(de
         d.vmm_release(va, gran)
 
 
+@pytest.mark.parametrize("mode", ["global", "relaxed"])
+def test_vmm_unmap_given_a_capturing_stream_waits_for_the_device_which_the_capture_refuses(
+    device: Dev, mode: str
+) -> None:
+    """A stream that is capturing cannot be synchronized: ``vmm_unmap`` given one waits for the
+    whole device instead (graphpool's CUDA device: cudaDeviceSynchronize), which is illegal
+    while the stream captures, in every mode: the unmap fails, nothing is unmapped, and the
+    capture is invalidated. The allocator must not unmap a capturing stream's memory."""
+    d = device.d
+    gran = d.vmm_granularity()
+    s = device.stream()
+    va = d.vmm_reserve(gran)
+    try:
+        assert d.vmm_map(va, gran) is True
+        d.begin_capture(s, MODES[mode])
+        prev = d.exchange_capture_mode(RELAXED)  # as the allocator calls it
+        try:
+            _fails(lambda: d.vmm_unmap(va, gran, s), "cudaErrorStreamCaptureUnsupported")
+        finally:
+            d.exchange_capture_mode(prev)
+        assert _status(d, s) == CAPTURE_STATUS_INVALIDATED
+        _fails(lambda: d.end_capture(s), "cudaErrorStreamCaptureInvalidated")
+        d.memset(va, 1, gran, s)  # still mapped: the refused unmap left it
+        assert d.read(va, 4, s) == bytes([1]) * 4
+    finally:
+        if _status(d, s) != CAPTURE_STATUS_NONE:
+            try:
+                d.end_capture(s)
+            except CUDAError:
+                pass
+        d.device_synchronize()
+        d.vmm_unmap(va, gran)
+        d.vmm_release(va, gran)
+
+
 # =========================================================================== ordering
 def test_a_stream_waiting_on_an_event_runs_after_the_recorded_work(device: Dev) -> None:
     d = device.d
