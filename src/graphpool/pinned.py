@@ -133,6 +133,12 @@ class HostMemory:
     def stream_idle(self, stream: int) -> bool:
         return self.device.stream_idle(_real(stream))
 
+    def stream_synchronize_made(self, stream: int) -> bool:
+        return self.device.stream_synchronize_made(_real(stream))
+
+    def stream_capturing(self, stream: int) -> bool | None:
+        return self.device.stream_capturing(_real(stream))
+
     def create_event(self) -> int:
         return self.device.create_event()
 

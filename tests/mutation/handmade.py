@@ -191,6 +191,20 @@ MUTANTS = (
         (T_FID + "test_vmm_unmap_waits_for_the_queued_work",),
     ),
     Mutant(
+        "simulator: stream_synchronize_made waits for a capturing stream",
+        SIM,
+        "            if st.capture is not None or st.destroyed:\n                return False\n            capture.check_unsafe(\"cudaStreamSynchronize\")",
+        "            if st.destroyed:\n                return False\n            capture.check_unsafe(\"cudaStreamSynchronize\")",
+        (T_FID + "test_the_guarded_stream_calls_ask_only_streams_the_device_made",),
+    ),
+    Mutant(
+        "simulator: stream_synchronize_made returns before the stream's work is done",
+        SIM,
+        "            self._run_until(lambda: not st.queue)\n            return True\n",
+        "            return True\n",
+        (T_FID + "test_the_guarded_stream_calls_ask_only_streams_the_device_made",),
+    ),
+    Mutant(
         "simulator: vmm_unmap given a stream does not wait for its work",
         SIM,
         "            return self._wait_uninterrupted(lambda: not st.queue)\n",

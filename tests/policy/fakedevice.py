@@ -73,6 +73,7 @@ class FakeDevice:
         self._next_va = 1 << 46
         self.made: set[int] = set()  # streams stream_idle may report idle (the device made them)
         self.idle_asked: list[int] = []
+        self.synced_made: list[int] = []  # streams stream_synchronize_made was asked to wait for
 
     # memory
     def malloc(self, nbytes: int) -> int | None:
@@ -217,6 +218,22 @@ class FakeDevice:
         if stream not in self.made or stream in self.destroyed or self.capturing.get(stream):
             return False
         return not self.busy(stream)
+
+    def stream_synchronize_made(self, stream: int) -> bool:
+        """A stream the test declared made by the device (``made``), not destroyed and not
+        capturing: its work finishes (True); any other is left alone (False)."""
+        self.synced_made.append(stream)
+        if stream not in self.made or stream in self.destroyed or self.capturing.get(stream):
+            return False
+        self.done[stream] = self.queued.get(stream, 0)
+        return True
+
+    def stream_capturing(self, stream: int) -> bool | None:
+        """A stream the test declared made by the device (``made``) and not destroyed: whether
+        it captures; None for any other (never asked, as CUDA's device never asks)."""
+        if stream not in self.made or stream in self.destroyed:
+            return None
+        return bool(self.capturing.get(stream))
 
     def complete_all(self) -> None:
         for stream, queued in self.queued.items():

@@ -327,6 +327,42 @@ def test_vmm_unmap_given_a_capturing_stream_waits_for_the_device_which_the_captu
         d.vmm_release(va, gran)
 
 
+def test_the_guarded_stream_calls_ask_only_streams_the_device_made(device: Dev) -> None:
+    """``stream_synchronize_made`` waits for a stream the device made that is not capturing
+    (True), and leaves alone a capturing one (its capture stays valid), the legacy stream and
+    a stream made elsewhere (False); ``stream_capturing`` answers for the device's own streams
+    (True, False) and None for the others, which it never passes to CUDA."""
+    d = device.d
+    s, cap = device.stream(), device.stream()
+    foreign = device.foreign()
+    e = device.event()
+    device.spin(s)
+    d.record_event(e, s)
+    graph = None
+    try:
+        assert d.stream_capturing(s) is False
+        assert d.stream_capturing(LEGACY_STREAM) is None and d.stream_capturing(foreign) is None
+        d.begin_capture(cap, GLOBAL)
+        prev = d.exchange_capture_mode(RELAXED)  # as the allocator calls them
+        try:
+            assert d.stream_capturing(cap) is True
+            assert d.stream_synchronize_made(cap) is False
+            assert d.stream_synchronize_made(LEGACY_STREAM) is False
+            assert d.stream_synchronize_made(foreign) is False
+            assert d.stream_synchronize_made(s) is True
+            done = d.query_event(e)
+        finally:
+            d.exchange_capture_mode(prev)
+        assert done is True, "stream_synchronize_made returned before the stream's work finished"
+        assert d.capture_info(cap)[0] == CAPTURE_STATUS_ACTIVE, "the capture was invalidated"
+        graph = d.end_capture(cap)
+    finally:
+        if graph is None and d.capture_info(cap)[0]:
+            _end_quietly(d, cap)
+        if graph is not None:
+            d.destroy_graph(graph)
+
+
 # =========================================================================== ordering
 def test_a_stream_waiting_on_an_event_runs_after_the_recorded_work(device: Dev) -> None:
     d = device.d

@@ -459,17 +459,17 @@ class CudaDevice:
         driver, _ = self._vmm()
         prev = self.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
-            if stream is None or not self._synchronize_made(stream):
+            if stream is None or not self.stream_synchronize_made(stream):
                 _check("cudaDeviceSynchronize", _rt.cudaDeviceSynchronize()[0])
         finally:
             self.exchange_capture_mode(prev)
         _dcheck("cuMemUnmap", self._unmap_granules(driver, va, nbytes))
 
-    def _synchronize_made(self, stream: int) -> bool:
-        """cudaStreamSynchronize of ``stream`` where ``create_stream`` made it (so the handle is
-        live: never a handle another library may have destroyed) and it is not capturing now;
-        whether it did. The lock is held across the check, the query and the wait, as
-        ``stream_idle`` holds it: no other thread destroys the handle in between."""
+    def stream_synchronize_made(self, stream: int) -> bool:
+        """The protocol's: cudaStreamSynchronize of ``stream`` where ``create_stream`` made it
+        (so the handle is live: never a handle another library may have destroyed) and it is
+        not capturing now; whether it did. The lock is held across the check, the query and
+        the wait, as ``stream_idle`` holds it: no other thread destroys the handle in between."""
         with self._made_lock:
             if stream not in self._made or self.capture_id(stream):
                 return False
@@ -604,6 +604,14 @@ class CudaDevice:
             return False
         _check("cudaStreamQuery", err)
         return False
+
+    def stream_capturing(self, stream: int) -> bool | None:
+        """The protocol's: the capture query of a stream ``create_stream`` made, the lock held
+        (no other thread destroys the handle meanwhile); None for any other handle."""
+        with self._made_lock:
+            if stream not in self._made:
+                return None
+            return bool(self.capture_id(stream))
 
     def owns_stream(self, stream: int) -> bool:
         """Whether ``cuStreamGetCtx(stream)`` is this device's primary context (retained once,

@@ -176,6 +176,21 @@ class Device(Protocol):
         time: the query runs under ``CAPTURE_MODE_RELAXED`` on the calling thread."""
         ...
 
+    def stream_synchronize_made(self, stream: int) -> bool:
+        """Wait for the work of ``stream`` where it is a stream this device object made
+        (``create_stream``), has not destroyed, and that is not capturing; whether it waited
+        (False: nothing was asked or waited for). For callers that must never wait for the
+        whole device nor pass CUDA a handle made elsewhere. Run it under
+        ``CAPTURE_MODE_RELAXED`` while a capture may be underway on another stream."""
+        ...
+
+    def stream_capturing(self, stream: int) -> bool | None:
+        """Whether ``stream``, a stream this device object made (``create_stream``) and has not
+        destroyed, takes part in a capture now (the capture query); None for any other stream,
+        which is never passed to CUDA (a handle made elsewhere may have been destroyed). Legal
+        at any time."""
+        ...
+
     # -- events (timing disabled) ---------------------------------------------
     def create_event(self) -> int: ...
 

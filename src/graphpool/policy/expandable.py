@@ -33,9 +33,10 @@ and merge only with its free blocks; ``empty_cache`` gives the free end of a seg
 to the segment's stream after one device synchronize (``_rehome``), so it can shrink. The
 out-of-memory retry runs inside an allocation, where a capture begun outside graphpool on
 another stream may be underway unseen and a device synchronize would invalidate it: it gives
-back the blocks of idle streams at once, and the others after a device synchronize only while
-no stream it holds memory of is capturing. Unmapping waits for the stream of the block
-unmapped (``Device.vmm_unmap``), not for the device, where the device made that stream.
+back the blocks other streams took over only where it can wait for those streams alone, and
+leaves mapped the free memory of streams the device made that are capturing. Unmapping waits
+for the stream of the block unmapped (``Device.vmm_unmap``), not for the device, where the
+device made that stream.
 """
 
 from __future__ import annotations
@@ -170,29 +171,31 @@ class Expandable(Segments):
 
         ``wait`` False (the out-of-memory retry, inside an allocation, where a capture begun
         outside graphpool may be underway unseen and a device synchronize would invalidate it):
-        the blocks of streams the device says are idle (``stream_idle``) go back with no
-        synchronize; the others only if no stream graphpool holds memory of is capturing now
-        (the capture query), after one device synchronize. A capture on a stream graphpool has
-        never seen is not asked about: docs/behaviour.rst, "Limits of detection"."""
+        no device synchronize. The blocks of a stream go back when the device says it is idle
+        (``stream_idle``), or once it has waited for that stream alone, where it made the
+        stream and the stream is not capturing (``stream_synchronize_made``); another
+        library's stream, the legacy stream's and a capturing one's stay where they are."""
         strays: list[tuple[Block, int]] = []
+        device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
+        ready: dict[int, bool] = {}  # (wait False) each taker asked once
         for seg in self._exp.values():
             b: Block | None = self._segments[seg.base]
             while b is not None and b.next is not None:
                 b = b.next
             while b is not None and not b.allocated and b.holds == 0:  # the free end, backwards
                 if b.stream != seg.stream:
+                    if not wait:
+                        t = b.stream
+                        done = ready.get(t)
+                        if done is None:
+                            done = bool(device.stream_idle(t)) or bool(device.stream_synchronize_made(t))
+                            ready[t] = done
+                        if not done:
+                            break  # (it stays: the end before it could not shrink past it)
                     strays.append((b, seg.stream))
                 b = b.prev
         if not strays:
             return
-        if not wait:
-            device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
-            takers = {b.stream for b, _ in strays}
-            idle = {t for t in takers if bool(device.stream_idle(t))}
-            if idle == takers or self._capture_on_known_streams():
-                strays = [(b, home) for b, home in strays if b.stream in idle]
-            else:
-                wait = True
         if wait:
             self._synchronize_device()
         for b, home in strays:  # each still a block of its own: only ``home``'s blocks merge away
@@ -200,25 +203,20 @@ class Expandable(Segments):
             b.stream = home
             self._merge_free(b)
 
-    def _capture_on_known_streams(self) -> bool:
-        """Whether a stream this allocator holds memory of (its free lists' and segments'
-        streams, the legacy stream aside: it never captures) takes part in a capture now, by
-        the capture query, without adopting it; True if a query fails (a gone stream, or the
-        device cannot tell) or a capture is registered."""
-        if self._world.active:
-            return True
-        streams = {seg.stream for seg in self._exp.values()}
-        for fl in (self._small, self._large):
-            streams.update(fl.bins)
-        for s in streams:
-            if s == LEGACY:
-                continue
-            try:
-                if self._query(s):
-                    return True
-            except GraphpoolError:
-                return True
-        return False
+    def _capturing_streams(self) -> frozenset[int]:
+        """The streams of this allocator's expandable memory that take part in a capture now,
+        among those the device made (``stream_capturing``; another library's stream is never
+        asked: it may have been destroyed). Their free memory stays mapped in the out-of-memory
+        retry: its unmap could only wait for the whole device, which invalidates the capture."""
+        device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
+        streams: set[int] = set()
+        for seg in self._exp.values():
+            b: Block | None = self._segments[seg.base]
+            while b is not None:
+                if not b.allocated:
+                    streams.add(b.stream)
+                b = b.next
+        return frozenset(s for s in streams if s != LEGACY and device.stream_capturing(s) is True)
 
     def _round_gran(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the device's mapping granularity (asked once)."""
@@ -328,14 +326,15 @@ class Expandable(Segments):
                 block.free_list.insert(block)
                 raise
 
-    def _shrink(self, seg: ExpandableSegment) -> None:
+    def _shrink(self, seg: ExpandableSegment, keep: frozenset[int] = frozenset()) -> None:
         """Unmap the whole granules of the free last block of ``seg`` (``empty_cache``; the
-        caller runs under the relaxed capture mode, with no capture underway). A segment
-        left empty was already released whole by ``_release_segment``."""
+        caller runs under the relaxed capture mode, with no capture underway), unless it is a
+        block of a stream in ``keep``. A segment left empty was already released whole by
+        ``_release_segment``."""
         tail = self._segments[seg.base]
         while tail.next is not None:
             tail = tail.next
-        if tail.allocated or tail.holds or tail.prev is None:
+        if tail.allocated or tail.holds or tail.prev is None or tail.stream in keep:
             return
         start = seg.base + self._round_gran(tail.ptr - seg.base)
         end = seg.base + seg.mapped
@@ -384,17 +383,21 @@ class Expandable(Segments):
         live MemPool keeps. ``retry`` (the out-of-memory retry): live MemPools' free eager
         segments go back too. ``empty_cache`` (and ``gp.graph``'s, before a capture) leaves a
         live MemPool its cache, as PyTorch does: an upstream may be costly to call again.
-        ``synced``: the caller has just synchronized them."""
+        ``synced``: the caller has just synchronized them. In the retry, the expandable memory
+        of a stream capturing unseen stays mapped (``_capturing_streams``)."""
         if not synced:
             self._synchronize_events()
         prev = self.device.exchange_capture_mode(CAPTURE_MODE_RELAXED)
         try:
+            keep: frozenset[int] = frozenset()
             if self._exp:
                 self._rehome(not retry)
+                if retry:
+                    keep = self._capturing_streams()
             for fl in (self._small, self._large):
-                self._release_free_segments(fl)
+                self._release_free_segments(fl, keep)
             for seg in list(self._exp.values()):  # partly free: unmap their free ends
-                self._shrink(seg)
+                self._shrink(seg, keep)
             for pool in self._pools.values():  # live pools: segments of failed captures,
                 if retry and pool.use_count and pool.eager_small is not None:  # at a retry, and
                     for fl in pool.free_lists()[2:]:  # MemPools' eager side

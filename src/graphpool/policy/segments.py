@@ -292,9 +292,13 @@ class Segments(StreamUses):
             self.device.exchange_capture_mode(prev)
         return sum(b.size for b in victims) >= key
 
-    def _release_free_segments(self, fl: FreeList) -> None:
+    def _release_free_segments(self, fl: FreeList, keep: frozenset[int] = frozenset()) -> None:
+        """Give back every whole free segment of ``fl``; the expandable ones of the streams in
+        ``keep`` (capturing: their unmap could only wait for the device) stay mapped."""
         for block in fl:
             if block.prev is None and block.next is None:
+                if keep and block.stream in keep and block.ptr in self._exp:
+                    continue
                 fl.remove(block)
                 self._release_segment(block)
 

@@ -347,6 +347,27 @@ class SimDevice(MemoryCalls):
             st = self._streams[stream]
             return st.capture is None and not st.queue
 
+    def stream_synchronize_made(self, stream: int) -> bool:
+        """Wait for the queued work of a stream this device made, live and not capturing;
+        whether it waited (False for any other handle, never asked, as on CUDA)."""
+        with self._lock:
+            if stream not in self._made:
+                return False
+            st = self._streams[stream]
+            if st.capture is not None or st.destroyed:
+                return False
+            capture.check_unsafe("cudaStreamSynchronize")
+            self._run_until(lambda: not st.queue)
+            return True
+
+    def stream_capturing(self, stream: int) -> bool | None:
+        """Whether a stream this device made is live and capturing; None for any other handle,
+        as on CUDA (never asked). Legal in any capture mode."""
+        with self._lock:
+            if stream not in self._made:
+                return None
+            return self._streams[stream].capture is not None
+
     # -- events ---------------------------------------------------------------
     def create_event(self) -> int:
         with self._lock:
