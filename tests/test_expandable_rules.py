@@ -297,3 +297,46 @@ def test_the_out_of_memory_retry_leaves_the_free_memory_of_a_stream_capturing_un
         finally:
             for s in (home, cap):
                 dev.destroy_stream(s)
+
+
+@pytest.mark.parametrize("live_only", [False, True], ids=["cap caches free memory", "cap holds live memory"])
+def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_stream_memory(
+    exp: CachingAllocator, live_only: bool
+) -> None:
+    """A stream the device made captures, begun outside graphpool and not seen yet, and
+    graphpool holds memory of it (free, or only live). The out-of-memory retry on another
+    stream must not unmap the legacy stream's free memory: that unmap can wait only for the
+    whole device, which invalidates the capture. The allocation is refused for want of
+    memory, the capture ends whole, and the legacy stream's memory goes back later."""
+    a = exp
+    dev = a.device
+    home, cap = dev.create_stream(), dev.create_stream()
+    gran = dev.vmm_granularity()
+    graph = c = p = None
+    try:
+        c = a.malloc(gran, stream=cap)  # graphpool holds memory of cap (a whole granule)
+        if not live_only:
+            a.free(c)  # cap's free segment: kept by the retry (it is capturing)
+            c = None
+        a.free(a.malloc(4 * MiB, stream=0))  # the legacy stream's whole free segment
+        dev.device_synchronize()
+        p = a.malloc(4 * MiB, stream=home)
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(8 * MiB, stream=home)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        a.limits = a.limits.with_bytes(None)
+        a.empty_cache()  # the capture is over: the legacy stream's segment goes back now
+        assert a.memory_stats()["reserved_bytes.all.current"] == 4 * MiB + (gran if c is not None else 0)
+    finally:
+        try:
+            _finish(a, cap, graph, ())
+            for x in (p, c):
+                if x is not None:
+                    a.free(x)
+        finally:
+            for s in (home, cap):
+                dev.destroy_stream(s)
