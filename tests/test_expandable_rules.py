@@ -340,3 +340,29 @@ def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_str
         finally:
             for s in (home, cap):
                 dev.destroy_stream(s)
+
+
+def test_the_out_of_memory_retry_gives_back_legacy_stream_memory_with_no_capture(
+    exp: CachingAllocator,
+) -> None:
+    """With no capture underway, the retry does unmap the legacy stream's free memory (the
+    rule above keeps it only while a stream captures): the request on another stream, refused
+    at first by the limit, then fits."""
+    a = exp
+    dev = a.device
+    home = dev.create_stream()
+    p = q = None
+    try:
+        a.free(a.malloc(4 * MiB, stream=0))  # the legacy stream's whole free segment
+        p = a.malloc(4 * MiB, stream=home)
+        _limit(a, "bytes", a.memory_stats()["reserved_bytes.all.current"])
+        q = a.malloc(4 * MiB, stream=home)  # fits once the legacy stream's segment went back
+        a.check_invariants()
+        assert a.memory_stats()["num_alloc_retries"] == 1
+    finally:
+        a.limits = a.limits.with_bytes(None)
+        for x in (p, q):
+            if x is not None:
+                a.free(x)
+        dev.device_synchronize()
+        dev.destroy_stream(home)
