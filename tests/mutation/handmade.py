@@ -193,8 +193,8 @@ MUTANTS = (
     Mutant(
         "simulator: stream_synchronize_made waits for a capturing stream",
         SIM,
-        "            if st.capture is not None or st.destroyed:\n                return False\n            capture.check_unsafe(\"cudaStreamSynchronize\")",
-        "            if st.destroyed:\n                return False\n            capture.check_unsafe(\"cudaStreamSynchronize\")",
+        '            if st.capture is not None or st.destroyed:\n                return False\n            capture.check_unsafe("cudaStreamSynchronize")',
+        '            if st.destroyed:\n                return False\n            capture.check_unsafe("cudaStreamSynchronize")',
         (T_FID + "test_the_guarded_stream_calls_ask_only_streams_the_device_made",),
     ),
     Mutant(
