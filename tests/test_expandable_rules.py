@@ -366,3 +366,41 @@ def test_the_out_of_memory_retry_gives_back_legacy_stream_memory_with_no_capture
                 a.free(x)
         dev.device_synchronize()
         dev.destroy_stream(home)
+
+
+@pytest.mark.parametrize("home_is", ["destroyed", "capturing"])
+def test_the_out_of_memory_retry_leaves_a_taken_block_with_its_taker_when_home_cannot_be_waited_for(
+    exp: CachingAllocator, home_is: str
+) -> None:
+    """An idle taker's free block at the end of a segment whose stream was destroyed since, or
+    is capturing (begun outside graphpool, unseen): the retry leaves the block with its taker
+    rather than giving it home, so its unmap waits for the taker alone. Given home, its unmap
+    would wait for the whole device (a destroyed stream is never synchronized), which
+    invalidates a capture begun unseen on a third stream graphpool never saw; or it would stay
+    mapped (a capturing stream's memory is kept). The request is refused for want of memory,
+    the capture ends whole, and the block's memory went back."""
+    a = exp
+    dev = a.device
+    home, taker, third = dev.create_stream(), dev.create_stream(), dev.create_stream()
+    cap = third if home_is == "destroyed" else home
+    streams = [home, taker, third]
+    graph = None
+    try:
+        p = a.malloc(4 * MiB, stream=home)
+        a.free(p)  # home's segment, all of it free, home idle
+        q = a.malloc(4 * MiB, stream=taker)  # taken over from the idle home
+        assert q == p
+        a.free(q)  # the taker's free block, the whole of home's segment
+        if home_is == "destroyed":
+            dev.destroy_stream(home)
+            streams.remove(home)
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(8 * MiB, stream=taker)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0  # unmapped after the taker
+    finally:
+        _finish(a, cap, graph, tuple(streams))
