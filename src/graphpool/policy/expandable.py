@@ -175,7 +175,11 @@ class Expandable(Segments):
         no device synchronize. The blocks of a stream go back when the device says it is idle
         (``stream_idle``), or once it has waited for that stream alone, where it made the
         stream and the stream is not capturing (``stream_synchronize_made``); another
-        library's stream, the legacy stream's and a capturing one's stay where they are."""
+        library's stream, the legacy stream's and a capturing one's stay where they are. They
+        go home only to a live segment stream the device made that is not capturing
+        (``stream_capturing``): a destroyed one's unmap would wait for the whole device, and a
+        capturing one's memory stays mapped, where the taker's own is unmapped after the
+        taker's work alone."""
         strays: list[tuple[Block, int]] = []
         device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
         ready: dict[int, bool] = {}  # (wait False) each taker asked once
@@ -183,9 +187,18 @@ class Expandable(Segments):
             b: Block | None = self._segments[seg.base]
             while b is not None and b.next is not None:
                 b = b.next
+            home_ok: bool | None = None  # (wait False) the segment's stream asked once, if need be
             while b is not None and not b.allocated and b.holds == 0:  # the free end, backwards
                 if b.stream != seg.stream:
                     if not wait:
+                        if home_ok is None:
+                            # home only to a live stream the device made, not capturing: a
+                            # destroyed one's unmap could only wait for the whole device, a
+                            # capturing one's memory stays mapped; left with its taker, the
+                            # block is unmapped after the taker's work alone
+                            home_ok = device.stream_capturing(seg.stream) is False
+                        if not home_ok:
+                            break
                         t = b.stream
                         done = ready.get(t)
                         if done is None:
