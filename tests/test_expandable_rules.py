@@ -404,3 +404,40 @@ def test_the_out_of_memory_retry_leaves_a_taken_block_with_its_taker_when_home_c
         assert a.memory_stats()["reserved_bytes.all.current"] == 0  # unmapped after the taker
     finally:
         _finish(a, cap, graph, tuple(streams))
+
+
+def test_garbage_collection_in_an_allocation_leaves_the_free_memory_of_a_stream_capturing_unseen(
+    backend: Any,
+) -> None:
+    """``garbage_collection_threshold`` gives old whole free segments back inside an allocation,
+    where a capture begun outside graphpool may be underway unseen: the whole free segment of a
+    stream capturing so stays mapped (its unmap could only wait for the whole device, which
+    invalidates the capture), as in the out-of-memory retry. The allocation is served, the
+    capture ends whole, and the segment goes back once it is over."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(DEFAULT, expandable_segments=True, garbage_collection_threshold=0.5)
+    a = CachingAllocator(rt.device(0), sizes=sizes, world=rt.world)
+    dev = a.device
+    home, cap = dev.create_stream(), dev.create_stream()
+    graph = p = None
+    try:
+        a.limits = a.limits.with_fraction(64 * MiB / a._total)
+        a.free(a.malloc(2 * MiB, stream=home))  # home's segment
+        a.free(a.malloc(40 * MiB, stream=cap))  # cap's whole free segment: past the threshold
+        for _ in range(4):  # (older than home's block, by the pool's clock)
+            a.free(a.malloc(2 * MiB, stream=home))
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        p = a.malloc(8 * MiB, stream=home)  # home's segment grows: the collection runs first
+        graph = dev.end_capture(cap)  # not invalidated by the collection
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 48 * MiB  # cap's segment kept
+    finally:
+        try:
+            _finish(a, cap, graph, (home, cap))
+            if p is not None:
+                a.free(p)
+        finally:
+            a.limits = a.limits.with_fraction(None)
+            a.empty_cache()
+            a.check_invariants()
+            assert a.memory_stats()["reserved_bytes.all.current"] == 0
