@@ -218,9 +218,10 @@ class Expandable(Segments):
             self._merge_free(b)
 
     def _capturing_streams(self) -> frozenset[int]:
-        """The streams whose free expandable memory the out-of-memory retry leaves mapped: those
-        the device made that take part in a capture now (``stream_capturing``; another
-        library's stream is never asked: it may have been destroyed), whose unmap could only
+        """The streams whose free expandable memory the out-of-memory retry (and the garbage
+        collection inside an allocation, ``_collect``) leaves mapped: those the device made
+        that take part in a capture now (``stream_capturing``; another library's stream is
+        never asked: it may have been destroyed), whose unmap could only
         wait for the whole device, which invalidates the capture; and, while any stream of
         this allocator's expandable memory (free or live) is capturing, the streams the device
         did not make (the legacy stream's, another library's), whose unmap waits for the
