@@ -138,3 +138,29 @@ def test_the_guarded_stream_calls_pass_cuda_only_streams_the_device_made(
     assert d2.stream_capturing(S) is False
     assert d2.stream_synchronize_made(S) is True
     assert rt.calls == [("cudaStreamSynchronize", S)]
+
+
+def test_the_wait_holds_the_made_streams_lock_throughout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stream_synchronize_made`` (and so ``vmm_unmap``) holds the lock that ``destroy_stream``
+    takes across the check, the capture query and cudaStreamSynchronize itself: another thread
+    cannot take it while the wait runs. (The race test above depends on thread scheduling: a
+    wait made after the lock is released passes it unless the destroyer runs first.)"""
+    rt = _Runtime()
+    d = _device(rt, monkeypatch, set())
+    others: list[bool] = []
+
+    def try_lock() -> None:
+        got = d._made_lock.acquire(blocking=False)
+        if got:
+            d._made_lock.release()
+        others.append(got)
+
+    def during_wait() -> None:
+        t = threading.Thread(target=try_lock)
+        t.start()
+        t.join(5)
+
+    rt.during_wait = during_wait
+    assert d.stream_synchronize_made(S) is True
+    d.vmm_unmap(0x1000, 4096, S)
+    assert others == [False, False], "another thread could take the lock during the wait"
