@@ -196,7 +196,8 @@ class Expandable(Segments):
                             # destroyed one's unmap could only wait for the whole device, a
                             # capturing one's memory stays mapped; left with its taker, the
                             # block is unmapped after the taker's work alone
-                            home_ok = device.stream_capturing(seg.stream) is False
+                            answer = device.stream_capturing(seg.stream)
+                            home_ok = answer is not None and not answer
                         if not home_ok:
                             break
                         t = b.stream
