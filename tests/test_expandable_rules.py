@@ -433,10 +433,12 @@ def test_garbage_collection_in_an_allocation_leaves_the_free_memory_of_a_stream_
         assert a.memory_stats()["reserved_bytes.all.current"] == 48 * MiB  # cap's segment kept
     finally:
         try:
-            _finish(a, cap, graph, (home, cap))
+            _finish(a, cap, graph, ())
             if p is not None:
                 a.free(p)
         finally:
+            for s in (home, cap):
+                dev.destroy_stream(s)
             a.limits = a.limits.with_fraction(None)
             a.empty_cache()
             a.check_invariants()
