@@ -138,3 +138,55 @@ def test_the_guarded_stream_calls_pass_cuda_only_streams_the_device_made(
     assert d2.stream_capturing(S) is False
     assert d2.stream_synchronize_made(S) is True
     assert rt.calls == [("cudaStreamSynchronize", S)]
+
+
+def test_the_wait_holds_the_made_streams_lock_throughout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stream_synchronize_made`` (and so ``vmm_unmap``) holds the lock that ``destroy_stream``
+    takes across the check, the capture query and cudaStreamSynchronize itself: another thread
+    cannot take it while the wait runs. (The race test above depends on thread scheduling: a
+    wait made after the lock is released passes it unless the destroyer runs first.)"""
+    rt = _Runtime()
+    d = _device(rt, monkeypatch, set())
+    others: list[bool] = []
+
+    def try_lock() -> None:
+        got = d._made_lock.acquire(blocking=False)
+        if got:
+            d._made_lock.release()
+        others.append(got)
+
+    def during_wait() -> None:
+        t = threading.Thread(target=try_lock)
+        t.start()
+        t.join(5)
+
+    rt.during_wait = during_wait
+    assert d.stream_synchronize_made(S) is True
+    d.vmm_unmap(0x1000, 4096, S)
+    assert others == [False, False], "another thread could take the lock during the wait"
+
+
+def test_the_capture_query_holds_the_made_streams_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``stream_capturing`` and ``stream_synchronize_made`` ask the capture query with the lock
+    held: no other thread destroys the stream between the check and the query."""
+    rt = _Runtime()
+    d = _device(rt, monkeypatch, set())
+    real_query = d.capture_id
+    others: list[bool] = []
+
+    def try_lock() -> None:
+        got = d._made_lock.acquire(blocking=False)
+        if got:
+            d._made_lock.release()
+        others.append(got)
+
+    def query(stream: int) -> int:
+        t = threading.Thread(target=try_lock)
+        t.start()
+        t.join(5)
+        return real_query(stream)
+
+    d.capture_id = query  # type: ignore[method-assign]
+    assert d.stream_capturing(S) is False
+    assert d.stream_synchronize_made(S) is True
+    assert others == [False, False], "another thread could take the lock during the query"

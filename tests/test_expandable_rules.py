@@ -297,3 +297,149 @@ def test_the_out_of_memory_retry_leaves_the_free_memory_of_a_stream_capturing_un
         finally:
             for s in (home, cap):
                 dev.destroy_stream(s)
+
+
+@pytest.mark.parametrize("live_only", [False, True], ids=["cap caches free memory", "cap holds live memory"])
+def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_stream_memory(
+    exp: CachingAllocator, live_only: bool
+) -> None:
+    """A stream the device made captures, begun outside graphpool and not seen yet, and
+    graphpool holds memory of it (free, or only live). The out-of-memory retry on another
+    stream must not unmap the legacy stream's free memory: that unmap can wait only for the
+    whole device, which invalidates the capture. The allocation is refused for want of
+    memory, the capture ends whole, and the legacy stream's memory goes back later."""
+    a = exp
+    dev = a.device
+    home, cap = dev.create_stream(), dev.create_stream()
+    gran = dev.vmm_granularity()
+    graph = c = p = None
+    try:
+        c = a.malloc(gran, stream=cap)  # graphpool holds memory of cap (a whole granule)
+        if not live_only:
+            a.free(c)  # cap's free segment: kept by the retry (it is capturing)
+            c = None
+        a.free(a.malloc(4 * MiB, stream=0))  # the legacy stream's whole free segment
+        dev.device_synchronize()
+        p = a.malloc(4 * MiB, stream=home)
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(8 * MiB, stream=home)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        a.limits = a.limits.with_bytes(None)
+        a.empty_cache()  # the capture is over: the legacy stream's segment goes back now
+        assert a.memory_stats()["reserved_bytes.all.current"] == 4 * MiB + (gran if c is not None else 0)
+    finally:
+        try:
+            _finish(a, cap, graph, ())
+            for x in (p, c):
+                if x is not None:
+                    a.free(x)
+        finally:
+            for s in (home, cap):
+                dev.destroy_stream(s)
+
+
+def test_the_out_of_memory_retry_gives_back_legacy_stream_memory_with_no_capture(
+    exp: CachingAllocator,
+) -> None:
+    """With no capture underway, the retry does unmap the legacy stream's free memory (the
+    rule above keeps it only while a stream captures): the request on another stream, refused
+    at first by the limit, then fits."""
+    a = exp
+    dev = a.device
+    home = dev.create_stream()
+    p = q = None
+    try:
+        a.free(a.malloc(4 * MiB, stream=0))  # the legacy stream's whole free segment
+        p = a.malloc(4 * MiB, stream=home)
+        _limit(a, "bytes", a.memory_stats()["reserved_bytes.all.current"])
+        q = a.malloc(4 * MiB, stream=home)  # fits once the legacy stream's segment went back
+        a.check_invariants()
+        assert a.memory_stats()["num_alloc_retries"] == 1
+    finally:
+        a.limits = a.limits.with_bytes(None)
+        for x in (p, q):
+            if x is not None:
+                a.free(x)
+        dev.device_synchronize()
+        dev.destroy_stream(home)
+
+
+@pytest.mark.parametrize("home_is", ["destroyed", "capturing"])
+def test_the_out_of_memory_retry_leaves_a_taken_block_with_its_taker_when_home_cannot_be_waited_for(
+    exp: CachingAllocator, home_is: str
+) -> None:
+    """An idle taker's free block at the end of a segment whose stream was destroyed since, or
+    is capturing (begun outside graphpool, unseen): the retry leaves the block with its taker
+    rather than giving it home, so its unmap waits for the taker alone. Given home, its unmap
+    would wait for the whole device (a destroyed stream is never synchronized), which
+    invalidates a capture begun unseen on a third stream graphpool never saw; or it would stay
+    mapped (a capturing stream's memory is kept). The request is refused for want of memory,
+    the capture ends whole, and the block's memory went back."""
+    a = exp
+    dev = a.device
+    home, taker, third = dev.create_stream(), dev.create_stream(), dev.create_stream()
+    cap = third if home_is == "destroyed" else home
+    streams = [home, taker, third]
+    graph = None
+    try:
+        p = a.malloc(4 * MiB, stream=home)
+        a.free(p)  # home's segment, all of it free, home idle
+        q = a.malloc(4 * MiB, stream=taker)  # taken over from the idle home
+        assert q == p
+        a.free(q)  # the taker's free block, the whole of home's segment
+        if home_is == "destroyed":
+            dev.destroy_stream(home)
+            streams.remove(home)
+        reserved = a.memory_stats()["reserved_bytes.all.current"]
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        words = _limit(a, "bytes", reserved)
+        with pytest.raises(OutOfMemoryError, match=words):
+            a.malloc(8 * MiB, stream=taker)
+        graph = dev.end_capture(cap)  # not invalidated by the retry
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 0  # unmapped after the taker
+    finally:
+        _finish(a, cap, graph, tuple(streams))
+
+
+def test_garbage_collection_in_an_allocation_leaves_the_free_memory_of_a_stream_capturing_unseen(
+    backend: Any,
+) -> None:
+    """``garbage_collection_threshold`` gives old whole free segments back inside an allocation,
+    where a capture begun outside graphpool may be underway unseen: the whole free segment of a
+    stream capturing so stays mapped (its unmap could only wait for the whole device, which
+    invalidates the capture), as in the out-of-memory retry. The allocation is served, the
+    capture ends whole, and the segment goes back once it is over."""
+    rt = runtime.get()
+    sizes = dataclasses.replace(DEFAULT, expandable_segments=True, garbage_collection_threshold=0.5)
+    a = CachingAllocator(rt.device(0), sizes=sizes, world=rt.world)
+    dev = a.device
+    home, cap = dev.create_stream(), dev.create_stream()
+    graph = p = None
+    try:
+        a.limits = a.limits.with_fraction(64 * MiB / a._total)
+        a.free(a.malloc(2 * MiB, stream=home))  # home's segment
+        a.free(a.malloc(40 * MiB, stream=cap))  # cap's whole free segment: past the threshold
+        for _ in range(4):  # (older than home's block, by the pool's clock)
+            a.free(a.malloc(2 * MiB, stream=home))
+        _begin(dev, cap)  # begun outside graphpool, not seen yet
+        p = a.malloc(8 * MiB, stream=home)  # home's segment grows: the collection runs first
+        graph = dev.end_capture(cap)  # not invalidated by the collection
+        a.check_invariants()
+        assert a.memory_stats()["reserved_bytes.all.current"] == 48 * MiB  # cap's segment kept
+    finally:
+        try:
+            _finish(a, cap, graph, ())
+            if p is not None:
+                a.free(p)
+        finally:
+            for s in (home, cap):
+                dev.destroy_stream(s)
+            a.limits = a.limits.with_fraction(None)
+            a.empty_cache()
+            a.check_invariants()
+            assert a.memory_stats()["reserved_bytes.all.current"] == 0

@@ -500,7 +500,8 @@ MiB = 1 << 20
 DEVICE_CALLS = (
     "malloc", "free", "capture_id", "capture_info", "exchange_capture_mode", "create_event",
     "record_event", "query_event", "event_synchronize", "device_synchronize", "stream_idle",
-    "vmm_granularity", "vmm_reserve", "vmm_map", "vmm_unmap", "vmm_release", "take_released",
+    "stream_synchronize_made", "stream_capturing", "vmm_granularity", "vmm_reserve", "vmm_map",
+    "vmm_unmap", "vmm_release", "take_released",
     "mem_info", "begin_capture", "end_capture", "destroy_graph", "destroy_graph_exec",
 )  # fmt: skip
 ACQUIRE = {"malloc", "vmm_reserve", "vmm_map"}
@@ -657,6 +658,19 @@ def _scenario(
         while held:
             free(held[-1])
         a.empty_cache()  # gives the segment back
+    elif name == "expandable_retry":  # the out-of-memory retry gives a busy taker's block home
+        s2 = sim.create_stream()
+        held.append(a.malloc(8 * MiB, stream=s1))
+        free(held[-1])
+        held.append(a.malloc(8 * MiB, stream=s2))  # taken over from the idle s1
+        sim.launch_sleep(s2, 3)
+        free(held[-1])  # s2 busy: the retry waits for it alone, then the block goes home
+        try:
+            held.append(a.malloc(60 * MiB, stream=0))  # fits once s1's segment went back
+            free(held[-1])
+            a.malloc(200 * MiB, stream=0)
+        except gp.OutOfMemoryError:
+            pass
     elif name == "oom":
         held.append(a.malloc(40 * MiB, stream=0))
         free(held[-1])
@@ -673,9 +687,10 @@ def _run_faulted(scenario: str, kind: str, history: bool, target: tuple[str, int
     from graphpool.sim import capture as sim_capture
 
     fault = Fault(kind)
-    memory = 64 * MiB if scenario == "oom" else 1 << 30
+    memory = 64 * MiB if scenario in ("oom", "expandable_retry") else 1 << 30
     sim = SimBackend(memory_bytes=memory).get_device(0)
-    sizes = SizeConfig(expandable_segments=True) if scenario == "expandable" else SizeConfig()
+    expandable = scenario in ("expandable", "expandable_retry")
+    sizes = SizeConfig(expandable_segments=True) if expandable else SizeConfig()
     a = CachingAllocator(FaultDevice(sim, fault), sizes=sizes)  # type: ignore[arg-type]
     fault.alloc = a
     s1 = sim.create_stream()
@@ -742,7 +757,7 @@ def _run_faulted(scenario: str, kind: str, history: bool, target: tuple[str, int
     return fault
 
 
-SCENARIOS = ("cached", "record_stream", "empty_cache", "capture", "expandable", "oom")
+SCENARIOS = ("cached", "record_stream", "empty_cache", "capture", "expandable", "expandable_retry", "oom")
 
 
 @pytest.mark.parametrize("history", [False, True], ids=["", "history"])

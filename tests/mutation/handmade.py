@@ -193,8 +193,8 @@ MUTANTS = (
     Mutant(
         "simulator: stream_synchronize_made waits for a capturing stream",
         SIM,
-        "            if st.capture is not None or st.destroyed:\n                return False\n            capture.check_unsafe(\"cudaStreamSynchronize\")",
-        "            if st.destroyed:\n                return False\n            capture.check_unsafe(\"cudaStreamSynchronize\")",
+        '            if st.capture is not None or st.destroyed:\n                return False\n            capture.check_unsafe("cudaStreamSynchronize")',
+        '            if st.destroyed:\n                return False\n            capture.check_unsafe("cudaStreamSynchronize")',
         (T_FID + "test_the_guarded_stream_calls_ask_only_streams_the_device_made",),
     ),
     Mutant(
@@ -981,6 +981,83 @@ STOP19 = (
     ),
 )
 MUTANTS = (*MUTANTS, *STOP19)
+
+
+# Stop 21, a second review of the out-of-memory retry beside an unseen capture (and of the
+# collection of garbage_collection_threshold, which also runs inside an allocation).
+T_UNMAP = "tests/test_cuda_unmap_wait.py::"
+_R21 = "stop 21 review: "
+STOP21_REVIEW = (
+    Mutant(
+        _R21 + "the retry unmaps legacy/other libraries' memory while a known stream captures",
+        EXPANDABLE,
+        "        return frozenset((capturing | unasked) & free)\n",
+        "        return frozenset(capturing & free)\n",
+        (T_EXP + "test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_stream_memory",),
+    ),
+    Mutant(
+        _R21 + "only the streams of free blocks are asked whether they capture",
+        EXPANDABLE,
+        "            streams.add(seg.stream)\n            b: Block | None = self._segments[seg.base]\n"
+        "            while b is not None:\n                streams.add(b.stream)\n",
+        "            b: Block | None = self._segments[seg.base]\n            while b is not None:\n",
+        (T_EXP + "test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_stream_memory",),
+    ),
+    Mutant(
+        _R21 + "the retry keeps legacy memory with no capture underway",
+        EXPANDABLE,
+        "        if not capturing:\n            return frozenset()\n",
+        "",
+        (T_EXP + "test_the_out_of_memory_retry_gives_back_legacy_stream_memory_with_no_capture",),
+    ),
+    Mutant(
+        _R21 + "the retry gives a taken block home to a destroyed or capturing segment stream",
+        EXPANDABLE,
+        "                        if not home_ok:\n                            break\n",
+        "",
+        (
+            T_EXP
+            + "test_the_out_of_memory_retry_leaves_a_taken_block_with_its_taker_when_home_cannot_be_waited_for",
+        ),
+    ),
+    Mutant(
+        _R21 + "the collection keeps no capturing stream's segment",
+        SEGMENTS,
+        "        keep = self._capturing_streams() if self._exp else frozenset()\n",
+        "        keep: frozenset[int] = frozenset()\n",
+        (
+            T_EXP
+            + "test_garbage_collection_in_an_allocation_leaves_the_free_memory_of_a_stream_capturing_unseen",
+        ),
+    ),
+    Mutant(
+        _R21 + "CUDA: stream_synchronize_made waits after releasing the made-streams lock",
+        "device/cuda.py",
+        '                return False\n            _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream)[0])\n'
+        "            return True\n",
+        '                return False\n        _check("cudaStreamSynchronize", _rt.cudaStreamSynchronize(stream)[0])\n'
+        "        return True\n",
+        (T_UNMAP + "test_the_wait_holds_the_made_streams_lock_throughout",),
+        "cudaStreamSynchronize dedented out of `with self._made_lock:`",
+    ),
+    Mutant(
+        _R21 + "CUDA: stream_capturing queries after releasing the made-streams lock",
+        "device/cuda.py",
+        "                return None\n            return bool(self.capture_id(stream))\n",
+        "                return None\n        return bool(self.capture_id(stream))\n",
+        (T_UNMAP + "test_the_capture_query_holds_the_made_streams_lock",),
+        "the capture query dedented out of `with self._made_lock:`",
+    ),
+    Mutant(
+        _R21 + "simulator: stream_capturing answers for a destroyed stream it still tracks",
+        SIM,
+        "            if stream not in self._made:\n                return None\n            return self._streams[stream].capture is not None\n",
+        "            st = self._streams.get(stream)\n            if st is None or stream == LEGACY_STREAM:\n"
+        "                return None\n            return st.capture is not None\n",
+        (T_FID + "test_the_guarded_stream_calls_ask_only_streams_the_device_made",),
+    ),
+)
+MUTANTS = (*MUTANTS, *STOP21_REVIEW)
 
 
 def run(tests: tuple[str, ...]) -> bool:

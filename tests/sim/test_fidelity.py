@@ -342,6 +342,16 @@ def test_the_guarded_stream_calls_ask_only_streams_the_device_made(device: Dev) 
     try:
         assert d.stream_capturing(s) is False
         assert d.stream_capturing(LEGACY_STREAM) is None and d.stream_capturing(foreign) is None
+        gone = d.create_stream()
+        device.spin(gone)
+        d.destroy_stream(gone)  # a destroyed stream, its work still queued: never asked either
+        assert d.stream_capturing(gone) is None and d.stream_synchronize_made(gone) is False
+        if device.other is not None:  # another device's stream
+            o = device.other.create_stream()
+            try:
+                assert d.stream_capturing(o) is None and d.stream_synchronize_made(o) is False
+            finally:
+                device.other.destroy_stream(o)
         d.begin_capture(cap, GLOBAL)
         prev = d.exchange_capture_mode(RELAXED)  # as the allocator calls them
         try:

@@ -34,7 +34,8 @@ to the segment's stream after one device synchronize (``_rehome``), so it can sh
 out-of-memory retry runs inside an allocation, where a capture begun outside graphpool on
 another stream may be underway unseen and a device synchronize would invalidate it: it gives
 back the blocks other streams took over only where it can wait for those streams alone, and
-leaves mapped the free memory of streams the device made that are capturing. Unmapping waits
+leaves mapped the free memory of streams the device made that are capturing (and, while one
+is, of the streams it did not make: their unmap waits for the device). Unmapping waits
 for the stream of the block unmapped (``Device.vmm_unmap``), not for the device, where the
 device made that stream.
 """
@@ -174,7 +175,11 @@ class Expandable(Segments):
         no device synchronize. The blocks of a stream go back when the device says it is idle
         (``stream_idle``), or once it has waited for that stream alone, where it made the
         stream and the stream is not capturing (``stream_synchronize_made``); another
-        library's stream, the legacy stream's and a capturing one's stay where they are."""
+        library's stream, the legacy stream's and a capturing one's stay where they are. They
+        go home only to a live segment stream the device made that is not capturing
+        (``stream_capturing``): a destroyed one's unmap would wait for the whole device, and a
+        capturing one's memory stays mapped, where the taker's own is unmapped after the
+        taker's work alone."""
         strays: list[tuple[Block, int]] = []
         device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
         ready: dict[int, bool] = {}  # (wait False) each taker asked once
@@ -182,9 +187,19 @@ class Expandable(Segments):
             b: Block | None = self._segments[seg.base]
             while b is not None and b.next is not None:
                 b = b.next
+            home_ok: bool | None = None  # (wait False) the segment's stream asked once, if need be
             while b is not None and not b.allocated and b.holds == 0:  # the free end, backwards
                 if b.stream != seg.stream:
                     if not wait:
+                        if home_ok is None:
+                            # home only to a live stream the device made, not capturing: a
+                            # destroyed one's unmap could only wait for the whole device, a
+                            # capturing one's memory stays mapped; left with its taker, the
+                            # block is unmapped after the taker's work alone
+                            answer = device.stream_capturing(seg.stream)
+                            home_ok = answer is not None and not answer
+                        if not home_ok:
+                            break
                         t = b.stream
                         done = ready.get(t)
                         if done is None:
@@ -204,19 +219,36 @@ class Expandable(Segments):
             self._merge_free(b)
 
     def _capturing_streams(self) -> frozenset[int]:
-        """The streams of this allocator's expandable memory that take part in a capture now,
-        among those the device made (``stream_capturing``; another library's stream is never
-        asked: it may have been destroyed). Their free memory stays mapped in the out-of-memory
-        retry: its unmap could only wait for the whole device, which invalidates the capture."""
+        """The streams whose free expandable memory the out-of-memory retry (and the garbage
+        collection inside an allocation, ``_collect``) leaves mapped: those the device made
+        that take part in a capture now (``stream_capturing``; another library's stream is
+        never asked: it may have been destroyed), whose unmap could only
+        wait for the whole device, which invalidates the capture; and, while any stream of
+        this allocator's expandable memory (free or live) is capturing, the streams the device
+        did not make (the legacy stream's, another library's), whose unmap waits for the
+        whole device too. ``empty_cache`` gives it all back once the capture is over."""
         device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
         streams: set[int] = set()
+        free: set[int] = set()
         for seg in self._exp.values():
+            streams.add(seg.stream)
             b: Block | None = self._segments[seg.base]
             while b is not None:
+                streams.add(b.stream)
                 if not b.allocated:
-                    streams.add(b.stream)
+                    free.add(b.stream)
                 b = b.next
-        return frozenset(s for s in streams if s != LEGACY and device.stream_capturing(s) is True)
+        capturing: set[int] = set()
+        unasked: set[int] = set()  # streams the device did not make: their unmap waits for it all
+        for s in streams:
+            answer = None if s == LEGACY else device.stream_capturing(s)
+            if answer is None:
+                unasked.add(s)
+            elif answer:
+                capturing.add(s)
+        if not capturing:
+            return frozenset()
+        return frozenset((capturing | unasked) & free)
 
     def _round_gran(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the device's mapping granularity (asked once)."""

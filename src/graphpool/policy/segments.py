@@ -219,7 +219,14 @@ class Segments(StreamUses):
             return
         fl = self._large
         now = fl.calls
-        blocks = [b for b in fl if b.prev is None and b.next is None]
+        # inside an allocation, where a capture begun unseen may be underway: the expandable
+        # memory whose unmap could only wait for the whole device stays (_capturing_streams)
+        keep = self._capturing_streams() if self._exp else frozenset()
+        blocks = [
+            b
+            for b in fl
+            if b.prev is None and b.next is None and not (b.stream in keep and b.ptr in self._exp)
+        ]
         total_age = sum(now - b.gc_base for b in blocks)
         target = reserved - limit
         reclaimed = 0
@@ -291,6 +298,11 @@ class Segments(StreamUses):
         finally:
             self.device.exchange_capture_mode(prev)
         return sum(b.size for b in victims) >= key
+
+    def _capturing_streams(self) -> frozenset[int]:
+        """The streams whose free expandable memory stays mapped inside an allocation (the
+        expandable layer's answer, expandable.py); none without expandable segments."""
+        return frozenset()
 
     def _release_free_segments(self, fl: FreeList, keep: frozenset[int] = frozenset()) -> None:
         """Give back every whole free segment of ``fl``; the expandable ones of the streams in
