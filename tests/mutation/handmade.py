@@ -95,8 +95,8 @@ MUTANTS = (
     Mutant(
         "expandable: empty_cache unmaps a free end that a graph still keeps",
         EXPANDABLE,
-        "if tail.allocated or tail.holds or tail.prev is None:",
-        "if tail.allocated or tail.prev is None:",
+        "if tail.allocated or tail.holds or tail.prev is None or tail.stream in keep:",
+        "if tail.allocated or tail.prev is None or tail.stream in keep:",
         (T_EXP + "test_empty_cache_keeps_a_free_end_a_graph_still_writes",),
     ),
     Mutant(
@@ -154,8 +154,8 @@ MUTANTS = (
     Mutant(
         "indirect: the OOM retry releases the cache without waiting for the events first",
         EXPANDABLE,
-        "        self._synchronize_events()\n        block = fl.best_fit(stream, size, self._max_split)",
-        "        block = fl.best_fit(stream, size, self._max_split)",
+        "        self._synchronize_events()\n        block = self._cached_fit(fl, size, stream)",
+        "        block = self._cached_fit(fl, size, stream)",
         (
             "tests/policy/test_stream_events.py::test_out_of_memory_waits_for_the_events_before_it_releases_the_cache",
         ),
@@ -235,8 +235,9 @@ MUTANTS = (
     Mutant(
         "simulator: stream_idle asks about any handle (the legacy stream, another's)",
         SIM,
-        "            if stream not in self._made:\n                return False\n            st = self._streams[stream]",
-        "            st = self._streams[stream]",
+        "            if stream not in self._made:\n                return False\n            st = self._streams[stream]\n"
+        "            return st.capture is None and not st.queue",
+        "            st = self._streams[stream]\n            return st.capture is None and not st.queue",
         (T_FID + "test_stream_idle_only_for_a_live_idle_stream_the_device_made",),
     ),
     Mutant(
@@ -438,7 +439,9 @@ MUTANTS = (
     Mutant(
         "simulator: a stream synchronize during a capture allowed",
         SIM,
+        '            self._refuse_if_capturing("cudaStreamSynchronize", st)\n'
         '            capture.check_unsafe("cudaStreamSynchronize")\n            self._run_until(lambda: not st.queue)',
+        '            self._refuse_if_capturing("cudaStreamSynchronize", st)\n'
         "            self._run_until(lambda: not st.queue)",
         (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
     ),
