@@ -113,6 +113,24 @@ def test_the_stream_kept_from_the_last_call_is_not_reused_on_another_device(cp: 
     device 0 comes from device 1's allocator, not through device 0's kept wrapper."""
     if gp.device_count() < 2:
         pytest.skip(f"{TOO_FEW_GPUS} needs two devices")
+    _allocate_across_devices(cp)
+
+
+def test_the_function_allocators_kept_stream_is_not_reused_on_another_device(
+    cp: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through ``graphpool.cupy.malloc`` (``use_function_allocator``; CuPy without
+    ``PythonFunctionAllocator``), whose kept wrapper (``_last``) is its own."""
+    if gp.device_count() < 2:
+        pytest.skip(f"{TOO_FEW_GPUS} needs two devices")
+    gcupy.uninstall()
+    monkeypatch.setattr(gcupy, "use_function_allocator", True)
+    gcupy.install()
+    assert cp.cuda.get_allocator() is gcupy.malloc
+    _allocate_across_devices(cp)
+
+
+def _allocate_across_devices(cp: Any) -> None:
     x = cp.ones(1024, dtype=np.float32)  # device 0, null stream: kept by graphpool.cupy
     with cp.cuda.Device(1):
         y = cp.ones(1024, dtype=np.float32)

@@ -173,7 +173,10 @@ MUTANTS = (
         "cupy.py",
         "last[1] == handle and last[0] == device and",
         "last[1] == handle and",
-        (T_CUPY + "test_the_stream_kept_from_the_last_call_is_not_reused_on_another_device",),
+        (
+            T_CUPY + "test_the_stream_kept_from_the_last_call_is_not_reused_on_another_device",
+            T_CUPY + "test_the_function_allocators_kept_stream_is_not_reused_on_another_device",
+        ),
     ),
     # ----------------------------------------------------------------- the simulator
     Mutant(
@@ -450,7 +453,10 @@ MUTANTS = (
         SIM,
         '            capture.check_unsafe("cudaDeviceSynchronize")\n',
         "",
-        (T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",),
+        (
+            T_FID + "test_an_unsafe_call_in_a_global_capture_fails_and_invalidates_it",
+            T_FID + "test_capture_rules_are_process_wide",
+        ),
     ),
     Mutant(
         "simulator: synchronizing the capturing stream itself allowed (relaxed thread)",

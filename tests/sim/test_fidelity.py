@@ -907,9 +907,11 @@ def test_a_host_copy_on_the_capturing_stream_is_refused(device: Dev, call: str) 
         _fails(lambda: d.end_capture(s), "cudaErrorStreamCaptureInvalidated")
 
 
-def test_capture_rules_are_process_wide(device: Dev) -> None:
+@pytest.mark.parametrize("call", ["malloc", "device_synchronize"])
+def test_capture_rules_are_process_wide(device: Dev, call: str) -> None:
     """A global capture on device 0 refuses an unsafe call made for device 1 (CUDA keeps the
-    capture state per process, not per device)."""
+    capture state per process, not per device): an allocation, or a synchronize of device 1,
+    which has no capture of its own to refuse it."""
     if device.kind == "cuda":
         if gp.device_count() < 2:
             pytest.skip(f"{TOO_FEW_GPUS} needs two devices")
@@ -920,7 +922,8 @@ def test_capture_rules_are_process_wide(device: Dev) -> None:
     s = device.stream()
     d.begin_capture(s, GLOBAL)
     try:
-        _fails(lambda: other.malloc(N), "cudaErrorStreamCaptureUnsupported")
+        unsafe = (lambda: other.malloc(N)) if call == "malloc" else other.device_synchronize
+        _fails(unsafe, "cudaErrorStreamCaptureUnsupported")
         assert _status(d, s) == CAPTURE_STATUS_INVALIDATED
     finally:
         _fails(lambda: d.end_capture(s), "cudaErrorStreamCaptureInvalidated")
