@@ -1568,7 +1568,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         side.stack.append(pid)
         self.made(side, pid, existed)
         try:
-            ok = self._malloc(side, 30000, stream) and self._malloc(side, 5000, stream)
+            ok = self._malloc(side, 30000, stream)
+            self.peaks()  # (audited at every level: the next request may release the cache)
+            ok = ok and self._malloc(side, 5000, stream)
         finally:
             side.a.exit_pool(side.stack.pop())
         self.peaks()  # (the peaks are audited against every level the model has seen)
