@@ -129,12 +129,14 @@ def test_the_guarded_stream_calls_pass_cuda_only_streams_the_device_made(
     CUDA; a made stream is asked about (and waited for where it is not capturing)."""
     rt = _Runtime()
     d = _device(rt, monkeypatch, {S})
+    assert d.made_streams_capturing() is True
     assert d.stream_capturing(S) is True
     assert d.stream_synchronize_made(S) is False  # capturing: left alone
     assert d.stream_capturing(OTHER) is None and d.stream_capturing(0) is None
     assert d.stream_synchronize_made(OTHER) is False and d.stream_synchronize_made(0) is False
     assert rt.calls == []
     d2 = _device(rt, monkeypatch, set())
+    assert d2.made_streams_capturing() is False
     assert d2.stream_capturing(S) is False
     assert d2.stream_synchronize_made(S) is True
     assert rt.calls == [("cudaStreamSynchronize", S)]

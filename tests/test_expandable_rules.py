@@ -299,12 +299,12 @@ def test_the_out_of_memory_retry_leaves_the_free_memory_of_a_stream_capturing_un
                 dev.destroy_stream(s)
 
 
-@pytest.mark.parametrize("live_only", [False, True], ids=["cap caches free memory", "cap holds live memory"])
+@pytest.mark.parametrize("holds", ["free", "live", "none"])
 def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_stream_memory(
-    exp: CachingAllocator, live_only: bool
+    exp: CachingAllocator, holds: str
 ) -> None:
-    """A stream the device made captures, begun outside graphpool and not seen yet, and
-    graphpool holds memory of it (free, or only live). The out-of-memory retry on another
+    """A stream the device made captures, begun outside graphpool and not seen yet; graphpool
+    holds memory of it (free, or only live) or none at all. The out-of-memory retry on another
     stream must not unmap the legacy stream's free memory: that unmap can wait only for the
     whole device, which invalidates the capture. The allocation is refused for want of
     memory, the capture ends whole, and the legacy stream's memory goes back later."""
@@ -314,8 +314,9 @@ def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_str
     gran = dev.vmm_granularity()
     graph = c = p = None
     try:
-        c = a.malloc(gran, stream=cap)  # graphpool holds memory of cap (a whole granule)
-        if not live_only:
+        if holds != "none":
+            c = a.malloc(gran, stream=cap)  # graphpool holds memory of cap (a whole granule)
+        if holds == "free":
             a.free(c)  # cap's free segment: kept by the retry (it is capturing)
             c = None
         a.free(a.malloc(4 * MiB, stream=0))  # the legacy stream's whole free segment

@@ -500,7 +500,8 @@ MiB = 1 << 20
 DEVICE_CALLS = (
     "malloc", "free", "capture_id", "capture_info", "exchange_capture_mode", "create_event",
     "record_event", "query_event", "event_synchronize", "device_synchronize", "stream_idle",
-    "stream_synchronize_made", "stream_capturing", "vmm_granularity", "vmm_reserve", "vmm_map",
+    "stream_synchronize_made", "stream_capturing", "made_streams_capturing", "vmm_granularity",
+    "vmm_reserve", "vmm_map",
     "vmm_unmap", "vmm_release", "take_released",
     "mem_info", "begin_capture", "end_capture", "destroy_graph", "destroy_graph_exec",
 )  # fmt: skip

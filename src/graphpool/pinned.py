@@ -136,6 +136,9 @@ class HostMemory:
     def stream_synchronize_made(self, stream: int) -> bool:
         return self.device.stream_synchronize_made(_real(stream))
 
+    def made_streams_capturing(self) -> bool:
+        return self.device.made_streams_capturing()
+
     def stream_capturing(self, stream: int) -> bool | None:
         return self.device.stream_capturing(_real(stream))
 

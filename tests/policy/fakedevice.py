@@ -228,6 +228,10 @@ class FakeDevice:
         self.done[stream] = self.queued.get(stream, 0)
         return True
 
+    def made_streams_capturing(self) -> bool:
+        """Whether a stream the test declared made (``made``), not destroyed, is capturing."""
+        return any(self.capturing.get(s) for s in self.made if s not in self.destroyed)
+
     def stream_capturing(self, stream: int) -> bool | None:
         """A stream the test declared made by the device (``made``) and not destroyed: whether
         it captures; None for any other (never asked, as CUDA's device never asks)."""

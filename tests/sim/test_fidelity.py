@@ -352,10 +352,12 @@ def test_the_guarded_stream_calls_ask_only_streams_the_device_made(device: Dev) 
                 assert d.stream_capturing(o) is None and d.stream_synchronize_made(o) is False
             finally:
                 device.other.destroy_stream(o)
+        assert d.made_streams_capturing() is False
         d.begin_capture(cap, GLOBAL)
         prev = d.exchange_capture_mode(RELAXED)  # as the allocator calls them
         try:
             assert d.stream_capturing(cap) is True
+            assert d.made_streams_capturing() is True
             assert d.stream_synchronize_made(cap) is False
             assert d.stream_synchronize_made(LEGACY_STREAM) is False
             assert d.stream_synchronize_made(foreign) is False

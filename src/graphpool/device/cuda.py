@@ -605,6 +605,12 @@ class CudaDevice:
         _check("cudaStreamQuery", err)
         return False
 
+    def made_streams_capturing(self) -> bool:
+        """The protocol's: the capture query of each stream ``create_stream`` made, the lock
+        held (none is destroyed meanwhile)."""
+        with self._made_lock:
+            return any(self.capture_id(s) for s in self._made)
+
     def stream_capturing(self, stream: int) -> bool | None:
         """The protocol's: the capture query of a stream ``create_stream`` made, the lock held
         (no other thread destroys the handle meanwhile); None for any other handle."""

@@ -184,6 +184,12 @@ class Device(Protocol):
         ``CAPTURE_MODE_RELAXED`` while a capture may be underway on another stream."""
         ...
 
+    def made_streams_capturing(self) -> bool:
+        """Whether any stream this device object made (``create_stream``) and has not destroyed
+        takes part in a capture now (the capture query of each; no other handle is asked).
+        Legal at any time."""
+        ...
+
     def stream_capturing(self, stream: int) -> bool | None:
         """Whether ``stream``, a stream this device object made (``create_stream``) and has not
         destroyed, takes part in a capture now (the capture query); None for any other stream,

@@ -223,10 +223,11 @@ class Expandable(Segments):
         collection inside an allocation, ``_collect``) leaves mapped: those the device made
         that take part in a capture now (``stream_capturing``; another library's stream is
         never asked: it may have been destroyed), whose unmap could only
-        wait for the whole device, which invalidates the capture; and, while any stream of
-        this allocator's expandable memory (free or live) is capturing, the streams the device
-        did not make (the legacy stream's, another library's), whose unmap waits for the
-        whole device too. ``empty_cache`` gives it all back once the capture is over."""
+        wait for the whole device, which invalidates the capture; and, while any stream the
+        device made is capturing (one of this allocator's, free or live, or any other:
+        ``made_streams_capturing``), the streams the device did not make (the legacy stream's,
+        another library's), whose unmap waits for the whole device too. ``empty_cache`` gives
+        it all back once the capture is over."""
         device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
         streams: set[int] = set()
         free: set[int] = set()
@@ -246,8 +247,8 @@ class Expandable(Segments):
                 unasked.add(s)
             elif answer:
                 capturing.add(s)
-        if not capturing:
-            return frozenset()
+        if not capturing and not (unasked & free and bool(device.made_streams_capturing())):
+            return frozenset()  # (a made stream with no memory here may capture: asked last)
         return frozenset((capturing | unasked) & free)
 
     def _round_gran(self, nbytes: int) -> int:

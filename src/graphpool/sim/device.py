@@ -360,6 +360,11 @@ class SimDevice(MemoryCalls):
             self._run_until(lambda: not st.queue)
             return True
 
+    def made_streams_capturing(self) -> bool:
+        """Whether a live stream this device made is capturing (as on CUDA: no other is asked)."""
+        with self._lock:
+            return any(self._streams[s].capture is not None for s in self._made)
+
     def stream_capturing(self, stream: int) -> bool | None:
         """Whether a stream this device made is live and capturing; None for any other handle,
         as on CUDA (never asked). Legal in any capture mode."""
