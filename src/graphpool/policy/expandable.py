@@ -220,36 +220,29 @@ class Expandable(Segments):
 
     def _capturing_streams(self) -> frozenset[int]:
         """The streams whose free expandable memory the out-of-memory retry (and the garbage
-        collection inside an allocation, ``_collect``) leaves mapped: those the device made
-        that take part in a capture now (``stream_capturing``; another library's stream is
-        never asked: it may have been destroyed), whose unmap could only
-        wait for the whole device, which invalidates the capture; and, while any stream the
-        device made is capturing (one of this allocator's, free or live, or any other:
-        ``made_streams_capturing``), the streams the device did not make (the legacy stream's,
-        another library's), whose unmap waits for the whole device too. ``empty_cache`` gives
-        it all back once the capture is over."""
+        collection inside an allocation, ``_collect``) leaves mapped while any stream the device
+        made takes part in a capture (``made_streams_capturing``; none otherwise): those made
+        streams that are capturing (``stream_capturing``), whose unmap could only wait for the
+        whole device, which invalidates the capture; and the streams the device did not make
+        (the legacy stream's, another library's: never asked, a handle may have been
+        destroyed), whose unmap waits for the whole device too. ``empty_cache`` gives it all
+        back once the capture is over."""
         device: Any = self.device  # untyped: a truthy non-bool answer is read as Python reads it
-        streams: set[int] = set()
         free: set[int] = set()
         for seg in self._exp.values():
-            streams.add(seg.stream)
             b: Block | None = self._segments[seg.base]
             while b is not None:
-                streams.add(b.stream)
                 if not b.allocated:
                     free.add(b.stream)
                 b = b.next
-        capturing: set[int] = set()
-        unasked: set[int] = set()  # streams the device did not make: their unmap waits for it all
-        for s in streams:
+        if not free or not bool(device.made_streams_capturing()):
+            return frozenset()
+        keep: set[int] = set()
+        for s in free:
             answer = None if s == LEGACY else device.stream_capturing(s)
-            if answer is None:
-                unasked.add(s)
-            elif answer:
-                capturing.add(s)
-        if not capturing and not (unasked & free and bool(device.made_streams_capturing())):
-            return frozenset()  # (a made stream with no memory here may capture: asked last)
-        return frozenset((capturing | unasked) & free)
+            if answer is None or bool(answer):  # not the device's, or capturing
+                keep.add(s)
+        return frozenset(keep)
 
     def _round_gran(self, nbytes: int) -> int:
         """``nbytes`` rounded up to the device's mapping granularity (asked once)."""

@@ -222,11 +222,7 @@ class Segments(StreamUses):
         # inside an allocation, where a capture begun unseen may be underway: the expandable
         # memory whose unmap could only wait for the whole device stays (_capturing_streams)
         keep = self._capturing_streams() if self._exp else frozenset()
-        blocks = [
-            b
-            for b in fl
-            if b.prev is None and b.next is None and not (b.stream in keep and b.ptr in self._exp)
-        ]
+        blocks = [b for b in fl if b.prev is None and b.next is None and not self._stays_mapped(b, keep)]
         total_age = sum(now - b.gc_base for b in blocks)
         target = reserved - limit
         reclaimed = 0
@@ -304,13 +300,15 @@ class Segments(StreamUses):
         expandable layer's answer, expandable.py); none without expandable segments."""
         return frozenset()
 
+    def _stays_mapped(self, head: Block, keep: frozenset[int]) -> bool:
+        """Whether the whole free segment at ``head`` is an expandable one of a stream in ``keep``
+        (``_capturing_streams``: its unmap could only wait for the device), left mapped."""
+        return bool(keep) and head.stream in keep and head.ptr in self._exp
+
     def _release_free_segments(self, fl: FreeList, keep: frozenset[int] = frozenset()) -> None:
-        """Give back every whole free segment of ``fl``; the expandable ones of the streams in
-        ``keep`` (capturing: their unmap could only wait for the device) stay mapped."""
+        """Give back every whole free segment of ``fl`` but those ``_stays_mapped`` keeps."""
         for block in fl:
-            if block.prev is None and block.next is None:
-                if keep and block.stream in keep and block.ptr in self._exp:
-                    continue
+            if block.prev is None and block.next is None and not self._stays_mapped(block, keep):
                 fl.remove(block)
                 self._release_segment(block)
 
