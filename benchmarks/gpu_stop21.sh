@@ -7,6 +7,12 @@
 #   PART=6: bench sections pair, mixed, routing, traces (goal 6: what is fast today stays fast).
 #   PART=4: the GPU-marked CuPy tests, then PART=2 for cupy (four sides: CuPy's pool, graphpool's
 #           default C path, its hooks path, RMM's pool).
+#   PART=8 (stop 22): benchmarks/cupy_program_diag_gpu.py, each path in its own process, three times.
+#   PART=9 (stop 22): the GPU-marked cuda.core tests, then the cuda_core case with two graphpool
+#           sides: this tree and this tree with .before/cuda_core.py (the integration before).
+#   PART=7 (stop 22): every GPU-marked test, then PART=2 for torch and replay.
+#   PIN=N (stop 22): the frameworks bench and its workers run on CPU N alone (taskset), so that
+#   every side's processes share one core instead of wherever the scheduler puts them.
 set -u
 FINAL=$OUT; export OUT=/tmp/o; mkdir -p $OUT
 export PYTHONUNBUFFERED=1
@@ -29,6 +35,8 @@ fi
 echo "compiled modules: $(find $B/src -name '*.so' | wc -l)" | tee -a "$OUT/env.txt"
 export GRAPHPOOL_BACKEND=cuda
 pack() { tar czf $FINAL/all.tgz -C $OUT . ; }
+lscpu > $OUT/lscpu.txt 2>&1; grep -E "^Model name|^CPU\(s\)|^Thread|^NUMA node\(s\)" $OUT/lscpu.txt
+PINCMD=""; if [ -n "${PIN:-}" ]; then PINCMD="taskset -c $PIN"; echo "pinned to CPU $PIN" | tee -a "$OUT/env.txt"; fi
 if [ "$PART" = 1 ]; then
   PYTHONPATH=$B/src:$DEP timeout 120 python3 benchmarks/cupy_paths_ab_gpu.py --rounds 7 --number 20000 \
     --json $OUT/ab_lanes_on.json > $OUT/ab_lanes_on.txt 2>&1; grep -v "^round" $OUT/ab_lanes_on.txt; pack
@@ -41,6 +49,24 @@ elif [ "$PART" = 4 ]; then
     tests/test_integrations_cupy.py tests/test_twin_cupy.py > "$OUT/pytest_cupy.txt" 2>&1)
   tail -1 "$OUT/pytest_cupy.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cupy.txt" | head; pack
   CASES=${CASES:-"cupy:330:2000:3"} PART=2 FINAL=$FINAL OUT=$FINAL bash $0
+elif [ "$PART" = 7 ]; then
+  (cd $B && PYTHONPATH=$B/src:$DEP:$X timeout ${TEST_T:-240} python3 -m pytest -q -m gpu -p no:cacheprovider tests > "$OUT/pytest_gpu.txt" 2>&1)
+  tail -2 "$OUT/pytest_gpu.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_gpu.txt" | head; pack
+  CASES=${CASES:-"torch:110:1500:3 replay:70:1000:3"} PART=2 FINAL=$FINAL OUT=$FINAL bash $0
+elif [ "$PART" = 8 ]; then
+  for rep in 1 2 3; do for mode in pool hooks c c-nolane; do
+    L=1; m=$mode; if [ $mode = c-nolane ]; then L=0; m=c; fi
+    echo "== rep $rep $mode"
+    GRAPHPOOL_LANE=$L PYTHONPATH=$B/src:$DEP timeout 60 $PINCMD python3 benchmarks/cupy_program_diag_gpu.py $m
+  done; done > $OUT/program_diag.txt 2>&1; grep -E "^==|^mode|program:" $OUT/program_diag.txt; pack
+elif [ "$PART" = 9 ]; then
+  (cd $B && PYTHONPATH=$B/src:$DEP:$X timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_integrations_cuda_core.py tests/test_foreign_streams.py > "$OUT/pytest_cuda_core.txt" 2>&1)
+  tail -1 "$OUT/pytest_cuda_core.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda_core.txt" | head; pack
+  rm -rf /tmp/before_src && cp -r $B/src /tmp/before_src && cp .before/cuda_core.py /tmp/before_src/graphpool/
+  PYTHONPATH=$B/src:$DEP timeout 150 $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case cuda_core \
+    --tree after=$B/src --tree before=/tmp/before_src --processes ${PROCS:-8} --number 1000 --rounds 3 \
+    --json $OUT/fw_cuda_core_ab.json > $OUT/fw_cuda_core_ab.txt 2>&1; cat $OUT/fw_cuda_core_ab.txt; pack
 elif [ "$PART" = 5 ]; then
   for v in "" "--count" "--ab" "--ab --count"; do
     echo "== cupy_lane_diag_gpu.py $v"
@@ -59,7 +85,7 @@ elif [ "$PART" = 3 ]; then
 else
   for spec in ${CASES:-"cupy:200:2000:3" "torch:110:1500:3" "replay:70:1000:3" "cuda_core:60:1000:3"}; do
     IFS=: read case t n r <<< "$spec"
-    PYTHONPATH=$B/src:$DEP${XP-:$X} timeout $t python3 src/graphpool/tools/frameworks_bench.py --case $case \
+    PYTHONPATH=$B/src:$DEP${XP-:$X} timeout $t $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case $case \
       --processes ${PROCS:-3} --number $n --rounds $r --json $OUT/fw_$case.json > $OUT/fw_$case.txt 2>&1 || echo "$case: exit $?"
     grep -E "program|median|x$" $OUT/fw_$case.txt | grep -v "(min)" | head -60; pack
   done

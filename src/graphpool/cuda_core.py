@@ -19,16 +19,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from graphpool import runtime
-from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.framework_captures import CaptureHooks
-from graphpool.hooks import Kept, give_back
+from graphpool.hooks import ResourceHooks, raw_handle
 from graphpool.policy import interrupts
 from graphpool.routing import Route, routes
 from graphpool.streams import (
-    CU_STREAM_LEGACY,
-    CU_STREAM_PER_THREAD,
     Stream,
-    cuda_stream_handle,
     current_stream,
     resolve_handle,
 )
@@ -53,20 +49,9 @@ def _cuda_core() -> tuple[Any, Any]:
     return MemoryResource, Buffer
 
 
-def stream_handle(stream: Any) -> int:
-    """The raw ``cudaStream_t`` of a cuda.core Stream/GraphBuilder, a protocol object or an int."""
-    if isinstance(stream, int):
-        if isinstance(stream, bool) or stream < 0:  # (as cuda_stream_handle refuses them)
-            raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
-        return int(stream)
-    if isinstance(stream, Stream):
-        return stream.handle
-    if getattr(stream, "__cuda_stream__", None) is not None:
-        return cuda_stream_handle(stream)  # checked as everywhere in graphpool (streams.py)
-    handle = getattr(stream, "handle", None)
-    if handle is not None:
-        return int(handle)
-    raise TypeError(f"cannot tell the CUDA stream of {type(stream).__name__}")
+stream_handle = raw_handle
+"""The raw ``cudaStream_t`` of a cuda.core Stream/GraphBuilder, a protocol object or an int
+(``hooks.raw_handle``, compiled where graphpool is)."""
 
 
 def _find(device: int, raw: int, name: str) -> Route:
@@ -88,10 +73,11 @@ def _make_class() -> type[MemoryResource]:
     class GraphpoolMemoryResource(MemoryResource):  # type: ignore[misc, valid-type]
         """A cuda.core MemoryResource drawing device memory from graphpool's caching allocator.
 
-        Calls the allocator's raw ``malloc`` and ``drop`` with the stream's handle, as the
-        CuPy and PyTorch hooks do (hooks.py): no DeviceBuffer or graphpool Stream per buffer.
-        The route used last is kept (``hooks.Kept``), so a run of buffers on one stream costs a
-        handle read and two comparisons before the allocator's malloc.
+        Calls the allocator's raw ``malloc`` and ``drop`` with the stream's handle through
+        ``hooks.ResourceHooks`` (compiled where graphpool is), as the CuPy and PyTorch hooks
+        do: no DeviceBuffer or graphpool Stream per buffer. The route used last is kept, so a
+        run of buffers on one stream costs a handle read and two comparisons before the
+        allocator's malloc.
         """
 
         def __init__(self, device_id: int | None = None) -> None:
@@ -99,9 +85,12 @@ def _make_class() -> type[MemoryResource]:
             index = runtime.current_device_index() if device_id is None else int(device_id)
             runtime.get().check_index(index)
             self._device_id = index
-            self._blocks: dict[int, Route] = {}  # address -> the route it was allocated on
-            self._last: Kept | None = None
-            self._recent = 0  # the address allocate handed out last
+            self._hooks = ResourceHooks(index, _find)
+
+        @property
+        def _blocks(self) -> dict[int, Route]:
+            """The blocks out: address -> the route each was allocated on."""
+            return self._hooks.blocks
 
         def allocate(self, size: int, stream: Any = None) -> Any:
             """A cuda.core ``Buffer`` of ``size`` bytes for ``stream`` (default: graphpool's current)."""
@@ -113,8 +102,7 @@ def _make_class() -> type[MemoryResource]:
                 raw = current_stream(self._device_id).handle
             elif isinstance(stream, Stream):
                 # graphpool's own: its backend and device checked at every call, as the kept
-                # route below is keyed by the handle alone (0, the legacy stream's, is every
-                # device's)
+                # route is keyed by the handle alone (0, the legacy stream's, is every device's)
                 stream._check_backend()
                 if stream.device != self._device_id:
                     raise ValueError(
@@ -124,19 +112,12 @@ def _make_class() -> type[MemoryResource]:
                 raw = stream.handle
             else:
                 raw = stream_handle(stream)
-            last = self._last
-            if last is not None and last.raw == raw and last.route.generation == _routes.generation:
-                route = last.route
-            else:
-                route = _find(self._device_id, raw, type(stream).__name__)  # raises: refused stream/backend
-                self._last = Kept(self._device_id, raw, route)
+            hooks = self._hooks
+            ptr = hooks.malloc(size, raw, type(stream).__name__)  # raises: refused stream/backend
             if size == 0:  # a null buffer; nothing to track (all share the address 0)
                 if from_handle is not None:
                     return from_handle(0, 0, mr=self)
                 return Buffer(0, 0, self)
-            ptr = route.alloc.malloc(size, stream=route.handle)
-            self._recent = ptr
-            self._blocks[ptr] = route
             try:
                 if from_handle is None:
                     return Buffer(ptr, size, self)  # cuda.core 0.1
@@ -147,8 +128,7 @@ def _make_class() -> type[MemoryResource]:
                         pass
                 return from_handle(ptr, size, mr=self)
             except BaseException:
-                if self._blocks.pop(ptr, None) is not None:
-                    route.alloc.drop(ptr)
+                hooks.forget(ptr)
                 raise
 
         def deallocate(self, ptr: Any, size: int, stream: Any = None) -> None:
@@ -156,7 +136,7 @@ def _make_class() -> type[MemoryResource]:
 
             Never waits for the allocator's lock (it may run from a finalizer): the free is
             queued, or parked if it is the block handed out last and the lock is free
-            (``hooks.give_back``, ``CachingAllocator.park``). CUDA's
+            (``hooks.ResourceHooks.free``, ``CachingAllocator.park``). CUDA's
             per-thread default stream (2) is not refused, unlike everywhere else: a
             deallocation cannot fail cleanly (cuda.core deallocates from its buffers'
             finalizers, with the default stream, which is the per-thread one under per-thread
@@ -171,19 +151,7 @@ def _make_class() -> type[MemoryResource]:
                 return
             # The stream read before the block leaves the table: a stream that cannot be read
             # raises with the block still the buffer's (a later close gives it back).
-            handle = -1 if stream is None else stream_handle(stream)
-            route = self._blocks.pop(address, None)
-            if route is None:
-                return
-            if stream is not None:
-                if handle in (CU_STREAM_LEGACY, CU_STREAM_PER_THREAD):
-                    handle = LEGACY_STREAM  # (graphpool's name of the legacy stream)
-                if handle != route.handle:
-                    # Reuse waits for the freeing stream's work, as after record_stream. No
-                    # wait_stream: were ``stream`` capturing, the block's stream would join it.
-                    route.alloc.defer_free(address, handle)
-                    return
-            give_back(route.alloc, address, self._recent, self._last)
+            self._hooks.free(address, -1 if stream is None else stream_handle(stream))
 
         @property
         def is_device_accessible(self) -> bool:

@@ -25,8 +25,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Final
 
 from graphpool import routing
+from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.policy import interrupts
 from graphpool.routing import Route
+from graphpool.streams import CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, Stream, cuda_stream_handle
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
@@ -210,6 +212,103 @@ class TorchHooks:
         return give_back(a, ptr, self._recent, self._last)
 
 
+def protocol_handle(obj: object) -> int:
+    """The handle ``obj.__cuda_stream__()`` gives when it answers as cuda.core's protocol
+    (version 0) does, ``(0, handle)`` with a non-negative int handle; -1 for anything else,
+    when the caller asks ``streams.cuda_stream_handle``, which names what is wrong. The common
+    case, compiled: a stream object's handle read on every allocation and free."""
+    method = getattr(obj, "__cuda_stream__", None)
+    if method is None or not callable(method):
+        return -1
+    got = method()
+    if type(got) is tuple and len(got) == 2:
+        version: object = got[0]
+        handle: object = got[1]
+        if type(version) is int and version == 0 and type(handle) is int and handle >= 0:
+            return handle
+    return -1
+
+
+def raw_handle(stream: Any) -> int:
+    """The raw ``cudaStream_t`` of a cuda.core Stream or GraphBuilder, any object with the
+    ``__cuda_stream__`` protocol, an object with an int-like ``handle``, a graphpool Stream (its
+    handle) or a non-negative int. ValueError for a negative int or a bool, TypeError for an
+    object none of these."""
+    if isinstance(stream, int):
+        if isinstance(stream, bool) or stream < 0:  # (as cuda_stream_handle refuses them)
+            raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
+        return int(stream)
+    if isinstance(stream, Stream):
+        return stream.handle
+    handle = protocol_handle(stream)  # the common answer
+    if handle >= 0:
+        return handle
+    if getattr(stream, "__cuda_stream__", None) is not None:
+        return cuda_stream_handle(stream)  # the error, named as everywhere in graphpool (streams.py)
+    attr = getattr(stream, "handle", None)
+    if attr is not None:
+        return int(attr)
+    raise TypeError(f"cannot tell the CUDA stream of {type(stream).__name__}")
+
+
+class ResourceHooks:
+    """The raw path of cuda.core's ``GraphpoolMemoryResource`` (graphpool.cuda_core) for one
+    device: ``malloc(size, raw)`` on the framework's stream handle and ``free(ptr, handle)``,
+    with the table of the blocks out (address -> the route each was allocated on) and the
+    route used last kept (``Kept``), as the CuPy and PyTorch hooks keep theirs. ``find(device,
+    raw, name)`` is the integration's slow path (its checks, ``streams.resolve_handle``).
+    """
+
+    __slots__ = ("_device", "_find", "blocks", "_last", "_recent")
+
+    def __init__(self, device: int, find: Callable[[int, int, str], Route]) -> None:
+        self._device = device
+        self._find = find
+        self.blocks: dict[int, Route] = {}
+        """Address -> the route of each block out."""
+        self._last: Kept | None = None
+        self._recent = 0  # the address malloc handed out last
+
+    def malloc(self, size: int, raw: int, name: str) -> int:
+        """``size`` bytes for the stream handle ``raw`` (``name``: its type, for messages): the
+        address, filed in ``blocks``; 0 for a size of 0 (nothing filed), after the route's checks."""
+        last = self._last
+        if last is not None and last.raw == raw and last.route.generation == _routes.generation:
+            route = last.route
+        else:
+            route = self._find(self._device, raw, name)  # raises: a refused stream or backend
+            self._last = Kept(self._device, raw, route)
+        if size == 0:
+            return 0
+        ptr = route.alloc.malloc(size, stream=route.handle)
+        self._recent = ptr
+        self.blocks[ptr] = route
+        return ptr
+
+    def forget(self, ptr: int) -> None:
+        """Give back ``ptr`` at once, handed out but never given to a buffer (its creation failed)."""
+        route = self.blocks.pop(ptr, None)
+        if route is not None:
+            route.alloc.drop(ptr)
+
+    def free(self, ptr: int, handle: int) -> None:
+        """Give back the block at ``ptr``, freed on the stream handle ``handle`` (-1: none named).
+        An address not out is ignored (freed already, or a null buffer's). On another stream than
+        its own, its reuse waits for that stream's work so far (``defer_free``: no wait_stream,
+        which would join a capturing stream to the block's); else ``give_back``. CUDA's legacy
+        and per-thread default streams count as the legacy stream (graphpool.cuda_core says why)."""
+        route = self.blocks.pop(ptr, None)
+        if route is None:
+            return
+        if handle != -1:
+            if handle == CU_STREAM_LEGACY or handle == CU_STREAM_PER_THREAD:
+                handle = LEGACY_STREAM
+            if handle != route.handle:
+                route.alloc.defer_free(ptr, handle)
+                return
+        give_back(route.alloc, ptr, self._recent, self._last)
+
+
 # Plain-Python build: a framework's free hands its block to the allocator's queue, and its
 # malloc hands the allocator's block to the framework; a guarded signal handler waits until
 # the block is there (policy/interrupts.py, "Handoffs").
@@ -221,6 +320,17 @@ interrupts.handoff(
     CupyHooks.malloc_on,
     CupyHooks._miss,
     TorchHooks.malloc,
+    ResourceHooks.malloc,
+    ResourceHooks.free,
 )
 
-__all__ = ["CupyHooks", "Finder", "Kept", "TorchHooks", "give_back"]
+__all__ = [
+    "CupyHooks",
+    "Finder",
+    "Kept",
+    "ResourceHooks",
+    "TorchHooks",
+    "give_back",
+    "protocol_handle",
+    "raw_handle",
+]

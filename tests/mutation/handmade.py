@@ -1067,6 +1067,50 @@ STOP21_REVIEW = (
 )
 MUTANTS = (*MUTANTS, *STOP21_REVIEW)
 
+T_CORE = "tests/test_twin_numba_cuda_core.py::"
+_S22 = "stop 22: "
+STOP22 = (
+    Mutant(
+        _S22 + "cuda.core: a close on another stream goes back at once, without waiting for that stream",
+        "hooks.py",
+        "            if handle != route.handle:\n                route.alloc.defer_free(ptr, handle)\n",
+        "            if False:\n                route.alloc.defer_free(ptr, handle)\n",
+        (T_CORE + "test_deallocate_on_another_stream_orders_reuse",),
+    ),
+    Mutant(
+        _S22 + "cuda.core: a close on the per-thread default stream is taken for a stream of its own",
+        "hooks.py",
+        "            if handle == CU_STREAM_LEGACY or handle == CU_STREAM_PER_THREAD:\n",
+        "            if handle == CU_STREAM_LEGACY:\n",
+        (T_CORE + "test_deallocate_on_the_per_thread_default_stream_waits_for_the_legacy_stream",),
+    ),
+    Mutant(
+        _S22 + "cuda.core: the kept route outlives a set_backend",
+        "hooks.py",
+        "        if last is not None and last.raw == raw and last.route.generation == _routes.generation:\n"
+        "            route = last.route\n        else:\n            route = self._find(self._device, raw, name)",
+        "        if last is not None and last.raw == raw:\n"
+        "            route = last.route\n        else:\n            route = self._find(self._device, raw, name)",
+        (T_CORE + "test_a_closed_buffer_is_reused_on_its_stream_and_the_route_follows_the_stream",),
+    ),
+    Mutant(
+        _S22 + "cuda.core: the protocol's fast path takes any version",
+        "hooks.py",
+        "        if type(version) is int and version == 0 and type(handle) is int and handle >= 0:\n",
+        "        if type(handle) is int and handle >= 0:\n",
+        (T_CORE + "test_a_close_on_a_stream_that_cannot_be_read_loses_nothing",),
+    ),
+    Mutant(
+        _S22 + "cuda.core: a buffer whose creation failed keeps its block",
+        "hooks.py",
+        "        route = self.blocks.pop(ptr, None)\n        if route is not None:\n            route.alloc.drop(ptr)\n",
+        "        route = self.blocks.get(ptr)\n",
+        (T_CORE + "test_a_buffer_that_cannot_be_made_gives_its_block_back",),
+        "forget leaves the block out",
+    ),
+)
+MUTANTS = (*MUTANTS, *STOP22)
+
 
 def run(tests: tuple[str, ...]) -> bool:
     """Whether ``tests`` pass."""
