@@ -24,8 +24,6 @@ from graphpool.hooks import ResourceHooks, raw_handle
 from graphpool.policy import interrupts
 from graphpool.routing import Route, routes
 from graphpool.streams import (
-    Stream,
-    current_stream,
     resolve_handle,
 )
 
@@ -98,22 +96,8 @@ def _make_class() -> type[MemoryResource]:
                 if isinstance(size, bool) or not hasattr(size, "__index__"):
                     raise TypeError(f"size must be an int number of bytes, not {type(size).__name__}")
                 size = operator.index(size)
-            if stream is None:
-                raw = current_stream(self._device_id).handle
-            elif isinstance(stream, Stream):
-                # graphpool's own: its backend and device checked at every call, as the kept
-                # route is keyed by the handle alone (0, the legacy stream's, is every device's)
-                stream._check_backend()
-                if stream.device != self._device_id:
-                    raise ValueError(
-                        f"GraphpoolMemoryResource of device {self._device_id}: {stream!r} "
-                        f"belongs to device {stream.device}"
-                    )
-                raw = stream.handle
-            else:
-                raw = stream_handle(stream)
             hooks = self._hooks
-            ptr = hooks.malloc(size, raw, type(stream).__name__)  # raises: refused stream/backend
+            ptr = hooks.allocate(size, stream)  # raises: a refused stream, device or backend
             if size == 0:  # a null buffer; nothing to track (all share the address 0)
                 if from_handle is not None:
                     return from_handle(0, 0, mr=self)
@@ -146,12 +130,7 @@ def _make_class() -> type[MemoryResource]:
             which CUDA orders after the work queued so far on every blocking stream, every
             thread's per-thread default stream included.
             """
-            address = int(ptr)
-            if address == 0:  # a null buffer holds nothing
-                return
-            # The stream read before the block leaves the table: a stream that cannot be read
-            # raises with the block still the buffer's (a later close gives it back).
-            self._hooks.free(address, -1 if stream is None else stream_handle(stream))
+            self._hooks.deallocate(ptr, stream)
 
         @property
         def is_device_accessible(self) -> bool:

@@ -28,7 +28,13 @@ from graphpool import routing
 from graphpool.device.protocol import LEGACY_STREAM
 from graphpool.policy import interrupts
 from graphpool.routing import Route
-from graphpool.streams import CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, Stream, cuda_stream_handle
+from graphpool.streams import (
+    CU_STREAM_LEGACY,
+    CU_STREAM_PER_THREAD,
+    Stream,
+    cuda_stream_handle,
+    current_stream,
+)
 
 if TYPE_CHECKING:
     from graphpool.policy.allocator import CachingAllocator
@@ -253,7 +259,7 @@ def raw_handle(stream: Any) -> int:
 
 class ResourceHooks:
     """The raw path of cuda.core's ``GraphpoolMemoryResource`` (graphpool.cuda_core) for one
-    device: ``malloc(size, raw)`` on the framework's stream handle and ``free(ptr, handle)``,
+    device: ``allocate(size, stream)`` and ``deallocate(ptr, stream)``, by the stream's handle,
     with the table of the blocks out (address -> the route each was allocated on) and the
     route used last kept (``Kept``), as the CuPy and PyTorch hooks keep theirs. ``find(device,
     raw, name)`` is the integration's slow path (its checks, ``streams.resolve_handle``).
@@ -269,14 +275,29 @@ class ResourceHooks:
         self._last: Kept | None = None
         self._recent = 0  # the address malloc handed out last
 
-    def malloc(self, size: int, raw: int, name: str) -> int:
-        """``size`` bytes for the stream handle ``raw`` (``name``: its type, for messages): the
-        address, filed in ``blocks``; 0 for a size of 0 (nothing filed), after the route's checks."""
+    def allocate(self, size: int, stream: object) -> int:
+        """``size`` bytes (an int, checked by the caller) for ``stream``: None for graphpool's
+        current stream of the device, a graphpool Stream (its backend and device checked at
+        every call, as the kept route is keyed by the handle alone, and 0, the legacy stream's,
+        is every device's), or anything ``raw_handle`` reads. The address, filed in ``blocks``;
+        0 for a size of 0 (nothing filed), after the route's checks."""
+        if stream is None:
+            raw = current_stream(self._device).handle
+        elif isinstance(stream, Stream):
+            stream._check_backend()
+            if stream.device != self._device:
+                raise ValueError(
+                    f"GraphpoolMemoryResource of device {self._device}: {stream!r} "
+                    f"belongs to device {stream.device}"
+                )
+            raw = stream.handle
+        else:
+            raw = raw_handle(stream)
         last = self._last
         if last is not None and last.raw == raw and last.route.generation == _routes.generation:
             route = last.route
-        else:
-            route = self._find(self._device, raw, name)  # raises: a refused stream or backend
+        else:  # raises: a refused stream or backend
+            route = self._find(self._device, raw, type(stream).__name__)
             self._last = Kept(self._device, raw, route)
         if size == 0:
             return 0
@@ -290,6 +311,15 @@ class ResourceHooks:
         route = self.blocks.pop(ptr, None)
         if route is not None:
             route.alloc.drop(ptr)
+
+    def deallocate(self, ptr: object, stream: object) -> None:
+        """Give back the block at address ``int(ptr)``, freed on ``stream`` (None: none named).
+        The stream is read (``raw_handle``) before the block leaves the table: a stream that
+        cannot be read raises with the block still its buffer's (a later close gives it back)."""
+        address = int(ptr)  # type: ignore[call-overload]
+        if address == 0:  # a null buffer holds nothing
+            return
+        self.free(address, -1 if stream is None else raw_handle(stream))
 
     def free(self, ptr: int, handle: int) -> None:
         """Give back the block at ``ptr``, freed on the stream handle ``handle`` (-1: none named).
@@ -320,7 +350,7 @@ interrupts.handoff(
     CupyHooks.malloc_on,
     CupyHooks._miss,
     TorchHooks.malloc,
-    ResourceHooks.malloc,
+    ResourceHooks.allocate,
     ResourceHooks.free,
 )
 

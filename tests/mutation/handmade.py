@@ -1088,9 +1088,9 @@ STOP22 = (
         _S22 + "cuda.core: the kept route outlives a set_backend",
         "hooks.py",
         "        if last is not None and last.raw == raw and last.route.generation == _routes.generation:\n"
-        "            route = last.route\n        else:\n            route = self._find(self._device, raw, name)",
+        "            route = last.route\n        else:  # raises: a refused stream or backend\n",
         "        if last is not None and last.raw == raw:\n"
-        "            route = last.route\n        else:\n            route = self._find(self._device, raw, name)",
+        "            route = last.route\n        else:  # raises: a refused stream or backend\n",
         (T_CORE + "test_a_closed_buffer_is_reused_on_its_stream_and_the_route_follows_the_stream",),
     ),
     Mutant(
@@ -1107,6 +1107,23 @@ STOP22 = (
         "        route = self.blocks.get(ptr)\n",
         (T_CORE + "test_a_buffer_that_cannot_be_made_gives_its_block_back",),
         "forget leaves the block out",
+    ),
+)
+STOP22 = (
+    *STOP22,
+    Mutant(
+        _S22 + "cuda.core: a graphpool Stream of another device is taken",
+        "hooks.py",
+        "            if stream.device != self._device:\n",
+        "            if False:\n",
+        (T_CORE + "test_a_graphpool_stream_of_another_device_is_refused",),
+    ),
+    Mutant(
+        _S22 + "cuda.core: a null buffer's close frees address 0",
+        "hooks.py",
+        "        if address == 0:  # a null buffer holds nothing\n            return\n",
+        "",
+        (T_CORE + "test_zero_bytes_are_a_null_buffer_of_this_resource",),
     ),
 )
 MUTANTS = (*MUTANTS, *STOP22)
