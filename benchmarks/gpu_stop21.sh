@@ -9,7 +9,8 @@
 #           default C path, its hooks path, RMM's pool).
 #   PART=8 (stop 22): benchmarks/cupy_program_diag_gpu.py, each path in its own process, three times.
 #   PART=9 (stop 22): the GPU-marked cuda.core tests, then the cuda_core case with two graphpool
-#           sides: this tree and this tree with .before/cuda_core.py (the integration before).
+#           sides: this tree and this tree with .before/cuda_core.py (the integration before);
+#           THEN="case:t:n:r ..." runs PART=2 for those cases afterwards.
 #   PART=7 (stop 22): every GPU-marked test, then PART=2 for torch and replay.
 #   PIN=N (stop 22): the frameworks bench and its workers run on CPU N alone (taskset), so that
 #   every side's processes share one core instead of wherever the scheduler puts them.
@@ -67,6 +68,7 @@ elif [ "$PART" = 9 ]; then
   PYTHONPATH=$B/src:$DEP timeout 150 $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case cuda_core \
     --tree after=$B/src --tree before=/tmp/before_src --processes ${PROCS:-8} --number 1000 --rounds 3 \
     --json $OUT/fw_cuda_core_ab.json > $OUT/fw_cuda_core_ab.txt 2>&1; cat $OUT/fw_cuda_core_ab.txt; pack
+  if [ -n "${THEN:-}" ]; then CASES="$THEN" PART=2 FINAL=$FINAL OUT=$FINAL bash $0; fi
 elif [ "$PART" = 5 ]; then
   for v in "" "--count" "--ab" "--ab --count"; do
     echo "== cupy_lane_diag_gpu.py $v"

@@ -92,10 +92,12 @@ where set, decides instead ("1": the C path, "0": the hooks path). Read at ``ins
 On an H100 (benchmarks/results/2026-12-05-h100-run15/, one allocator per process, 8
 processes a side, two runs) a ``cupy.empty`` + drop at 512 B-64 MiB cost 0.77-0.96x CuPy's own
 pool on the C path (min over processes) against 1.28-1.53x on the hooks path, and two CuPy
-programs 0.84-1.11x against 0.93-1.52x (medians). On two other H100 hosts, with 2-3 processes a
-side, the programs ran slower on the C path (1.15-1.73x CuPy's pool against 1.00-1.35x on the
-hooks path); why is not known.
-``GRAPHPOOL_CUPY_C=0`` is the way back."""
+programs 0.84-1.11x against 0.93-1.52x (medians). Run 16 (three 8-process runs on two more
+H100 hosts) read the repeated array at 0.62-1.06x on the C path against 0.77-1.82x (medians),
+but the programs at 1.11-1.44x against 1.02-1.16x: there every array misses the lane, and the
+C path's misses cost more than the hooks path's by more than its glue explains (not known
+why). Programs that make arrays of many sizes may run faster with ``GRAPHPOOL_CUPY_C=0``, the
+way back."""
 _c_hooks: CupyHooks | None = None
 """The hooks the shim's C entry points call, once made (``_c_allocator``)."""
 use_function_allocator = False
