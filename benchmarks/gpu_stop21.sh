@@ -11,6 +11,7 @@
 #   PART=9 (stop 22): the GPU-marked cuda.core tests, then the cuda_core case with two graphpool
 #           sides: this tree and this tree with .before/cuda_core.py (the integration before);
 #           THEN="case:t:n:r ..." runs PART=2 for those cases afterwards.
+#   PART=10 (stop 22): benchmarks/torch_lane_diag_gpu.py in six processes (the lane's misses counted).
 #   PART=7 (stop 22): every GPU-marked test, then PART=2 for torch and replay.
 #   PIN=N (stop 22): the frameworks bench and its workers run on CPU N alone (taskset), so that
 #   every side's processes share one core instead of wherever the scheduler puts them.
@@ -69,6 +70,10 @@ elif [ "$PART" = 9 ]; then
     --tree after=$B/src --tree before=/tmp/before_src --processes ${PROCS:-8} --number 1000 --rounds 3 \
     --json $OUT/fw_cuda_core_ab.json > $OUT/fw_cuda_core_ab.txt 2>&1; cat $OUT/fw_cuda_core_ab.txt; pack
   if [ -n "${THEN:-}" ]; then CASES="$THEN" PART=2 FINAL=$FINAL OUT=$FINAL bash $0; fi
+elif [ "$PART" = 10 ]; then
+  for rep in 1 2 3 4 5 6; do echo "== process $rep"
+    PYTHONPATH=$B/src:$DEP timeout 60 $PINCMD python3 benchmarks/torch_lane_diag_gpu.py
+  done > $OUT/torch_lane_diag.txt 2>&1; cat $OUT/torch_lane_diag.txt; pack
 elif [ "$PART" = 5 ]; then
   for v in "" "--count" "--ab" "--ab --count"; do
     echo "== cupy_lane_diag_gpu.py $v"

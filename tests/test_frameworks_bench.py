@@ -37,6 +37,10 @@ def test_sides_alternate_and_ratios_divide_by_the_frameworks_pool(monkeypatch: p
     assert row["graphpool[new]/numba (median)"] == pytest.approx(2.0 / 3.0)
     assert row["graphpool[old]/numba (min)"] == pytest.approx(0.5)
     assert out["errors"] == {}
+    # each process's median, in the order the processes ran, and the table shows them
+    assert out["per_process"]["numba"] == {"device_array": [3.0, 3.0]}
+    assert out["per_process"]["graphpool[new]"] == {"device_array": [2.0, 2.0]}
+    assert "each process: 3 3" in fb.table({"numba": out})
 
 
 def test_over_as_many_rounds_as_sides_each_side_runs_once_in_each_slot() -> None:
@@ -57,3 +61,18 @@ def test_a_failed_worker_is_reported_not_averaged(monkeypatch: pytest.MonkeyPatc
     assert out["errors"] == {"graphpool": "boom"}
     assert out["rows"]["x"] == {"cuda.core min (us)": 1.0, "cuda.core median (us)": 1.0}
     assert "graphpool: FAILED: boom" in fb.table({"cuda_core": out})
+
+
+def test_each_processes_median_is_kept_in_the_order_they_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A side whose processes split between two levels shows it (run 16: 1.9 and 3.0 us)."""
+    level = {"graphpool": iter([[1.9, 2.1, 2.0], [3.0, 2.9, 3.1]]), "cuda.core": iter([[1.0], [1.2]])}
+
+    def spawn(case: str, side: str, *args: Any) -> dict[str, Any]:
+        return {"x": next(level[side])}
+
+    monkeypatch.setattr(fb, "_spawn", spawn)
+    out = fb.compare("cuda_core", {"": "/a"}, processes=2)
+    assert out["per_process"] == {"cuda.core": {"x": [1.0, 1.2]}, "graphpool": {"x": [2.0, 3.0]}}
+    assert out["rows"]["x"]["graphpool median (us)"] == pytest.approx(2.5)
+    table = fb.table({"cuda_core": out})
+    assert "each process: 2 3" in table and "each process: 1 1.2" in table

@@ -386,6 +386,7 @@ def compare(
         if case == "cupy" and name == next(iter(trees)):
             sides.append((label.replace("graphpool", "graphpool-hooks"), "graphpool-hooks", src))
     runs: dict[str, dict[str, list[float]]] = {label: {} for label, _, _ in sides}
+    per_process: dict[str, dict[str, list[float]]] = {label: {} for label, _, _ in sides}
     errors: dict[str, str] = {}
     for p in range(processes):
         for label, side, src in _order(sides, p):
@@ -395,7 +396,11 @@ def compare(
                 continue
             for k, v in got.items():
                 runs[label].setdefault(k, []).extend(v)
+                per_process[label].setdefault(k, []).append(statistics.median(v))
     out: dict[str, Any] = {"sides": [s[0] for s in sides], "processes": processes, "errors": errors}
+    # Each process's median, in the order the processes ran: a side whose processes split
+    # between two levels (run 16) shows here, where its min and median hide how.
+    out["per_process"] = per_process
     native = NATIVE[case] or None
     rows: dict[str, dict[str, Any]] = {}
     for label, measures in runs.items():
@@ -489,6 +494,9 @@ def table(results: dict[str, Any]) -> str:
                 if f"{label} median (us)" in row:
                     lo, mid = row[f"{label} min (us)"], row[f"{label} median (us)"]
                     lines.append(f"    {label:<28} min {lo:9.3f} us   median {mid:9.3f} us")
+                    each = data.get("per_process", {}).get(label, {}).get(k, [])
+                    if len(each) > 1:
+                        lines.append(f"    {'':<28} each process: {' '.join(f'{x:.3g}' for x in each)}")
             for col, v in row.items():
                 if "(us)" not in col:
                     lines.append(f"    {col:<56} {v:6.2f}x")
