@@ -260,6 +260,20 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
     assert oversize(b, "oversize_allocations") == oversize(b, "oversize_segments") == (0, 0, 0, 0)
 
 
+def test_the_oversize_threshold_is_a_machine_word_for_the_compiled_hot_path() -> None:
+    """Every cached allocation and free compares the block's size with ``oversize_at``.
+    Compiled by mypyc, an int up to 2**62 - 1 is a tagged machine word and a larger one a heap
+    object, whose comparisons cost some 570 instructions a pair (NOTES 56). With or without
+    ``max_split_size`` it stays a word (a private pool copies the device's), and without it
+    it stays above any block the device can hold."""
+    assert PoolStats().oversize_at < 2**62
+    for sizes in (DEFAULT, SPLIT40):
+        a = make(sizes)
+        assert 0 < a.stats.oversize_at < 2**62
+    assert make(DEFAULT).stats.oversize_at > 1 << 34  # the fake device's memory
+    assert make(SPLIT40).stats.oversize_at == 40 * MiB
+
+
 def test_an_oversize_block_freed_while_another_stream_uses_it_leaves_the_count_at_the_free() -> None:
     """A block of exactly max_split_size, recorded on another stream, is freed by its user:
     it is no longer an oversize allocation (it is held, still active, until that stream's

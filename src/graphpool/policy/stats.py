@@ -46,8 +46,11 @@ OVERSIZE_NAMES = (
 """PyTorch's two statistics of ``max_split_size``, kept for ``all`` only (as PyTorch keeps them):
 ``<name>.current``, ``.peak``, ``.allocated``, ``.freed``. Without ``max_split_size`` no block
 is oversize and they stay 0."""
-NEVER = (1 << 63) - 1
-"""``PoolStats.oversize_at`` when no ``max_split_size`` is set: no block reaches it."""
+NEVER = (1 << 62) - 1
+"""``PoolStats.oversize_at`` when no ``max_split_size`` is set: no block reaches it (4 EiB).
+Below 2**62 on purpose: compiled by mypyc, an int attribute up to 2**62 - 1 is a tagged
+machine word, and every cached allocation and free compares a block size with it; 2**63 - 1
+was a heap object, and those two comparisons cost some 570 instructions a pair (NOTES 56)."""
 
 # Levels kept directly; "active" and "active_bytes" derive from allocation + held.
 LEVELS = (
