@@ -263,7 +263,7 @@ def test_pytorchs_oversize_statistics_count_blocks_and_segments_of_max_split_siz
 def test_the_oversize_threshold_is_a_machine_word_for_the_compiled_hot_path() -> None:
     """Every cached allocation and free compares the block's size with ``oversize_at``.
     Compiled by mypyc, an int up to 2**62 - 1 is a tagged machine word and a larger one a heap
-    object, whose comparisons cost some 570 instructions a pair (NOTES 56). With or without
+    object, whose comparisons cost some 570 instructions a pair. With or without
     ``max_split_size`` it stays a word (a private pool copies the device's), and without it
     it stays above any block the device can hold."""
     assert PoolStats().oversize_at < 2**62

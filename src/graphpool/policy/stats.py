@@ -50,7 +50,7 @@ NEVER = (1 << 62) - 1
 """``PoolStats.oversize_at`` when no ``max_split_size`` is set: no block reaches it (4 EiB).
 Below 2**62 on purpose: compiled by mypyc, an int attribute up to 2**62 - 1 is a tagged
 machine word, and every cached allocation and free compares a block size with it; 2**63 - 1
-was a heap object, and those two comparisons cost some 570 instructions a pair (NOTES 56)."""
+was a heap object, and those two comparisons cost some 570 instructions a pair."""
 
 # Levels kept directly; "active" and "active_bytes" derive from allocation + held.
 LEVELS = (
