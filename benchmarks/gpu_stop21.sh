@@ -13,6 +13,7 @@
 #           THEN="case:t:n:r ..." runs PART=2 for those cases afterwards.
 #   PART=10 (stop 22): benchmarks/torch_lane_diag_gpu.py in six processes (the lane's misses counted).
 #   PART=7 (stop 22): every GPU-marked test, then PART=2 for torch and replay.
+#   NOASLR=1 (stop 22): the frameworks bench's workers run with address-space randomization off.
 #   PIN=N (stop 22): the frameworks bench and its workers run on CPU N alone (taskset), so that
 #   every side's processes share one core instead of wherever the scheduler puts them.
 set -u
@@ -66,7 +67,7 @@ elif [ "$PART" = 9 ]; then
     tests/test_integrations_cuda_core.py tests/test_foreign_streams.py > "$OUT/pytest_cuda_core.txt" 2>&1)
   tail -1 "$OUT/pytest_cuda_core.txt"; grep -E "^(FAILED|ERROR)" "$OUT/pytest_cuda_core.txt" | head; pack
   rm -rf /tmp/before_src && cp -r $B/src /tmp/before_src && cp .before/cuda_core.py /tmp/before_src/graphpool/
-  PYTHONPATH=$B/src:$DEP timeout 150 $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case cuda_core \
+  PYTHONPATH=$B/src:$DEP timeout 150 $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case cuda_core ${NOASLR:+--no-aslr} \
     --tree after=$B/src --tree before=/tmp/before_src --processes ${PROCS:-8} --number 1000 --rounds 3 \
     --json $OUT/fw_cuda_core_ab.json > $OUT/fw_cuda_core_ab.txt 2>&1; cat $OUT/fw_cuda_core_ab.txt; pack
   if [ -n "${THEN:-}" ]; then CASES="$THEN" PART=2 FINAL=$FINAL OUT=$FINAL bash $0; fi
@@ -92,7 +93,7 @@ elif [ "$PART" = 3 ]; then
 else
   for spec in ${CASES:-"cupy:200:2000:3" "torch:110:1500:3" "replay:70:1000:3" "cuda_core:60:1000:3"}; do
     IFS=: read case t n r <<< "$spec"
-    PYTHONPATH=$B/src:$DEP${XP-:$X} timeout $t $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case $case \
+    PYTHONPATH=$B/src:$DEP${XP-:$X} timeout $t $PINCMD python3 src/graphpool/tools/frameworks_bench.py --case $case ${NOASLR:+--no-aslr} \
       --processes ${PROCS:-3} --number $n --rounds $r --json $OUT/fw_$case.json > $OUT/fw_$case.txt 2>&1 || echo "$case: exit $?"
     grep -E "program|median|x$" $OUT/fw_$case.txt | grep -v "(min)" | head -60; pack
   done

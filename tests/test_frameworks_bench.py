@@ -3,6 +3,10 @@ sides' runs into ratios (the workers themselves run only on a GPU: PART=2 of ben
 
 from __future__ import annotations
 
+import platform
+import shutil
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -76,3 +80,24 @@ def test_each_processes_median_is_kept_in_the_order_they_ran(monkeypatch: pytest
     assert out["rows"]["x"]["graphpool median (us)"] == pytest.approx(2.5)
     table = fb.table({"cuda_core": out})
     assert "each process: 2 3" in table and "each process: 1 1.2" in table
+
+
+def test_no_aslr_runs_each_worker_under_setarch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--no-aslr``: the worker command starts with ``setarch <machine> -R`` where setarch is
+    installed (nothing where it is not); without the flag, with the interpreter."""
+    seen: list[list[str]] = []
+
+    def run(cmd: list[str], **kwargs: Any) -> Any:
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, stdout='{"x": [1.0]}\n', stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(fb, "WORKER_PREFIX", [])
+    assert fb._spawn("numba", "numba", "/a", 10, 1, 5.0) == {"x": [1.0]}
+    assert seen[-1][0] == sys.executable
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/setarch" if name == "setarch" else None)
+    fb.WORKER_PREFIX[:] = fb.no_aslr_prefix()
+    fb._spawn("numba", "numba", "/a", 10, 1, 5.0)
+    assert seen[-1][:4] == ["/usr/bin/setarch", platform.machine(), "-R", sys.executable]
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert fb.no_aslr_prefix() == []

@@ -37,6 +37,8 @@ import gc
 import itertools
 import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -333,12 +335,37 @@ def available(module: str) -> str | None:
     return None if found else f"{module} not installed"
 
 
+WORKER_PREFIX: list[str] = []
+"""What the worker command is run under (``--no-aslr``: ``setarch <machine> -R``)."""
+
+
+def no_aslr_prefix() -> list[str]:
+    """``setarch <machine> -R``: the worker runs with address-space randomization off, so every
+    process of a side gets the same memory layout. Runs 15-16 saw one side's processes split
+    between two speeds while the other side's did not; with the layout fixed, a split that
+    remains is not the layout's. Empty (with a note) where ``setarch`` is missing."""
+    exe = shutil.which("setarch")
+    if exe is None:
+        print("frameworks_bench: no setarch here; --no-aslr ignored", file=sys.stderr)
+        return []
+    return [exe, platform.machine(), "-R"]
+
+
 def _spawn(case: str, side: str, src: str, number: int, rounds: int, timeout: float) -> dict[str, Any]:
     """One worker process: ``case`` with allocator ``side``, graphpool from ``src``."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", case, side, str(number), str(rounds)]
+    cmd = [
+        *WORKER_PREFIX,
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        case,
+        side,
+        str(number),
+        str(rounds),
+    ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -523,7 +550,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--number", type=int, default=2000, help="calls per timed run")
     ap.add_argument("--rounds", type=int, default=5, help="timed runs per process")
     ap.add_argument("--json", help="also write the results there")
+    ap.add_argument(
+        "--no-aslr", action="store_true", help="run the workers with address-space randomization off"
+    )
     ns = ap.parse_args(args)
+    if ns.no_aslr:
+        WORKER_PREFIX[:] = no_aslr_prefix()
     trees = dict(t.split("=", 1) for t in ns.tree) or None
     res = run_all(tuple(ns.case or CASES), trees, ns.processes, ns.number, ns.rounds)
     print(table(res))
