@@ -609,3 +609,19 @@ def test_the_resources_allocate_and_deallocate_are_handoffs(core: Any) -> None:
     cls = gcore.resource_class()
     for fn in (cls.allocate, cls.deallocate):
         assert fn.__code__ in interrupts._handoffs, fn
+
+
+def test_the_resource_hooks_that_move_a_block_are_handoffs() -> None:
+    """Plain build: ``ResourceHooks.allocate`` (the allocator's answer to the table), ``free``
+    (the table to the allocator's queue) and ``forget`` (a block whose Buffer could not be made:
+    the table back to the allocator) each hold a block that has no other owner between two
+    calls; a guarded signal landing there waits until the block has one."""
+    from graphpool.hooks import ResourceHooks
+    from graphpool.policy import interrupts
+
+    fns = (ResourceHooks.allocate, ResourceHooks.free, ResourceHooks.forget)
+    codes = [getattr(fn, "__code__", None) for fn in fns]
+    if codes[0] is None:
+        pytest.skip("compiled: a handoff has no bytecode a handler could run in")
+    for fn, code in zip(fns, codes, strict=True):
+        assert code in interrupts._handoffs, fn

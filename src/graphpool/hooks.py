@@ -352,6 +352,7 @@ interrupts.handoff(
     TorchHooks.malloc,
     ResourceHooks.allocate,
     ResourceHooks.free,
+    ResourceHooks.forget,
 )
 
 __all__ = [
