@@ -397,8 +397,8 @@ def test_stream_handle_forms(core: Any) -> None:
     assert gcore.stream_handle(types.SimpleNamespace(handle=77)) == 77
     with pytest.raises(TypeError, match="cannot tell the CUDA stream"):
         gcore.stream_handle(object())
-    for bad in (-5, True):  # never a stream: refused before any device call is made with it
-        with pytest.raises(ValueError, match="non-negative int"):
+    for bad in (-5, True, False):  # never a stream: refused before any device call is made with it
+        with pytest.raises(ValueError, match=f"non-negative int, not {bad!r}$"):  # (compiled: not 1)
             gcore.stream_handle(bad)
     mr = gcore.GraphpoolMemoryResource(0)
     base = gp.memory_allocated()

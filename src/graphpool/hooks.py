@@ -240,8 +240,11 @@ def raw_handle(stream: Any) -> int:
     ``__cuda_stream__`` protocol, an object with an int-like ``handle``, a graphpool Stream (its
     handle) or a non-negative int. ValueError for a negative int or a bool, TypeError for an
     object none of these."""
+    if isinstance(stream, bool):  # (as cuda_stream_handle refuses it) before the int test:
+        # compiled, an int-typed bool is a tagged int, printed as 1 or 0
+        raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
     if isinstance(stream, int):
-        if isinstance(stream, bool) or stream < 0:  # (as cuda_stream_handle refuses them)
+        if stream < 0:
             raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
         return int(stream)
     if isinstance(stream, Stream):
