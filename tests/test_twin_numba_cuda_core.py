@@ -407,6 +407,29 @@ def test_stream_handle_forms(core: Any) -> None:
     assert gp.memory_allocated() == base
 
 
+def test_a_negative_handle_attribute_is_refused_before_the_block_leaves_the_table(core: Any) -> None:
+    """An object whose ``handle`` is negative names no stream: ValueError, as for a negative
+    int, and at ``deallocate`` the block stays its buffer's. (-1 in particular is the table's
+    "no stream named": taken for it, the block went back at once, ordered after nothing.)"""
+    for bad in (-1, -7):
+        with pytest.raises(ValueError, match=f"handle is {bad}: a CUDA stream handle is a non-negative int"):
+            gcore.stream_handle(types.SimpleNamespace(handle=bad))
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    gc.collect()
+    base = gp.memory_allocated()
+    buf = mr.allocate(4096, stream=s)
+    ptr = int(buf.handle)
+    with pytest.raises(ValueError, match="non-negative int"):
+        mr.deallocate(ptr, 4096, types.SimpleNamespace(handle=-1))
+    assert ptr in mr._blocks
+    assert gp.memory_allocated() == base + 4096
+    buf.close(s)
+    gc.collect()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
+
+
 def test_refused_on_the_real_simulator(core: Any) -> None:
     mr = gcore.GraphpoolMemoryResource(0)
     gp.set_backend("sim")
