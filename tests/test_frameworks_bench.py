@@ -101,3 +101,21 @@ def test_no_aslr_runs_each_worker_under_setarch(monkeypatch: pytest.MonkeyPatch)
     assert seen[-1][:4] == ["/usr/bin/setarch", platform.machine(), "-R", sys.executable]
     monkeypatch.setattr(shutil, "which", lambda name: None)
     assert fb.no_aslr_prefix() == []
+
+
+def test_the_no_aslr_flag_sets_the_workers_prefix(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """``main(["--no-aslr"])`` runs the comparison with the ``setarch`` prefix in place; without
+    the flag, with none."""
+    prefixes: list[list[str]] = []
+
+    def run_all(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        prefixes.append(list(fb.WORKER_PREFIX))
+        return {"skipped": []}
+
+    monkeypatch.setattr(fb, "run_all", run_all)
+    monkeypatch.setattr(fb, "WORKER_PREFIX", [])
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/setarch" if name == "setarch" else None)
+    assert fb.main(["--case", "numba"]) == 0
+    assert fb.main(["--case", "numba", "--no-aslr"]) == 0
+    assert prefixes == [[], ["/usr/bin/setarch", platform.machine(), "-R"]]
+    capsys.readouterr()

@@ -397,14 +397,37 @@ def test_stream_handle_forms(core: Any) -> None:
     assert gcore.stream_handle(types.SimpleNamespace(handle=77)) == 77
     with pytest.raises(TypeError, match="cannot tell the CUDA stream"):
         gcore.stream_handle(object())
-    for bad in (-5, True):  # never a stream: refused before any device call is made with it
-        with pytest.raises(ValueError, match="non-negative int"):
+    for bad in (-5, True, False):  # never a stream: refused before any device call is made with it
+        with pytest.raises(ValueError, match=f"non-negative int, not {bad!r}$"):  # (compiled: not 1)
             gcore.stream_handle(bad)
     mr = gcore.GraphpoolMemoryResource(0)
     base = gp.memory_allocated()
     with pytest.raises(ValueError, match="non-negative int"):
         mr.allocate(512, stream=-5)
     assert gp.memory_allocated() == base
+
+
+def test_a_negative_handle_attribute_is_refused_before_the_block_leaves_the_table(core: Any) -> None:
+    """An object whose ``handle`` is negative names no stream: ValueError, as for a negative
+    int, and at ``deallocate`` the block stays its buffer's. (-1 in particular is the table's
+    "no stream named": taken for it, the block went back at once, ordered after nothing.)"""
+    for bad in (-1, -7):
+        with pytest.raises(ValueError, match=f"handle is {bad}: a CUDA stream handle is a non-negative int"):
+            gcore.stream_handle(types.SimpleNamespace(handle=bad))
+    mr = gcore.GraphpoolMemoryResource(0)
+    s = core.Device(0).create_stream()
+    gc.collect()
+    base = gp.memory_allocated()
+    buf = mr.allocate(4096, stream=s)
+    ptr = int(buf.handle)
+    with pytest.raises(ValueError, match="non-negative int"):
+        mr.deallocate(ptr, 4096, types.SimpleNamespace(handle=-1))
+    assert ptr in mr._blocks
+    assert gp.memory_allocated() == base + 4096
+    buf.close(s)
+    gc.collect()
+    assert gp.memory_allocated() == base
+    gp.check_invariants()
 
 
 def test_refused_on_the_real_simulator(core: Any) -> None:
@@ -609,3 +632,19 @@ def test_the_resources_allocate_and_deallocate_are_handoffs(core: Any) -> None:
     cls = gcore.resource_class()
     for fn in (cls.allocate, cls.deallocate):
         assert fn.__code__ in interrupts._handoffs, fn
+
+
+def test_the_resource_hooks_that_move_a_block_are_handoffs() -> None:
+    """Plain build: ``ResourceHooks.allocate`` (the allocator's answer to the table), ``free``
+    (the table to the allocator's queue) and ``forget`` (a block whose Buffer could not be made:
+    the table back to the allocator) each hold a block that has no other owner between two
+    calls; a guarded signal landing there waits until the block has one."""
+    from graphpool.hooks import ResourceHooks
+    from graphpool.policy import interrupts
+
+    fns = (ResourceHooks.allocate, ResourceHooks.free, ResourceHooks.forget)
+    codes = [getattr(fn, "__code__", None) for fn in fns]
+    if codes[0] is None:
+        pytest.skip("compiled: a handoff has no bytecode a handler could run in")
+    for fn, code in zip(fns, codes, strict=True):
+        assert code in interrupts._handoffs, fn

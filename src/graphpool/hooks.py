@@ -238,10 +238,13 @@ def protocol_handle(obj: object) -> int:
 def raw_handle(stream: Any) -> int:
     """The raw ``cudaStream_t`` of a cuda.core Stream or GraphBuilder, any object with the
     ``__cuda_stream__`` protocol, an object with an int-like ``handle``, a graphpool Stream (its
-    handle) or a non-negative int. ValueError for a negative int or a bool, TypeError for an
-    object none of these."""
+    handle) or a non-negative int. ValueError for a negative int or ``handle``, or a bool,
+    TypeError for an object none of these."""
+    if isinstance(stream, bool):  # (as cuda_stream_handle refuses it) before the int test:
+        # compiled, an int-typed bool is a tagged int, printed as 1 or 0
+        raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
     if isinstance(stream, int):
-        if isinstance(stream, bool) or stream < 0:  # (as cuda_stream_handle refuses them)
+        if stream < 0:
             raise ValueError(f"a CUDA stream handle is a non-negative int, not {stream!r}")
         return int(stream)
     if isinstance(stream, Stream):
@@ -253,7 +256,12 @@ def raw_handle(stream: Any) -> int:
         return cuda_stream_handle(stream)  # the error, named as everywhere in graphpool (streams.py)
     attr = getattr(stream, "handle", None)
     if attr is not None:
-        return int(attr)
+        value = int(attr)
+        if value < 0:  # never a stream; and -1 is ``ResourceHooks.free``'s "none named"
+            raise ValueError(
+                f"{type(stream).__name__}.handle is {value}: a CUDA stream handle is a non-negative int"
+            )
+        return value
     raise TypeError(f"cannot tell the CUDA stream of {type(stream).__name__}")
 
 
@@ -352,6 +360,7 @@ interrupts.handoff(
     TorchHooks.malloc,
     ResourceHooks.allocate,
     ResourceHooks.free,
+    ResourceHooks.forget,
 )
 
 __all__ = [
