@@ -142,6 +142,22 @@ def test_the_guarded_stream_calls_pass_cuda_only_streams_the_device_made(
     assert rt.calls == [("cudaStreamSynchronize", S)]
 
 
+def _lock_free_elsewhere(d: Any) -> bool:
+    """Whether another thread can take the device's made-streams lock now (it lets go at once)."""
+    got: list[bool] = []
+
+    def try_lock() -> None:
+        ok = d._made_lock.acquire(blocking=False)
+        if ok:
+            d._made_lock.release()
+        got.append(ok)
+
+    t = threading.Thread(target=try_lock)
+    t.start()
+    t.join(5)
+    return got == [True]
+
+
 def test_the_wait_holds_the_made_streams_lock_throughout(monkeypatch: pytest.MonkeyPatch) -> None:
     """``stream_synchronize_made`` (and so ``vmm_unmap``) holds the lock that ``destroy_stream``
     takes across the check, the capture query and cudaStreamSynchronize itself: another thread
@@ -151,16 +167,8 @@ def test_the_wait_holds_the_made_streams_lock_throughout(monkeypatch: pytest.Mon
     d = _device(rt, monkeypatch, set())
     others: list[bool] = []
 
-    def try_lock() -> None:
-        got = d._made_lock.acquire(blocking=False)
-        if got:
-            d._made_lock.release()
-        others.append(got)
-
     def during_wait() -> None:
-        t = threading.Thread(target=try_lock)
-        t.start()
-        t.join(5)
+        others.append(_lock_free_elsewhere(d))
 
     rt.during_wait = during_wait
     assert d.stream_synchronize_made(S) is True
@@ -176,16 +184,8 @@ def test_the_capture_query_holds_the_made_streams_lock(monkeypatch: pytest.Monke
     real_query = d.capture_id
     others: list[bool] = []
 
-    def try_lock() -> None:
-        got = d._made_lock.acquire(blocking=False)
-        if got:
-            d._made_lock.release()
-        others.append(got)
-
     def query(stream: int) -> int:
-        t = threading.Thread(target=try_lock)
-        t.start()
-        t.join(5)
+        others.append(_lock_free_elsewhere(d))
         return real_query(stream)
 
     d.capture_id = query  # type: ignore[method-assign]

@@ -134,22 +134,34 @@ def test_empty_cache_keeps_a_free_end_a_graph_still_writes(exp: CachingAllocator
         dev.destroy_stream(s)
 
 
-def _finish(a: CachingAllocator, cap: int, graph: int | None, streams: tuple[int, ...]) -> None:
+def _finish(
+    a: CachingAllocator,
+    cap: int,
+    graph: int | None,
+    streams: tuple[int, ...],
+    frees: tuple[int | None, ...] = (),
+) -> None:
     """After a test of the retry beside a capture on ``cap``: end that capture if it still runs
     (an invalidated one fails to end: the test's failure says why), destroy its graph, lift the
-    limit and destroy ``streams``."""
+    limit, free the allocations ``frees`` still live (None: none) and destroy ``streams``, these
+    also when a free fails."""
     dev = a.device
-    if graph is None and dev.capture_info(cap)[0]:
-        try:
-            graph = dev.end_capture(cap)
-        except Exception:
-            graph = None
-    if graph is not None:
-        dev.destroy_graph(graph)
-    a.limits = a.limits.with_bytes(None)
-    dev.device_synchronize()
-    for s in streams:
-        dev.destroy_stream(s)
+    try:
+        if graph is None and dev.capture_info(cap)[0]:
+            try:
+                graph = dev.end_capture(cap)
+            except Exception:
+                graph = None
+        if graph is not None:
+            dev.destroy_graph(graph)
+        a.limits = a.limits.with_bytes(None)
+        dev.device_synchronize()
+        for x in frees:
+            if x is not None:
+                a.free(x)
+    finally:
+        for s in streams:
+            dev.destroy_stream(s)
 
 
 def test_the_out_of_memory_retry_never_synchronizes_the_device(exp: CachingAllocator) -> None:
@@ -289,14 +301,7 @@ def test_the_out_of_memory_retry_leaves_the_free_memory_of_a_stream_capturing_un
         graph = dev.end_capture(cap)  # not invalidated by the retry
         a.check_invariants()
     finally:
-        try:
-            _finish(a, cap, graph, ())
-            for x in (p, live):
-                if x is not None:
-                    a.free(x)
-        finally:
-            for s in (home, cap):
-                dev.destroy_stream(s)
+        _finish(a, cap, graph, (home, cap), (p, live))
 
 
 @pytest.mark.parametrize("holds", ["free", "live", "none"])
@@ -333,14 +338,7 @@ def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_str
         a.empty_cache()  # the capture is over: the legacy stream's segment goes back now
         assert a.memory_stats()["reserved_bytes.all.current"] == 4 * MiB + (gran if c is not None else 0)
     finally:
-        try:
-            _finish(a, cap, graph, ())
-            for x in (p, c):
-                if x is not None:
-                    a.free(x)
-        finally:
-            for s in (home, cap):
-                dev.destroy_stream(s)
+        _finish(a, cap, graph, (home, cap), (p, c))
 
 
 def test_the_out_of_memory_retry_gives_back_legacy_stream_memory_with_no_capture(
@@ -434,12 +432,8 @@ def test_garbage_collection_in_an_allocation_leaves_the_free_memory_of_a_stream_
         assert a.memory_stats()["reserved_bytes.all.current"] == 48 * MiB  # cap's segment kept
     finally:
         try:
-            _finish(a, cap, graph, ())
-            if p is not None:
-                a.free(p)
+            _finish(a, cap, graph, (home, cap), (p,))
         finally:
-            for s in (home, cap):
-                dev.destroy_stream(s)
             a.limits = a.limits.with_fraction(None)
             a.empty_cache()
             a.check_invariants()
