@@ -1,0 +1,70 @@
+"""benchmarks/process_modes.py: the split of a bench run's processes into a fast and a slow mode,
+and the fast-mode ratio it prints (the reading that explains run 16's 1.34x for PyTorch)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "process_modes.py"
+
+
+@pytest.fixture(scope="module")
+def modes() -> ModuleType:
+    if not SCRIPT.exists():
+        pytest.skip("not run from a source checkout")
+    spec = importlib.util.spec_from_file_location("process_modes", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["process_modes"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop("process_modes", None)
+    return module
+
+
+def test_a_process_above_the_cut_is_slow_and_each_mode_has_its_median(modes: ModuleType) -> None:
+    m = modes.split([2.0, 2.2, 3.9, 2.1, 4.1], 1.4)
+    assert (m.slow, m.processes, m.fast_median, m.slow_median) == (2, 5, 2.1, 4.0)
+    assert modes.split([2.0, 2.79], 1.4).slow == 0  # 2.79 <= 2.8: still the fast mode
+    assert modes.split([2.0], 1.4).slow_median is None
+
+
+def test_bad_input_is_refused(modes: ModuleType) -> None:
+    with pytest.raises(ValueError, match="no processes"):
+        modes.split([], 1.4)
+    with pytest.raises(ValueError, match="above 1"):
+        modes.split([1.0], 1.0)
+
+
+def test_the_fast_mode_ratio_takes_the_draw_out_of_the_median(modes: ModuleType) -> None:
+    # The framework's processes drew no slow one, graphpool's three of five: the median says
+    # 1.7x, the fast modes 0.9x.
+    run = {
+        "torch": {
+            "per_process": {
+                "torch": {"torch.empty": [2.0, 2.1, 2.0, 2.2, 2.1], "program: step": [9.0]},
+                "graphpool": {"torch.empty": [1.8, 3.6, 3.7, 1.9, 3.5], "program: step": [9.0]},
+            }
+        },
+        "skipped": [],
+    }
+    lines = modes.report(run, 1.4)
+    assert len(lines) == 2 and "program" not in lines[1]
+    assert "torch slow 0/5, fast 2.10;" in lines[1]
+    assert "graphpool slow 3/5, fast 1.85, slow 3.60" in lines[1]
+    assert lines[1].endswith("fast-mode graphpool/torch 0.88x")
+
+
+def test_main_reads_json_files(modes: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "run.json"
+    f.write_text('{"cupy": {"per_process": {"cupy": {"a": [1.0, 2.0]}, "graphpool": {"a": [1.0, 1.1]}}}}')
+    assert modes.main(["--cut", "1.5", str(f)]) == 0
+    out = capsys.readouterr().out
+    assert "cupy slow 1/2, fast 1.00, slow 2.00" in out and "graphpool/cupy 1.05x" in out
+    assert modes.main([]) == 2
