@@ -13,6 +13,9 @@
 #           THEN="case:t:n:r ..." runs PART=2 for those cases afterwards.
 #   PART=10 (stop 22): benchmarks/torch_lane_diag_gpu.py in six processes (the lane's misses counted).
 #   PART=7 (stop 22): every GPU-marked test, then PART=2 for torch and replay.
+#   PART=11 (stop 23): benchmarks/torch_program_probe.py, two rounds of five processes: PyTorch's
+#           own allocator, graphpool (lane on), graphpool with the lane off, the hooks counted
+#           (the lane's misses), the hooks timed (the miss path's time; nothing parks).
 #   NOASLR=1 (stop 22): the frameworks bench's workers run with address-space randomization off.
 #   PIN=N (stop 22): the frameworks bench and its workers run on CPU N alone (taskset), so that
 #   every side's processes share one core instead of wherever the scheduler puts them.
@@ -71,6 +74,13 @@ elif [ "$PART" = 9 ]; then
     --tree after=$B/src --tree before=/tmp/before_src --processes ${PROCS:-8} --number 1000 --rounds 3 \
     --json $OUT/fw_cuda_core_ab.json > $OUT/fw_cuda_core_ab.txt 2>&1; cat $OUT/fw_cuda_core_ab.txt; pack
   if [ -n "${THEN:-}" ]; then CASES="$THEN" PART=2 FINAL=$FINAL OUT=$FINAL bash $0; fi
+elif [ "$PART" = 11 ]; then
+  for round in 1 2; do
+    for mode in PROBE_NATIVE=1 PROBE_UNTIMED=1 "PROBE_UNTIMED=1 GRAPHPOOL_LANE=0" PROBE_COUNT=1 PROBE_TIMED=1; do
+      env $mode PYTHONPATH=$B/src:$DEP timeout 60 $PINCMD python3 benchmarks/torch_program_probe.py "round $round" \
+        >> $OUT/torch_program_probe.jsonl 2>> $OUT/torch_program_probe.err
+    done
+  done; cat $OUT/torch_program_probe.jsonl; tail -3 $OUT/torch_program_probe.err; pack
 elif [ "$PART" = 10 ]; then
   for rep in 1 2 3 4 5 6; do echo "== process $rep"
     PYTHONPATH=$B/src:$DEP timeout 60 $PINCMD python3 benchmarks/torch_lane_diag_gpu.py

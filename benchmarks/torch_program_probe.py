@@ -5,6 +5,14 @@ graphpool installed, the shim's hooks wrapped in timers, and prints, per step: t
 time, the time inside graphpool's malloc and free, the calls of each, and the allocator's
 driver calls (num_device_alloc / num_device_free), syncs and retries. Run once per tree
 (PYTHONPATH names it): `python3 benchmarks/torch_program_probe.py LABEL`.
+
+Modes (environment): ``PROBE_UNTIMED=1`` leaves the shim's hooks as installed (the lane
+works; only the step is timed); ``PROBE_COUNT=1`` wraps them in counters that pass every
+answer through (the lane still parks), so ``mallocs`` and ``frees`` are the calls the lane
+did not answer; ``PROBE_NATIVE=1`` does not install graphpool at all (PyTorch's own
+allocator, for the step time beside it); ``PROBE_GC_OFF=1`` turns the GC off. The timed
+wrappers (the default) return nothing from ``free``, so nothing parks and every allocation
+reaches the hooks: the miss path's own time.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ def main(label: str) -> None:
     fb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fb)
 
-    gtorch.install()
+    native = bool(os.environ.get("PROBE_NATIVE"))
+    if not native:
+        gtorch.install()
     malloc, free = gtorch.hooks(runtime.get())
     acc = {"malloc_ns": 0, "free_ns": 0, "mallocs": 0, "frees": 0}
     clock = time.perf_counter_ns
@@ -55,13 +65,32 @@ def main(label: str) -> None:
             acc["free_ns"] += clock() - t
             acc["frees"] += 1
 
-    if not os.environ.get("PROBE_UNTIMED"):
+    def cmalloc(size: int, device: int, stream: int) -> int:
+        acc["mallocs"] += 1
+        return malloc(size, device, stream)
+
+    def cfree(ptr: int, size: int, device: int, stream: int) -> object:
+        acc["frees"] += 1
+        return free(ptr, size, device, stream)
+
+    if native:
+        pass
+    elif os.environ.get("PROBE_COUNT"):
+        gtorch._shim().set_hooks(cmalloc, cfree)
+    elif not os.environ.get("PROBE_UNTIMED"):
         gtorch._shim().set_hooks(tmalloc, tfree)
     out: dict[str, object] = {
         "label": label,
         "compiled": getattr(gp, "compiled", lambda: None)(),
         "gc_off": bool(os.environ.get("PROBE_GC_OFF")),
-        "hooks_timed": not os.environ.get("PROBE_UNTIMED"),
+        "mode": "native"
+        if native
+        else "count"
+        if os.environ.get("PROBE_COUNT")
+        else "untimed"
+        if os.environ.get("PROBE_UNTIMED")
+        else "timed",
+        "lane": os.environ.get("GRAPHPOOL_LANE", "1") != "0",
     }
     keys = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
     for name, prog in fb._torch_programs(torch).items():
@@ -69,7 +98,7 @@ def main(label: str) -> None:
             prog()
         torch.cuda.synchronize()
         steps = 50
-        s0 = gp.memory_stats()
+        s0 = {} if native else gp.memory_stats()
         for k in acc:
             acc[k] = 0
         t0 = time.perf_counter()
@@ -77,13 +106,15 @@ def main(label: str) -> None:
             prog()
         torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / steps
-        s1 = gp.memory_stats()
+        s1 = {} if native else gp.memory_stats()
         row = {"step_us": dt * 1e6}
         row.update({k: v / steps for k, v in acc.items()})
         row["malloc_us_per_step"] = acc["malloc_ns"] / steps / 1e3
         row["free_us_per_step"] = acc["free_ns"] / steps / 1e3
         row.update({k: (s1.get(k, 0) - s0.get(k, 0)) / steps for k in keys})
-        row["reserved_MiB"] = s1["reserved_bytes.all.current"] / 2**20
+        row["reserved_MiB"] = (
+            torch.cuda.memory_reserved() if native else s1["reserved_bytes.all.current"]
+        ) / 2**20
         out[name] = row
     print(json.dumps(out))
 
