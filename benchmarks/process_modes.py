@@ -9,7 +9,8 @@ address-space randomization on or off. Which processes land slow is a draw, so a
 (above ``--cut`` times the side's fastest process), the median of each mode, and each side's
 fast-mode median over the framework's own: the ratio with the draw taken out. It is an
 after-the-fact reading of the same numbers, shown beside the median and min the bench
-reports, never instead of them.
+reports, never instead of them. The bench's table now prints the same split for new runs
+(``frameworks_bench.modes``); this script reads the JSON of runs made before it did.
 
 Usage: ``python benchmarks/process_modes.py [--cut 1.4] RUN.json [RUN.json ...]``.
 """
@@ -17,31 +18,14 @@ Usage: ``python benchmarks/process_modes.py [--cut 1.4] RUN.json [RUN.json ...]`
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-from dataclasses import dataclass
 
-
-@dataclass(frozen=True)
-class Modes:
-    """One side's processes on one row, split at ``cut`` times its fastest."""
-
-    slow: int
-    processes: int
-    fast_median: float
-    slow_median: float | None
+from graphpool.tools.frameworks_bench import Modes, modes
 
 
 def split(times: list[float], cut: float) -> Modes:
-    """The fast and slow modes of one side's per-process times (us)."""
-    if not times:
-        raise ValueError("no processes")
-    if cut <= 1.0:
-        raise ValueError(f"cut must be above 1 (got {cut})")
-    low = min(times)
-    fast = [t for t in times if t <= cut * low]
-    slow = [t for t in times if t > cut * low]
-    return Modes(len(slow), len(times), statistics.median(fast), statistics.median(slow) if slow else None)
+    """The fast and slow modes of one side's per-process times (us): the bench's own rule."""
+    return modes(times, cut)
 
 
 def report(run: dict[str, object], cut: float) -> list[str]:

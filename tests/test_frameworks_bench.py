@@ -82,6 +82,42 @@ def test_each_processes_median_is_kept_in_the_order_they_ran(monkeypatch: pytest
     assert "each process: 2 3" in table and "each process: 1 1.2" in table
 
 
+def test_modes_split_a_sides_processes_at_the_cut() -> None:
+    m = fb.modes([2.0, 2.2, 3.9, 2.1, 4.1])
+    assert (m.slow, m.processes, m.fast_median, m.slow_median) == (2, 5, 2.1, 4.0)
+    assert fb.modes([2.0, 2.8]).slow == 0  # 2.8 is 1.4x the fastest: still the fast mode
+    assert fb.modes([2.0, 2.81]).slow == 1
+    assert fb.modes([2.0]).slow_median is None
+    with pytest.raises(ValueError, match="no processes"):
+        fb.modes([])
+    with pytest.raises(ValueError, match="above 1"):
+        fb.modes([1.0], 1.0)
+
+
+def test_each_row_gives_the_slow_processes_and_the_fast_mode_ratio(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The framework's processes drew one slow process of four, graphpool's two: the median
+    ratio says 1.38x, the fast modes 0.93x; a program's row gets no split."""
+    level = {
+        "cuda.core": iter([2.0, 2.1, 4.0, 2.0]),
+        "graphpool": iter([1.8, 3.7, 3.6, 1.9]),
+    }
+
+    def spawn(case: str, side: str, *args: Any) -> dict[str, Any]:
+        t = next(level[side])
+        return {"x": [t], "program: p": [100 * t]}
+
+    monkeypatch.setattr(fb, "_spawn", spawn)
+    out = fb.compare("cuda_core", {"": "/a"}, processes=4)
+    row = out["rows"]["x"]
+    assert row["cuda.core slow processes"] == [1, 4] and row["graphpool slow processes"] == [2, 4]
+    assert row["graphpool/cuda.core (fast mode)"] == pytest.approx(1.85 / 2.0)
+    assert row["graphpool/cuda.core (median)"] == pytest.approx(2.75 / 2.05)
+    assert not any("mode" in col or "slow" in col for col in out["rows"]["program: p"])
+    table = fb.table({"cuda_core": out})
+    assert "(slow mode: 2 of 4)" in table and "(slow mode: 1 of 4)" in table
+    assert "graphpool/cuda.core (fast mode)" in table and "slow processes" not in table
+
+
 def test_no_aslr_runs_each_worker_under_setarch(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--no-aslr``: the worker command starts with ``setarch <machine> -R`` where setarch is
     installed (nothing where it is not); without the flag, with the interpreter."""

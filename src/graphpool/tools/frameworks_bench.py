@@ -25,6 +25,13 @@ Cases (each skipped, and listed as skipped, where its framework is missing):
 * ``cuda_core``: ``allocate(4096, stream)`` and ``close(stream)``: cuda.core's
   ``DeviceMemoryResource`` and ``GraphpoolMemoryResource``.
 
+Processes come in two modes: on the H100 hosts measured, every allocator's worker processes
+(the framework's own too) ran either near their side's fastest or 1.6-1.9x slower, for the
+whole process, and how many of a side's processes land slow is a draw that moves its median.
+So each row also gives, per side, how many processes ran slow (above ``MODE_CUT`` times the
+side's fastest) and the ratio of the fast modes' medians (``modes``), beside the min and
+median.
+
 ``--tree NAME=PATH`` (repeatable) measures the graphpool found at PATH (a ``src`` folder)
 as side ``graphpool[NAME]``, to compare two versions of graphpool in one run. The workers
 run this file by its path, so an older graphpool without this module can be measured.
@@ -44,7 +51,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Final
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CUPY_SIZES = (512, 4096, 64 << 10, 1 << 20, 64 << 20)
@@ -60,6 +68,30 @@ REQUIRES = {
     "cuda_core": "cuda.core",
     "replay": "cuda.bindings",
 }
+MODE_CUT: Final = 1.4
+"""A process slower than this many times its side's fastest process is in the slow mode."""
+
+
+@dataclass(frozen=True)
+class Modes:
+    """One side's per-process times on one row, split at ``cut`` times the fastest."""
+
+    slow: int
+    processes: int
+    fast_median: float
+    slow_median: float | None
+
+
+def modes(times: list[float], cut: float = MODE_CUT) -> Modes:
+    """The fast and the slow mode of one side's per-process times (see the module's text)."""
+    if not times:
+        raise ValueError("no processes")
+    if cut <= 1.0:
+        raise ValueError(f"cut must be above 1 (got {cut})")
+    low = min(times)
+    fast = [t for t in times if t <= cut * low]
+    slow = [t for t in times if t > cut * low]
+    return Modes(len(slow), len(times), statistics.median(fast), statistics.median(slow) if slow else None)
 
 
 # ======================================================================== the worker side
@@ -455,6 +487,12 @@ def compare(
                     row[f"{label} median (us)"] / row[f"{base_label} median (us)"]
                 )
                 row[f"{label}/{base_label} (min)"] = row[f"{label} min (us)"] / row[f"{base_label} min (us)"]
+        if processes > 1 and not k.startswith("program"):  # (a program's processes show no two clean modes)
+            split = {lb: modes(per_process[lb][k]) for lb in runs if k in per_process[lb]}
+            for lb, m in split.items():
+                row[f"{lb} slow processes"] = [m.slow, m.processes]
+                if lb != base_label:
+                    row[f"{lb}/{base_label} (fast mode)"] = m.fast_median / split[base_label].fast_median
     out["rows"] = rows
     return out
 
@@ -523,9 +561,11 @@ def table(results: dict[str, Any]) -> str:
                     lines.append(f"    {label:<28} min {lo:9.3f} us   median {mid:9.3f} us")
                     each = data.get("per_process", {}).get(label, {}).get(k, [])
                     if len(each) > 1:
-                        lines.append(f"    {'':<28} each process: {' '.join(f'{x:.3g}' for x in each)}")
+                        slow = row.get(f"{label} slow processes")
+                        mode = f" (slow mode: {slow[0]} of {slow[1]})" if slow else ""
+                        lines.append(f"    {'':<28} each process: {' '.join(f'{x:.3g}' for x in each)}{mode}")
             for col, v in row.items():
-                if "(us)" not in col:
+                if "(us)" not in col and not col.endswith("slow processes"):
                     lines.append(f"    {col:<56} {v:6.2f}x")
     lines.append("== skipped")
     lines += [f"  {s['comparison']}: {s['why']}" for s in results.get("skipped", [])] or ["  none"]
