@@ -2,7 +2,7 @@
 
 On run 17's H100 host (and in run 16's per-process figures), each allocator's worker
 processes (CuPy's pool, PyTorch's, RMM's, graphpool's) ran either at about their fastest
-time or at 1.6-1.9x of it, for the whole process, pinned to one CPU or not, with
+time or at 1.6-2.0x of it, for the whole process, pinned to one CPU or not, with
 address-space randomization on or off. Which processes land slow is a draw, so a median over
 8-10 processes swings with how many slow ones each side drew. This reads the bench's
 ``--json`` files (``per_process``) and prints, per row and side, how many processes were slow
@@ -54,7 +54,8 @@ def report(run: dict[str, object], cut: float) -> list[str]:
                 for side, m in modes.items()
                 if side != native
             ]
-            lines.append(f"  {row}: " + "; ".join(parts) + " | fast-mode " + ", ".join(ratios))
+            tail = " | fast-mode " + ", ".join(ratios) if ratios else ""  # (replay: no framework side)
+            lines.append(f"  {row}: " + "; ".join(parts) + tail)
     return lines
 
 

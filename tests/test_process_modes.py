@@ -5,7 +5,6 @@ bench's (``frameworks_bench.modes``, tested with the bench)."""
 from __future__ import annotations
 
 import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -23,11 +22,7 @@ def modes() -> ModuleType:
     spec = importlib.util.spec_from_file_location("process_modes", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules["process_modes"] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop("process_modes", None)
+    spec.loader.exec_module(module)
     return module
 
 
