@@ -86,6 +86,22 @@ def _begin(dev: Any, stream: int) -> int:
     return int(dev.capture_info(stream)[1])
 
 
+def _refused_beside_unseen_capture(a: CachingAllocator, cap: int, nbytes: int, stream: int) -> int:
+    """Begin a global-mode capture on ``cap`` outside graphpool (not seen yet), set the byte
+    limit at what is reserved now, and ask for ``nbytes`` on ``stream``: the out-of-memory
+    retry runs, and the request is refused for want of memory. Then the capture must end
+    whole (not invalidated by the retry) and the invariants hold. Its graph."""
+    dev = a.device
+    reserved = a.memory_stats()["reserved_bytes.all.current"]
+    _begin(dev, cap)
+    words = _limit(a, "bytes", reserved)
+    with pytest.raises(OutOfMemoryError, match=words):
+        a.malloc(nbytes, stream=stream)
+    graph = int(dev.end_capture(cap))
+    a.check_invariants()
+    return graph
+
+
 def test_empty_cache_keeps_a_free_end_a_graph_still_writes(exp: CachingAllocator) -> None:
     """The segment's last block, allocated before a capture and freed during it, is kept for
     the graph (its replays write it): ``empty_cache`` unmaps nothing of it while the graph
@@ -181,13 +197,7 @@ def test_the_out_of_memory_retry_never_synchronizes_the_device(exp: CachingAlloc
         q = a.malloc(4 * MiB, stream=taker)  # taken over from the idle home: no mapping of its own
         assert q == p
         a.free(q)  # the taker's free block at the end of home's segment
-        reserved = a.memory_stats()["reserved_bytes.all.current"]
-        _begin(dev, cap)  # begun outside graphpool, on a stream graphpool never saw
-        words = _limit(a, "bytes", reserved)
-        with pytest.raises(OutOfMemoryError, match=words):
-            a.malloc(8 * MiB, stream=taker)
-        graph = dev.end_capture(cap)  # not invalidated by the retry
-        a.check_invariants()
+        graph = _refused_beside_unseen_capture(a, cap, 8 * MiB, taker)
         assert a.memory_stats()["reserved_bytes.all.current"] == 0  # the block went home, and back
         a.limits = a.limits.with_bytes(None)
     finally:
@@ -209,12 +219,7 @@ def test_the_out_of_memory_retry_shrinks_a_segment_without_a_device_synchronize(
         p = a.malloc(6 * MiB, stream=home)
         a.free(p)  # the segment's free end
         reserved = a.memory_stats()["reserved_bytes.all.current"]
-        _begin(dev, cap)
-        words = _limit(a, "bytes", reserved)
-        with pytest.raises(OutOfMemoryError, match=words):
-            a.malloc(12 * MiB, stream=home)
-        graph = dev.end_capture(cap)  # not invalidated by the retry
-        a.check_invariants()
+        graph = _refused_beside_unseen_capture(a, cap, 12 * MiB, home)
         assert a.memory_stats()["reserved_bytes.all.current"] < reserved  # the free end went back
         a.free(live)
     finally:
@@ -258,13 +263,7 @@ def test_the_out_of_memory_retry_leaves_a_busy_streams_block_while_a_known_strea
         _spin(dev, taker)
         dev.memset(q, 7, 4 * MiB, taker)  # its last use, behind the long work: unmapped only after
         a.free(q)  # the busy taker's block at the end of home's segment
-        reserved = a.memory_stats()["reserved_bytes.all.current"]
-        _begin(dev, cap)  # begun outside graphpool, not seen yet
-        words = _limit(a, "bytes", reserved)
-        with pytest.raises(OutOfMemoryError, match=words):
-            a.malloc(8 * MiB, stream=home)
-        graph = dev.end_capture(cap)  # not invalidated by the retry
-        a.check_invariants()
+        graph = _refused_beside_unseen_capture(a, cap, 8 * MiB, home)
         # the busy block stayed the taker's, and its memory went back after the taker's work
         # (a stream synchronize): only cap's granule (and the live one) are left
         assert a.memory_stats()["reserved_bytes.all.current"] == gran * (1 if whole else 2)
@@ -293,13 +292,7 @@ def test_the_out_of_memory_retry_leaves_the_free_memory_of_a_stream_capturing_un
         live = None if whole else a.malloc(gran, stream=cap)
         a.free(a.malloc(gran, stream=cap))  # cap's free memory (its segment, or its free end)
         p = a.malloc(4 * MiB, stream=home)
-        reserved = a.memory_stats()["reserved_bytes.all.current"]
-        _begin(dev, cap)  # begun outside graphpool, not seen yet
-        words = _limit(a, "bytes", reserved)
-        with pytest.raises(OutOfMemoryError, match=words):
-            a.malloc(4 * MiB + gran, stream=home)
-        graph = dev.end_capture(cap)  # not invalidated by the retry
-        a.check_invariants()
+        graph = _refused_beside_unseen_capture(a, cap, 4 * MiB + gran, home)
     finally:
         _finish(a, cap, graph, (home, cap), (p, live))
 
@@ -327,13 +320,7 @@ def test_the_out_of_memory_retry_spares_a_known_capture_when_it_frees_legacy_str
         a.free(a.malloc(4 * MiB, stream=0))  # the legacy stream's whole free segment
         dev.device_synchronize()
         p = a.malloc(4 * MiB, stream=home)
-        reserved = a.memory_stats()["reserved_bytes.all.current"]
-        _begin(dev, cap)  # begun outside graphpool, not seen yet
-        words = _limit(a, "bytes", reserved)
-        with pytest.raises(OutOfMemoryError, match=words):
-            a.malloc(8 * MiB, stream=home)
-        graph = dev.end_capture(cap)  # not invalidated by the retry
-        a.check_invariants()
+        graph = _refused_beside_unseen_capture(a, cap, 8 * MiB, home)
         a.limits = a.limits.with_bytes(None)
         a.empty_cache()  # the capture is over: the legacy stream's segment goes back now
         assert a.memory_stats()["reserved_bytes.all.current"] == 4 * MiB + (gran if c is not None else 0)
@@ -393,13 +380,7 @@ def test_the_out_of_memory_retry_leaves_a_taken_block_with_its_taker_when_home_c
         if home_is == "destroyed":
             dev.destroy_stream(home)
             streams.remove(home)
-        reserved = a.memory_stats()["reserved_bytes.all.current"]
-        _begin(dev, cap)  # begun outside graphpool, not seen yet
-        words = _limit(a, "bytes", reserved)
-        with pytest.raises(OutOfMemoryError, match=words):
-            a.malloc(8 * MiB, stream=taker)
-        graph = dev.end_capture(cap)  # not invalidated by the retry
-        a.check_invariants()
+        graph = _refused_beside_unseen_capture(a, cap, 8 * MiB, taker)
         assert a.memory_stats()["reserved_bytes.all.current"] == 0  # unmapped after the taker
     finally:
         _finish(a, cap, graph, tuple(streams))

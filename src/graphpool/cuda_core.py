@@ -23,9 +23,7 @@ from graphpool.framework_captures import CaptureHooks
 from graphpool.hooks import ResourceHooks, raw_handle
 from graphpool.policy import interrupts
 from graphpool.routing import Route, routes
-from graphpool.streams import (
-    resolve_handle,
-)
+from graphpool.streams import resolve_handle
 
 if TYPE_CHECKING:
     from cuda.core import MemoryResource

@@ -281,13 +281,10 @@ def test_vmm_unmap_given_a_stream_waits_for_it_and_spares_a_capture_elsewhere(de
         assert d.capture_info(other)[0] == CAPTURE_STATUS_ACTIVE, "the capture elsewhere was invalidated"
         graph = d.end_capture(other)
     finally:
-        if graph is None and d.capture_info(other)[0]:
-            try:
-                graph = d.end_capture(other)
-            except CUDAError:
-                graph = None
         if graph is not None:
             d.destroy_graph(graph)
+        elif d.capture_info(other)[0]:
+            _end_quietly(d, other)
         d.device_synchronize()
         d.vmm_release(va, gran)
 
@@ -318,10 +315,7 @@ def test_vmm_unmap_given_a_capturing_stream_waits_for_the_device_which_the_captu
         assert d.read(va, 4, s) == bytes([1]) * 4
     finally:
         if _status(d, s) != CAPTURE_STATUS_NONE:
-            try:
-                d.end_capture(s)
-            except CUDAError:
-                pass
+            _end_quietly(d, s)
         d.device_synchronize()
         d.vmm_unmap(va, gran)
         d.vmm_release(va, gran)
@@ -369,10 +363,10 @@ def test_the_guarded_stream_calls_ask_only_streams_the_device_made(device: Dev) 
         assert d.capture_info(cap)[0] == CAPTURE_STATUS_ACTIVE, "the capture was invalidated"
         graph = d.end_capture(cap)
     finally:
-        if graph is None and d.capture_info(cap)[0]:
-            _end_quietly(d, cap)
         if graph is not None:
             d.destroy_graph(graph)
+        elif d.capture_info(cap)[0]:
+            _end_quietly(d, cap)
 
 
 # =========================================================================== ordering
@@ -672,9 +666,14 @@ def _unsafe_calls(device: Dev) -> dict[str, Callable[[], object]]:
     other = device.stream()
     p = device.malloc()
     e = device.event()
+
+    def free() -> None:
+        d.free(p)
+        device.ptrs.remove(p)
+
     return {
         "malloc": lambda: device.ptrs.append(d.malloc(N)),
-        "free": lambda: (d.free(p), device.ptrs.remove(p)),
+        "free": free,
         "query_event": lambda: d.query_event(e),
         "event_synchronize": lambda: d.event_synchronize(e),
         "stream_synchronize": lambda: d.stream_synchronize(other),
